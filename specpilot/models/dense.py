@@ -1,0 +1,172 @@
+"""The dense decoder family: Llama, Qwen2/2.5 (qkv bias), Qwen3 (q/k RMSNorm). A pure forward pass.
+
+`forward(input_ids, positions, cache)` serves prefill, one-token decode and multi-token verification alike: it
+writes the new tokens' K/V into the preallocated cache at their positions, then attends over the cache with a
+mask (causal by position unless an explicit mask is given, e.g. a tree). It returns the final-normed hidden
+states, and on request the outputs of chosen decoder layers (the DFlash drafter conditions on them).
+`logits(hidden)` applies the LM head. No sampling, scheduling or bookkeeping lives here.
+
+Module and parameter names follow HF (`model.layers.N.self_attn.q_proj`, ...) so loading is a name mapping.
+Numerics follow HF's reference too (RMSNorm in fp32, RoPE tables in fp32), which is what parity tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.errors import ModelFormatError
+from specpilot.models.cache import KVCache
+from specpilot.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    if kind == "default":
+        return inv
+    if kind == "llama3":  # Llama 3.x: long wavelengths scaled down, short ones kept, smooth blend between
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    raise ModelFormatError(f"unsupported rope_scaling type {kind!r}")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos, sin [B, 1, T, D]; rotate-half convention (HF layout)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, positions, cache: KVCache, kv_len, mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_idx, positions, k, v)
+        keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, cache, kv_len, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, kv_len, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseBody(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DenseLM(nn.Module):
+    """A decoder-only LM. Parameters are named as in HF (`model.*`, `lm_head`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DenseBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions of these tokens
+        cache: KVCache,
+        *,
+        kv_len: int | None = None,  # attend over cache slots [0, kv_len); None = whole pool (static shapes)
+        attn_mask: torch.Tensor | None = None,  # [B, T, S] bool, True = may attend; None = causal by position
+        return_layers: tuple[int, ...] = (),
+    ):
+        """-> hidden [B, T, H]; with `return_layers`, (hidden, [outputs of those decoder layers, each [B, T, H]])."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        S = cache.max_seq_len if kv_len is None else kv_len
+        if attn_mask is None:
+            key_pos = torch.arange(S, device=input_ids.device)
+            attn_mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        mask = attn_mask[:, None]  # [B, 1, T, S]
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, positions, cache, kv_len, mask)
+            if i in return_layers:
+                captured.append(x)
+        hidden = self.model.norm(x)
+        return (hidden, captured) if return_layers else hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [B, T, H] -> [B, T, V] in fp32 (acceptance and margins compare logits; bf16 ties would be noise)
+        return self.lm_head(hidden).float()

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random models of each family, saved as HF folders (built once per session)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+def make_hf_model(family: str, seed: int = 0, tie: bool = False, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(TINY, tie_word_embeddings=tie, **overrides)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**kw, rope_theta=10000.0)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**kw, rope_theta=1000000.0)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**kw, head_dim=16, rope_theta=1000000.0)
+    else:
+        raise ValueError(family)
+    cfg.eos_token_id = 2
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # random init leaves biases/norms at trivial values: perturb them so parity means something
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: (family, tie) -> path of a saved tiny random HF model."""
+    made = {}
+
+    def get(family: str = "qwen2", tie: bool = False, seed: int = 0):
+        key = (family, tie, seed)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}-{int(tie)}-{seed}")
+            make_hf_model(family, seed=seed, tie=tie).save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return get
