@@ -1,0 +1,89 @@
+"""Validated configuration. A system under test is fully described by (target, drafter, EngineConfig).
+
+Every mechanism is a field here, so the optimization loop can search it and the CLI can derive its flags from it.
+Defaults are stated once, in these dataclasses; nothing mutates a config at run time (use `dataclasses.replace`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from specpilot.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DRAFTERS = ("none", "model", "ngram")
+VERIFIERS = ("chain",)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    drafter: str = "model"  # "none" = plain AR; "model" = a small AR drafter model; "ngram" = prompt lookup
+    num_draft_tokens: int = 4  # block size: tokens drafted per step (the n-gram drafter may propose fewer)
+    ngram_max: int = 4  # longest suffix n-gram the prompt-lookup drafter matches
+    ngram_min: int = 1
+    verify: str = "chain"
+    max_new_tokens: int = 256
+    max_seq_len: int = 4096  # KV pool length: prompt + output + one block must fit
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.verify not in VERIFIERS:
+            raise ConfigError(f"verify must be one of {VERIFIERS}, got {self.verify!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.num_draft_tokens <= 0 and self.drafter != "none":
+            raise ConfigError(f"num_draft_tokens must be > 0, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.max_seq_len < 16:
+            raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
+
+    def with_(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["sampling"] = {f.name: getattr(self.sampling, f.name) for f in fields(self.sampling)}
+        out["stop_strings"] = list(self.stop_strings)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        d = dict(d)
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config fields: {sorted(unknown)}")
+        if isinstance(d.get("sampling"), dict):
+            d["sampling"] = SamplingConfig(**d["sampling"])
+        if "stop_strings" in d:
+            d["stop_strings"] = tuple(d["stop_strings"])
+        return cls(**d)

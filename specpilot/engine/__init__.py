@@ -1,0 +1,67 @@
+"""The engine: a target, an optional drafter and an EngineConfig -> generate().
+
+`Engine` owns the preallocated caches (made once, reused for every prompt) and picks the loop: AR when there is
+no drafter, speculative otherwise. It knows nothing of benchmarks or the optimization loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.drafters import Drafter, NgramDrafter, SmallARDrafter
+from specpilot.engine.ar import generate_ar
+from specpilot.engine.result import GenerationResult
+from specpilot.engine.session import Session
+from specpilot.engine.spec import generate_spec
+from specpilot.engine.stops import StopRule
+from specpilot.errors import ConfigError
+from specpilot.models import DenseLM, load_model
+from specpilot.tokenizer import Tokenizer
+
+__all__ = ["Engine", "GenerationResult", "build_drafter", "load_target"]
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
+    from specpilot.hub import resolve_model
+
+    path = resolve_model(name_or_path)
+    return load_model(path, dtype=DTYPE[config.dtype], device=config.device), Tokenizer.from_folder(path)
+
+
+def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, target: DenseLM) -> Drafter | None:
+    if config.drafter == "none":
+        return None
+    if config.drafter == "ngram":
+        return NgramDrafter(config.ngram_max, config.ngram_min, device=config.device)
+    if drafter_model is None:
+        raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")
+    if isinstance(drafter_model, str):
+        from specpilot.hub import resolve_model
+
+        drafter_model = load_model(resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
+    if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
+        raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
+    gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)
+    return SmallARDrafter(drafter_model, config.max_seq_len, config.sampling, gen)
+
+
+class Engine:
+    def __init__(self, target: DenseLM, config: EngineConfig, drafter: Drafter | None = None, tokenizer=None):
+        self.target, self.config, self.drafter, self.tokenizer = target, config, drafter, tokenizer
+        self.cache = target.new_cache(1, config.max_seq_len)
+        eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
+            eos = (tokenizer.eos_token_id,)
+        decode = tokenizer.decode if tokenizer is not None else None
+        self.stop = StopRule(eos, config.max_new_tokens, config.stop_strings, decode)
+
+    def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        session = Session(self.target, self.config, self.stop, on_tokens, cache=self.cache)
+        if self.drafter is None:
+            return generate_ar(session, prompt_ids)
+        return generate_spec(session, self.drafter, prompt_ids)

@@ -1,0 +1,67 @@
+"""Speculative decoding with chain verification. Each step is four named phases:
+
+draft   -> the drafter proposes up to K tokens continuing the committed context;
+verify  -> one target pass over [last committed token, d_1 .. d_K] gives K+1 distributions;
+accept  -> chain verification keeps a prefix of the draft and yields one more token (recovered or bonus);
+commit  -> the accepted prefix and that token join the context, cut by the stop rule.
+Greedy output equals AR output token for token; sampled output has the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specpilot.drafters.base import Drafter
+from specpilot.engine.result import GenerationResult
+from specpilot.engine.session import Session
+from specpilot.sampling import probs_from_logits
+from specpilot.verify import verify_chain
+
+
+@torch.inference_mode()
+def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> GenerationResult:
+    res = GenerationResult(list(prompt_ids), [], "length")
+    drafter.reset()
+    ids = s.prefill(prompt_ids, res)
+    out, checked = res.output_ids, 0
+    sampling = s.config.sampling
+    with s.clock(res, "decode_s"):
+        while True:
+            k = min(s.config.num_draft_tokens, s.config.max_new_tokens - len(out) - 1, s.room(len(ids)) - 1)
+            if k < 0:
+                res.finish_reason = "context"
+                break
+            # draft
+            t0 = time.perf_counter()
+            draft = drafter.propose(ids, k) if k > 0 else None
+            d_ids = draft.token_ids[:k] if draft is not None else torch.empty(0, dtype=torch.long, device=s.device)
+            res.draft_s += time.perf_counter() - t0
+            # verify
+            block = ids[-1:] + d_ids.tolist()
+            logits = s.target_step(block, len(ids) - 1)  # [K+1, V]
+            res.num_target_forwards += 1
+            # accept
+            if sampling.greedy:
+                verdict = verify_chain(d_ids, logits)
+            else:
+                d_probs = draft.probs[: len(d_ids)] if draft is not None and draft.probs is not None else None
+                verdict = verify_chain(
+                    d_ids, logits, target_probs=probs_from_logits(logits, sampling), draft_probs=d_probs,
+                    generator=s.generator,
+                )
+            res.drafted_lengths.append(len(d_ids))
+            res.accepted_lengths.append(verdict.num_accepted)
+            # commit
+            before = len(out)
+            out.extend(block[1:1 + verdict.num_accepted] + [verdict.next_token])
+            keep, reason = s.stop.apply(out, checked)
+            del out[keep:]
+            checked = len(out)
+            ids.extend(out[before:])
+            s.emit(out[before:])
+            if reason:
+                res.finish_reason = reason
+                break
+    return res

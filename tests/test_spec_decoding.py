@@ -1,0 +1,104 @@
+"""Speculative decoding on tiny random models: greedy output == AR output == the naive oracle, token for token."""
+
+import pytest
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.drafters import NgramDrafter, SmallARDrafter
+from specpilot.engine import Engine
+from specpilot.engine.reference import reference_greedy
+from specpilot.models import load_model
+
+
+def _prompts(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # repetitive prompts give the n-gram drafter something to find
+    return [(torch.randint(3, 96, (5,), generator=g).tolist() * 3)[: 8 + 3 * i] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    return {
+        "target": load_model(tiny_model_dir("qwen2", seed=0)),
+        "other": load_model(tiny_model_dir("qwen2", seed=1)),
+    }
+
+
+def test_ar_equals_reference(models):
+    target = models["target"]
+    cfg = EngineConfig(drafter="none", max_new_tokens=24, max_seq_len=128, ignore_eos=True)
+    eng = Engine(target, cfg)
+    for p in _prompts():
+        assert eng.generate(p).output_ids == reference_greedy(target, p, 24)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["self", "other", "ngram"])
+def test_greedy_spec_equals_ar(models, kind, k):
+    target = models["target"]
+    cfg = EngineConfig(drafter="model", num_draft_tokens=k, max_new_tokens=30, max_seq_len=128, ignore_eos=True)
+    if kind == "ngram":
+        drafter = NgramDrafter(3, 1)
+    else:
+        drafter = SmallARDrafter(models["target" if kind == "self" else "other"], 128, cfg.sampling)
+    ar = Engine(target, cfg.with_(drafter="none"))
+    spec = Engine(target, cfg, drafter)
+    for p in _prompts():
+        want = ar.generate(p)
+        got = spec.generate(p)
+        assert got.output_ids == want.output_ids
+        assert got.num_target_forwards <= want.num_target_forwards
+        if kind == "self":  # a drafter identical to the target is always right: every step commits k+1
+            assert got.accepted_lengths[:-1] == [k] * (len(got.accepted_lengths) - 1)
+
+
+def test_eos_and_max_tokens_cut_identically(models):
+    """Blocks that run past EOS or max_new_tokens are cut at the same token AR stops at."""
+    target = models["target"]
+    probe = Engine(target, EngineConfig(drafter="none", max_new_tokens=20, max_seq_len=64, ignore_eos=True))
+    p = _prompts(1)[0]
+    free = probe.generate(p).output_ids
+    eos = free[7]  # pretend the 8th generated token is EOS
+    target.config.__dict__["eos_token_ids"] = (eos,)  # frozen dataclass: tests may poke it
+    try:
+        cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=20, max_seq_len=64)
+        ar = Engine(target, cfg.with_(drafter="none")).generate(p)
+        spec = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
+    finally:
+        target.config.__dict__["eos_token_ids"] = ()
+    assert ar.output_ids == spec.output_ids == free[: free.index(eos) + 1]
+    assert ar.finish_reason == spec.finish_reason == "eos"
+    for n in (1, 2, 5, 9):
+        cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=n, max_seq_len=64, ignore_eos=True)
+        got = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
+        assert got.output_ids == free[:n] and got.finish_reason == "length"
+
+
+def test_context_limit_stops_cleanly(models):
+    target = models["target"]
+    cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=100, max_seq_len=32, ignore_eos=True)
+    p = _prompts(1)[0]
+    ar = Engine(target, cfg.with_(drafter="none")).generate(p)
+    spec = Engine(target, cfg, SmallARDrafter(target, 32, cfg.sampling)).generate(p)
+    assert ar.finish_reason == spec.finish_reason == "context"
+    assert ar.output_ids == spec.output_ids
+    assert len(p) + len(ar.output_ids) == 33  # positions 0..31 written, plus the last token never fed
+
+
+def test_sampled_spec_is_seeded_and_runs(models):
+    target = models["target"]
+    cfg = EngineConfig(drafter="model", num_draft_tokens=3, max_new_tokens=20, max_seq_len=64, ignore_eos=True)
+    cfg = cfg.with_(sampling=cfg.sampling.__class__(temperature=0.8, top_k=20, seed=7))
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(123)
+        eng = Engine(target, cfg, SmallARDrafter(models["other"], 64, cfg.sampling, gen))
+        runs.append(eng.generate(_prompts(1)[0]).output_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+def test_ngram_drafter_proposes_continuation():
+    d = NgramDrafter(3, 1)
+    ctx = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert d.propose(ctx, 3).token_ids.tolist() == [8, 9, 1]
+    assert d.propose([1, 2, 3], 4).token_ids.numel() == 0
