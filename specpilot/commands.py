@@ -1,0 +1,165 @@
+"""What each CLI subcommand does, in library calls. Human output goes to stderr/stdout tables; machine output is
+the last stdout line, one JSON object."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specpilot.errors import ConfigError, DatasetError
+
+out = Console()
+err = Console(stderr=True)
+
+
+def cmd_models(args) -> int:
+    from specpilot import hub
+
+    if args.models_command == "pull":
+        for name in args.names:
+            path = hub.pull(name, force=args.force, log=lambda m: err.print(f"[dim]{m}[/dim]"))
+            out.print(f"{name}: {path}")
+        return 0
+    table = Table("name", "status", "size", "path")
+    for m in hub.list_models():
+        size = f"{m['size_bytes'] / 1e9:.2f} GB" if m.get("size_bytes") else "-"
+        table.add_row(m["name"], m["status"], size, str(m.get("path") or "-"))
+    out.print(table)
+    return 0
+
+
+def _load_engines(args, cfg):
+    from specpilot.engine import Engine, build_drafter, load_target
+
+    err.print(f"loading target {args.target} ({cfg.dtype}, {cfg.device})")
+    target, tok = load_target(args.target, cfg)
+    drafter = None
+    if cfg.drafter_kind == "model":
+        err.print(f"loading drafter {args.drafter}")
+    drafter = build_drafter(cfg, args.drafter if cfg.drafter_kind == "model" else None, target)
+    return target, tok, Engine(target, cfg, drafter, tok), Engine(target, cfg.with_(drafter_kind="none"), None, tok)
+
+
+def cmd_generate(args) -> int:
+    from specpilot.cli import engine_config
+
+    cfg = engine_config(args)
+    target, tok, spec, _ = _load_engines(args, cfg)
+    if args.chat is not None:
+        ids = tok.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        ids = tok.encode(args.prompt)
+    shown = []
+
+    def stream(tokens):
+        before = tok.decode(shown, skip_special_tokens=True)
+        shown.extend(tokens)
+        sys.stdout.write(tok.decode(shown, skip_special_tokens=True)[len(before):])
+        sys.stdout.flush()
+
+    res = spec.generate(ids, on_tokens=stream)
+    sys.stdout.write("\n")
+    err.print(f"[bold]{res.num_output_tokens} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.2f} tok/s[/bold] ({res.finish_reason})")
+    print(json.dumps({"tokens": res.num_output_tokens, "tau": round(res.tau, 4), "tokens_per_s": round(res.tokens_per_s, 3),
+                      "finish_reason": res.finish_reason}))
+    return 0
+
+
+def _scorer(args, target, cfg):
+    from specpilot.evaluator.forcing import specpilot_scorer, transformers_scorer
+    from specpilot.hub import resolve_model
+
+    if args.stock == "transformers":
+        from specpilot.engine import DTYPE
+
+        return transformers_scorer(resolve_model(args.target), DTYPE[cfg.dtype], cfg.device)
+    return specpilot_scorer(target)
+
+
+def cmd_bench(args) -> int:
+    from rich.progress import Progress
+
+    from specpilot import deployments as dep
+    from specpilot.cli import engine_config
+    from specpilot.evaluator import datasets
+    from specpilot.evaluator.bench import run_benchmark, summarize, write_results
+    from specpilot.evaluator.forcing import DEFAULT_TOLERANCE
+
+    overrides = {}
+    if args.max_new_tokens is None and not args.config:
+        overrides["max_new_tokens"] = dep.DEFAULT_CPU_MAX_NEW_TOKENS if (args.device or "cpu") == "cpu" else 256
+    cfg = engine_config(args, **overrides)
+    if cfg.drafter_kind == "none":
+        raise ConfigError("bench compares AR with a speculative system: choose --drafter-kind model or ngram")
+    if args.num_prompts is not None and args.num_prompts <= 0:
+        raise ConfigError("--num-prompts must be > 0")
+    if args.prompts:
+        sets = {Path(args.prompts).stem: datasets.load_prompt_file(args.prompts, args.field, num_prompts=args.num_prompts)}
+    else:
+        names = [b for b in args.benchmarks.split(",") if b]
+        if not names:
+            raise DatasetError("no benchmarks given")
+        sets = {b: datasets.load_prompts(b, num_prompts=args.num_prompts, dataset_dir=args.dataset_dir) for b in names}
+    t0 = time.time()
+    target, tok, spec, ar = _load_engines(args, cfg)
+    scorer = _scorer(args, target, cfg)
+    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    reports, records = [], {}
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("decoding", total=sum(len(p) for p in sets.values()))
+        for name, prompts in sets.items():
+            bar.update(task, description=name)
+            rep, recs = run_benchmark(name, prompts, tok, ar, spec, scorer, tolerance=tol,
+                                      progress=lambda: bar.advance(task))
+            reports.append(rep)
+            records[name] = recs
+    drafter_desc = args.drafter if cfg.drafter_kind == "model" else cfg.drafter_kind
+    meta = {"target": args.target, "drafter": drafter_desc, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
+    summary = summarize(reports, meta)
+    write_results(Path(args.out), summary, records)
+    table = Table("benchmark", "prompts", "tau", "accept by position", "AR tok/s", "spec tok/s", "speedup", "forcing",
+                  title=f"{args.target} + {drafter_desc}, K={cfg.num_draft_tokens}, {cfg.device}/{cfg.dtype}")
+    for r in reports:
+        f = r.forcing
+        verdict = "pass" if f["forcing_passed"] else f"FAIL ({f['forcing_failures']})"
+        table.add_row(r.benchmark, str(r.num_prompts), f"{r.tau:.2f}", " ".join(f"{a:.2f}" for a in r.acceptance_by_position),
+                      f"{r.ar_tokens_per_s:.2f}", f"{r.spec_tokens_per_s:.2f}", f"{r.speedup:.2f}x",
+                      f"{verdict}, {f['forcing_mismatches']} near-tie mismatches of {f['forcing_tokens']}")
+    out.print(table)
+    out.print(f"results: {args.out}")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("benchmarks", "config")}))
+    return 0 if summary["forcing_passed"] else 1
+
+
+def cmd_force(args) -> int:
+    from specpilot.config import EngineConfig
+    from specpilot.evaluator.forcing import DEFAULT_TOLERANCE, force, merge
+    from specpilot.engine import load_target
+
+    records = []
+    try:
+        for n, line in enumerate(Path(args.input).read_text().splitlines(), 1):
+            if line.strip():
+                r = json.loads(line)
+                records.append((r["prompt_ids"], r["output_ids"]))
+    except FileNotFoundError:
+        raise DatasetError(f"no such file: {args.input}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DatasetError(f"{args.input} line {n}: need a JSON object with prompt_ids and output_ids ({e})") from None
+    cfg = EngineConfig(drafter_kind="none")
+    target, _ = load_target(args.target, cfg)
+    scorer = _scorer(args, target, cfg)
+    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    verdicts = [force(scorer, p, o, tol) for p, o in records]
+    for i, v in enumerate(verdicts):
+        for m in v.failures:
+            out.print(f"record {i}: position {m.index}: token {m.token} != stock {m.stock_token} (margin {m.margin:.3f})")
+    summary = merge(verdicts)
+    out.print(f"token forcing: {'PASS' if summary['forcing_passed'] else 'FAIL'} over {summary['forcing_tokens']} tokens")
+    print(json.dumps(summary))
+    return 0 if summary["forcing_passed"] else 1

@@ -1,0 +1,94 @@
+"""Token forcing: the gate every optimization must pass. No speedup may come from changed outputs.
+
+Given a candidate system's output tokens for a prompt, teacher-force the stock system (AR greedy of the same
+target) over prompt + output in one pass. For every output position record whether the candidate token equals the
+stock argmax and the stock top-1 / top-2 logit margin. It never stops or re-syncs at a mismatch (teacher forcing
+has no cascade: position i is judged on the candidate's own prefix). Verdict: pass only when every mismatch sits
+on a near-tie, i.e. a stock margin below `tolerance` (where two correct implementations may round differently).
+
+The stock scorer is independent of the candidate: by default transformers' own implementation of the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+DEFAULT_TOLERANCE = 0.1  # logits; bf16 implementations of one model differ by ~1e-2, fp32 by ~1e-4
+
+LogitsFn = Callable[[list[int]], torch.Tensor]  # token ids [T] -> logits [T, V] (fp32), causal
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    index: int  # position in the output
+    token: int  # the candidate's token
+    stock_token: int  # the stock argmax
+    margin: float  # stock top-1 minus top-2 logit at that position
+
+
+@dataclass
+class ForcingVerdict:
+    passed: bool
+    num_tokens: int
+    tolerance: float
+    mismatches: list[Mismatch] = field(default_factory=list)  # all of them, tolerated or not
+    failures: list[Mismatch] = field(default_factory=list)  # mismatches with margin >= tolerance
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def force(logits_fn: LogitsFn, prompt_ids: list[int], output_ids: list[int], tolerance: float = DEFAULT_TOLERANCE) -> ForcingVerdict:
+    if not output_ids:
+        return ForcingVerdict(True, 0, tolerance)
+    seq = list(prompt_ids) + list(output_ids[:-1])
+    logits = logits_fn(seq)[len(prompt_ids) - 1:]  # [N, V]: row i predicts output token i
+    top2 = logits.float().topk(2, dim=-1)
+    stock = top2.indices[:, 0]
+    margins = top2.values[:, 0] - top2.values[:, 1]
+    cand = torch.tensor(output_ids, device=logits.device)
+    mismatches = [
+        Mismatch(int(i), int(cand[i]), int(stock[i]), float(margins[i]))
+        for i in torch.nonzero(cand != stock).flatten().tolist()
+    ]
+    failures = [m for m in mismatches if m.margin >= tolerance]
+    return ForcingVerdict(not failures, len(output_ids), tolerance, mismatches, failures)
+
+
+def merge(verdicts: list[ForcingVerdict]) -> dict:
+    """Summary over many prompts: passed only if every one passed."""
+    return {
+        "forcing_passed": all(v.passed for v in verdicts),
+        "forcing_tokens": sum(v.num_tokens for v in verdicts),
+        "forcing_mismatches": sum(len(v.mismatches) for v in verdicts),
+        "forcing_failures": sum(len(v.failures) for v in verdicts),
+    }
+
+
+def specpilot_scorer(model) -> LogitsFn:
+    """Stock scorer from our own model (used when transformers cannot load the target)."""
+
+    @torch.inference_mode()
+    def fn(ids: list[int]) -> torch.Tensor:
+        device = model.lm_head.weight.device
+        t = torch.tensor([ids], device=device)
+        cache = model.new_cache(1, len(ids))
+        return model.logits(model(t, torch.arange(len(ids), device=device)[None], cache, kv_len=len(ids)))[0]
+
+    return fn
+
+
+def transformers_scorer(path, dtype=torch.float32, device="cpu") -> LogitsFn:
+    """Stock scorer from transformers' implementation of the target: independent of our engine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+    @torch.inference_mode()
+    def fn(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids], device=device)).logits[0].float()
+
+    return fn
