@@ -49,6 +49,8 @@ def cmd_generate(args) -> int:
     from specpilot.cli import engine_config
 
     cfg = engine_config(args)
+    if not (args.chat if args.chat is not None else args.prompt).strip():
+        raise ConfigError("empty prompt")
     target, tok, spec, _ = _load_engines(args, cfg)
     if args.chat is not None:
         ids = tok.encode_chat([{"role": "user", "content": args.chat}])

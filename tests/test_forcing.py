@@ -1,0 +1,65 @@
+"""Token forcing: passes exact outputs, fails changed ones at the right positions, never cascades."""
+
+import pytest
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.engine import Engine
+from specpilot.evaluator.forcing import force, merge, specpilot_scorer, transformers_scorer
+from specpilot.models import load_model
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    path = tiny_model_dir("llama", seed=3)
+    model = load_model(path)
+    prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = Engine(model, EngineConfig(drafter_kind="none", max_new_tokens=16, max_seq_len=64, ignore_eos=True)).generate(prompt)
+    return path, model, prompt, out.output_ids
+
+
+def test_exact_output_passes_under_both_scorers(setup):
+    path, model, prompt, output = setup
+    for scorer in (specpilot_scorer(model), transformers_scorer(path)):
+        v = force(scorer, prompt, output)
+        assert v.passed and v.num_tokens == len(output) and not v.mismatches
+
+
+def test_changed_token_fails_with_position_and_margin(setup):
+    _, model, prompt, output = setup
+    scorer = specpilot_scorer(model)
+    bad = list(output)
+    bad[5] = (bad[5] + 1) % 96
+    v = force(scorer, prompt, bad, tolerance=0.0)
+    assert not v.passed
+    assert [m.index for m in v.failures][0] == 5
+    assert v.failures[0].token == bad[5] and v.failures[0].stock_token == output[5]
+    assert v.failures[0].margin > 0
+
+
+def test_teacher_forcing_does_not_cascade(setup):
+    """After a mismatch, later positions are judged on the candidate's own prefix, not re-synced or skipped."""
+    _, model, prompt, output = setup
+    scorer = specpilot_scorer(model)
+    bad = list(output)
+    bad[3] = (bad[3] + 7) % 96
+    v = force(scorer, prompt, bad, tolerance=0.0)
+    logits = scorer(prompt + bad[:-1])[len(prompt) - 1:]
+    expected = [i for i in range(len(bad)) if int(logits[i].argmax()) != bad[i]]
+    assert [m.index for m in v.mismatches] == expected
+
+
+def test_near_tie_is_tolerated_and_reported(setup):
+    _, model, prompt, output = setup
+    scorer = specpilot_scorer(model)
+    logits = scorer(prompt + output[:-1])[len(prompt) - 1:]
+    top2 = logits.topk(2, -1)
+    i = int((top2.values[:, 0] - top2.values[:, 1]).argmin())  # the closest call in this output
+    swapped = list(output)
+    swapped[i] = int(top2.indices[i, 1])
+    margin = float(top2.values[i, 0] - top2.values[i, 1])
+    loose = force(scorer, prompt, swapped[: i + 1], tolerance=margin + 1e-3)
+    strict = force(scorer, prompt, swapped[: i + 1], tolerance=margin / 2)
+    assert loose.passed and len(loose.mismatches) == 1
+    assert not strict.passed
+    assert merge([loose, strict])["forcing_passed"] is False
