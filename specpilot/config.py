@@ -48,6 +48,7 @@ class EngineConfig:
     ignore_eos: bool = False
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: bool = True  # on CUDA: replay captured graphs per (tokens-per-step) bucket; ignored on CPU
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specpilot.config import EngineConfig
-from specpilot.drafters import NgramDrafter, SmallARDrafter
-from specpilot.engine import Engine
+from specpilot.drafters import NgramDrafter
+from specpilot.engine import Engine, build_drafter
 from specpilot.engine.reference import reference_greedy
 from specpilot.models import load_model
 
@@ -40,7 +40,7 @@ def test_greedy_spec_equals_ar(models, kind, k):
     if kind == "ngram":
         drafter = NgramDrafter(3, 1)
     else:
-        drafter = SmallARDrafter(models["target" if kind == "self" else "other"], 128, cfg.sampling)
+        drafter = build_drafter(cfg, models["target" if kind == "self" else "other"], target)
     ar = Engine(target, cfg.with_(drafter_kind="none"))
     spec = Engine(target, cfg, drafter)
     for p in _prompts():
@@ -63,14 +63,14 @@ def test_eos_and_max_tokens_cut_identically(models):
     try:
         cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=20, max_seq_len=64)
         ar = Engine(target, cfg.with_(drafter_kind="none")).generate(p)
-        spec = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
+        spec = Engine(target, cfg, build_drafter(cfg, target, target)).generate(p)
     finally:
         target.config.__dict__["eos_token_ids"] = ()
     assert ar.output_ids == spec.output_ids == free[: free.index(eos) + 1]
     assert ar.finish_reason == spec.finish_reason == "eos"
     for n in (1, 2, 5, 9):
         cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=n, max_seq_len=64, ignore_eos=True)
-        got = Engine(target, cfg, SmallARDrafter(target, 64, cfg.sampling)).generate(p)
+        got = Engine(target, cfg, build_drafter(cfg, target, target)).generate(p)
         assert got.output_ids == free[:n] and got.finish_reason == "length"
 
 
@@ -79,7 +79,7 @@ def test_context_limit_stops_cleanly(models):
     cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=100, max_seq_len=32, ignore_eos=True)
     p = _prompts(1)[0]
     ar = Engine(target, cfg.with_(drafter_kind="none")).generate(p)
-    spec = Engine(target, cfg, SmallARDrafter(target, 32, cfg.sampling)).generate(p)
+    spec = Engine(target, cfg, build_drafter(cfg, target, target)).generate(p)
     assert ar.finish_reason == spec.finish_reason == "context"
     assert ar.output_ids == spec.output_ids
     assert len(p) + len(ar.output_ids) == 33  # positions 0..31 written, plus the last token never fed
@@ -91,8 +91,7 @@ def test_sampled_spec_is_seeded_and_runs(models):
     cfg = cfg.with_(sampling=cfg.sampling.__class__(temperature=0.8, top_k=20, seed=7))
     runs = []
     for _ in range(2):
-        gen = torch.Generator().manual_seed(123)
-        eng = Engine(target, cfg, SmallARDrafter(models["other"], 64, cfg.sampling, gen))
+        eng = Engine(target, cfg, build_drafter(cfg, models["other"], target))
         runs.append(eng.generate(_prompts(1)[0]).output_ids)
     assert runs[0] == runs[1] and len(runs[0]) == 20
 

@@ -25,7 +25,7 @@ def _logits_with_argmax(seq, V=8):
 )
 def test_greedy_cases(draft, target_argmax, accepted, next_tok):
     v = verify_chain(torch.tensor(draft, dtype=torch.long), _logits_with_argmax(target_argmax))
-    assert (v.num_accepted, v.next_token) == (accepted, next_tok)
+    assert (int(v.num_accepted), int(v.next_token)) == (accepted, next_tok)
 
 
 def _committed_first_token_freq(p, q, n=60000, point_mass=False):
@@ -39,7 +39,7 @@ def _committed_first_token_freq(p, q, n=60000, point_mass=False):
         v = verify_chain(
             d, torch.zeros(2, V), target_probs=target_probs, draft_probs=None if point_mass else q[None], generator=g
         )
-        counts[int(d[0]) if v.num_accepted == 1 else v.next_token] += 1
+        counts[int(d[0]) if int(v.num_accepted) == 1 else int(v.next_token)] += 1
     return counts / n
 
 

@@ -1,8 +1,9 @@
 """A small AR model as drafter (e.g. Qwen2.5-Coder-0.5B drafting for -1.5B): any model with the target's tokenizer.
 
 It keeps its own KV cache and the list of tokens that cache holds. Each step it finds the longest common prefix
-of that list and the committed context, feeds only the tokens past it, then drafts K tokens one at a time.
-Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
+of that list and the committed context, feeds only the tokens past it, then drafts K tokens one at a time. The
+drafted tokens never leave the device (each feeds the next step's input directly), so drafting costs no host
+sync. Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
 """
 
 from __future__ import annotations
@@ -11,30 +12,29 @@ import torch
 
 from specpilot.config import SamplingConfig
 from specpilot.drafters.base import Draft
-from specpilot.models import DenseLM
 from specpilot.sampling import probs_from_logits, sample
 
 
 class SmallARDrafter:
     name = "model"
 
-    def __init__(self, model: DenseLM, max_seq_len: int, sampling: SamplingConfig, generator=None):
-        self.model = model
-        self.cache = model.new_cache(1, max_seq_len)
+    def __init__(self, runner, sampling: SamplingConfig, generator=None):
+        self.runner = runner  # an engine ModelRunner over the drafter model and its own cache
         self.sampling = sampling
         self.generator = generator
-        self.device = model.lm_head.weight.device
+        self.device = runner.device
         self.cached: list[int] = []  # tokens whose K/V the cache holds, in position order
 
     def reset(self) -> None:
         self.cached = []
 
-    def _forward(self, ids: list[int], start: int) -> torch.Tensor:
-        # ids at positions [start, start + len) -> logits of the last one [V]
-        t = torch.tensor([ids], device=self.device)
-        pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        hidden = self.model(t, pos, self.cache, kv_len=start + len(ids))
-        return self.model.logits(hidden[:, -1])[0]
+    def _pick(self, logits: torch.Tensor, dists: list) -> torch.Tensor:
+        # logits [V] -> token (0-dim, on device)
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        probs = probs_from_logits(logits, self.sampling)
+        dists.append(probs)
+        return sample(probs, self.generator)
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
@@ -43,19 +43,17 @@ class SmallARDrafter:
         while keep < limit and self.cached[keep] == context_ids[keep]:
             keep += 1
         new = context_ids[keep:]
-        logits = self._forward(new, keep)
-        self.cached = list(context_ids)
-        tokens, dists = [], []
-        for i in range(num_tokens):
-            if self.sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                probs = probs_from_logits(logits, self.sampling)
-                tok = int(sample(probs, self.generator))
-                dists.append(probs)
-            tokens.append(tok)
-            if i + 1 < num_tokens:
-                logits = self._forward([tok], len(self.cached))
-                self.cached.append(tok)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return Draft(ids, torch.stack(dists) if dists else None)
+        if keep + len(new) + num_tokens > self.runner.cache.max_seq_len:
+            raise ValueError("drafter cache too small for this context")
+        logits = self.runner.step(torch.tensor(new, dtype=torch.long, device=self.device), keep)
+        dists: list[torch.Tensor] = []
+        tokens = [self._pick(logits[len(new) - 1], dists)]
+        pos = len(context_ids)
+        for _ in range(num_tokens - 1):
+            logits = self.runner.step(tokens[-1].view(1), pos)
+            tokens.append(self._pick(logits[0], dists))
+            pos += 1
+        # the cache now holds the context and all drafts but the last; their values are known only on the device,
+        # so mark them unknown (-1): the next prefix match stops there and re-feeds from the first draft on.
+        self.cached = list(context_ids) + [-1] * (num_tokens - 1)
+        return Draft(torch.stack(tokens), torch.stack(dists) if dists else None)

@@ -14,6 +14,7 @@ from specpilot.config import EngineConfig
 from specpilot.drafters import Drafter, NgramDrafter, SmallARDrafter
 from specpilot.engine.ar import generate_ar
 from specpilot.engine.result import GenerationResult
+from specpilot.engine.runner import ModelRunner
 from specpilot.engine.session import Session
 from specpilot.engine.spec import generate_spec
 from specpilot.engine.stops import StopRule
@@ -47,13 +48,18 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
     if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
         raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
     gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)
-    return SmallARDrafter(drafter_model, config.max_seq_len, config.sampling, gen)
+    buckets = tuple(range(1, config.num_draft_tokens + 2))  # catch-up feeds of 1..K+1 tokens, then 1 per draft
+    runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
+                         cuda_graphs=config.cuda_graphs)
+    return SmallARDrafter(runner, config.sampling, gen)
 
 
 class Engine:
     def __init__(self, target: DenseLM, config: EngineConfig, drafter: Drafter | None = None, tokenizer=None):
         self.target, self.config, self.drafter, self.tokenizer = target, config, drafter, tokenizer
-        self.cache = target.new_cache(1, config.max_seq_len)
+        buckets = (1,) if drafter is None else (1, config.num_draft_tokens + 1)
+        self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
+                                  cuda_graphs=config.cuda_graphs)
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)
@@ -61,7 +67,7 @@ class Engine:
         self.stop = StopRule(eos, config.max_new_tokens, config.stop_strings, decode)
 
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        session = Session(self.target, self.config, self.stop, on_tokens, cache=self.cache)
+        session = Session(self.runner, self.config, self.stop, on_tokens)
         if self.drafter is None:
             return generate_ar(session, prompt_ids)
         return generate_spec(session, self.drafter, prompt_ids)

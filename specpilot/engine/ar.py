@@ -12,16 +12,16 @@ from specpilot.sampling import next_token
 @torch.inference_mode()
 def generate_ar(s: Session, prompt_ids: list[int]) -> GenerationResult:
     res = GenerationResult(list(prompt_ids), [], "length")
-    ids = s.prefill(prompt_ids, res)  # ids = prompt; the cache holds all but its last token
+    ids = s.prefill(prompt_ids, res)  # the cache holds all but the last prompt token
     out, checked = res.output_ids, 0
     with s.clock(res, "decode_s"):
         while True:
-            if not s.has_room(len(ids), 1):
+            if s.room(len(ids)) < 1:
                 res.finish_reason = "context"
                 break
-            logits = s.target_step(ids[-1:], len(ids) - 1)  # [1, V]
+            logits = s.runner.step(s.tensor(ids[-1:]), len(ids) - 1)  # [1, V]
             res.num_target_forwards += 1
-            tok = int(next_token(logits[0], s.config.sampling, s.generator))
+            tok = int(next_token(logits[0], s.config.sampling, s.generator))  # the step's one host sync
             ids.append(tok)
             out.append(tok)
             keep, reason = s.stop.apply(out, checked)

@@ -1,10 +1,12 @@
 """Speculative decoding with chain verification. Each step is four named phases:
 
-draft   -> the drafter proposes up to K tokens continuing the committed context;
+draft   -> the drafter proposes up to K tokens continuing the committed context (a device tensor);
 verify  -> one target pass over [last committed token, d_1 .. d_K] gives K+1 distributions;
 accept  -> chain verification keeps a prefix of the draft and yields one more token (recovered or bonus);
 commit  -> the accepted prefix and that token join the context, cut by the stop rule.
-Greedy output equals AR output token for token; sampled output has the target's distribution.
+Host sync: exactly one per step, the `.tolist()` in commit that brings the verdict and the draft to the host
+(the stop rule and the drafter's context need them there). Greedy output equals AR output token for token;
+sampled output has the target's distribution.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             # draft
             t0 = time.perf_counter()
             draft = drafter.propose(ids, k) if k > 0 else None
-            d_ids = draft.token_ids[:k] if draft is not None else torch.empty(0, dtype=torch.long, device=s.device)
+            d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
             res.draft_s += time.perf_counter() - t0
             # verify
-            block = ids[-1:] + d_ids.tolist()
-            logits = s.target_step(block, len(ids) - 1)  # [K+1, V]
+            block = torch.cat([s.tensor(ids[-1:]), d_ids])
+            logits = s.runner.step(block, len(ids) - 1)  # [K+1, V]
             res.num_target_forwards += 1
             # accept
             if sampling.greedy:
@@ -51,11 +53,12 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
                     d_ids, logits, target_probs=probs_from_logits(logits, sampling), draft_probs=d_probs,
                     generator=s.generator,
                 )
-            res.drafted_lengths.append(len(d_ids))
-            res.accepted_lengths.append(verdict.num_accepted)
             # commit
+            a, nxt, *drafted = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids]).tolist()
+            res.drafted_lengths.append(len(drafted))
+            res.accepted_lengths.append(a)
             before = len(out)
-            out.extend(block[1:1 + verdict.num_accepted] + [verdict.next_token])
+            out.extend(drafted[:a] + [nxt])
             keep, reason = s.stop.apply(out, checked)
             del out[keep:]
             checked = len(out)

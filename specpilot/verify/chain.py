@@ -9,6 +9,9 @@ Either way exactly one `next_token` follows the accepted prefix, so a step commi
 Greedy: accept while d_i == argmax p_i. Sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), which
 with the residual resampling makes the committed tokens distributed exactly as the target's own sampling
 (Leviathan et al., Chen et al.). A drafter without a distribution (n-gram) is a point mass: q_i(d_i) = 1.
+
+Everything stays on the device and branch-free: the verdict is two 0-dim tensors, read by the engine in its one
+host sync per step.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from specpilot.sampling import sample
 
 @dataclass(frozen=True)
 class ChainVerdict:
-    num_accepted: int
-    next_token: int
+    num_accepted: torch.Tensor  # 0-dim long
+    next_token: torch.Tensor  # 0-dim long
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
-    # accept [K] bool -> number of leading Trues (a 0-dim tensor; no host sync)
+    # accept [K] bool -> number of leading Trues (0-dim)
     return accept.long().cumprod(0).sum()
 
 
@@ -42,19 +45,22 @@ def verify_chain(
     K = draft_ids.shape[0]
     if target_probs is None:
         best = target_logits.argmax(-1)  # [K+1]
-        a = int(_accepted_prefix(draft_ids == best[:K]))  # the one host sync of a greedy step
-        return ChainVerdict(a, int(best[a]))
+        a = _accepted_prefix(draft_ids == best[:K])
+        return ChainVerdict(a, best[a])
 
+    bonus = sample(target_probs[K], generator)
+    if K == 0:
+        return ChainVerdict(torch.zeros((), dtype=torch.long, device=bonus.device), bonus)
     idx = torch.arange(K, device=draft_ids.device)
     p_x = target_probs[idx, draft_ids]  # [K]
     q_x = draft_probs[idx, draft_ids] if draft_probs is not None else torch.ones_like(p_x)
     u = torch.rand(K, generator=generator, device=draft_ids.device)
-    a = int(_accepted_prefix(u * q_x < p_x))  # P(accept) = min(1, p/q)
-    if a == K:
-        return ChainVerdict(K, int(sample(target_probs[K], generator)))
-    p = target_probs[a]
-    q = draft_probs[a] if draft_probs is not None else torch.nn.functional.one_hot(draft_ids[a], p.shape[-1]).float()
+    a = _accepted_prefix(u * q_x < p_x)  # P(accept) = min(1, p/q)
+    j = a.clamp(max=K - 1)  # the first rejected position (meaningless, and unused, when a == K)
+    p = target_probs[j]
+    q = draft_probs[j] if draft_probs is not None else torch.nn.functional.one_hot(draft_ids[j], p.shape[-1]).to(p.dtype)
     residual = (p - q).clamp_min(0)
     total = residual.sum()
-    residual = residual / total if total > 0 else p  # total == 0 only if p == q, where rejection cannot happen
-    return ChainVerdict(a, int(sample(residual, generator)))
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)  # total == 0 only if p == q
+    recovered = sample(residual, generator)
+    return ChainVerdict(a, torch.where(a == K, bonus, recovered))

@@ -1,0 +1,61 @@
+"""How a model step runs: eagerly (any device), or as CUDA graphs replayed from static buffers (one graph per
+token count, "bucket"). The loops ask for `step(ids, start) -> logits` and never know which.
+
+Graphed steps attend over the whole KV pool (static shapes) with the positional causal mask, so a block shorter
+than its bucket is padded with junk tokens at the following positions: their K/V land in slots no real query may
+see yet, and are overwritten before they could be (see models/cache.py). Logits returned by a graphed step live in
+a static buffer: consume them before the next step of the same runner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.models import DenseLM, KVCache
+
+
+class ModelRunner:
+    def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False):
+        self.model, self.cache = model, cache
+        self.device = model.lm_head.weight.device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._arange = torch.arange(max(buckets, default=1), device=self.device)
+        if cuda_graphs and self.device.type == "cuda":
+            self._capture(sorted(set(buckets), reverse=True))
+
+    @torch.inference_mode()
+    def _capture(self, buckets: list[int]) -> None:
+        pool = torch.cuda.graph_pool_handle()  # largest first, one shared pool: later graphs reuse its blocks
+        for T in buckets:
+            ids = torch.zeros(1, T, dtype=torch.long, device=self.device)
+            pos = torch.arange(T, device=self.device)[None].clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
+                    self.model.logits(self.model(ids, pos, self.cache))
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                logits = self.model.logits(self.model(ids, pos, self.cache))[0]
+            self.graphs[T] = (g, ids, pos, logits)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
+        """K/V of ids [T] at positions [start, start + T); no LM head. Always eager (prompt lengths vary)."""
+        pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]
+        self.model(ids[None], pos, self.cache, kv_len=start + ids.shape[0])
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [T] long on the device, at positions [start, start + T) -> logits [T, V] fp32."""
+        T = ids.shape[0]
+        bucket = min((b for b in self.graphs if b >= T and start + b <= self.cache.max_seq_len), default=None)
+        if bucket is None:
+            pos = torch.arange(start, start + T, device=self.device)[None]
+            return self.model.logits(self.model(ids[None], pos, self.cache, kv_len=start + T))[0]
+        g, ids_buf, pos_buf, logits = self.graphs[bucket]
+        ids_buf[0, :T].copy_(ids)
+        torch.add(self._arange[:bucket], start, out=pos_buf[0])  # device-side: no host sync
+        g.replay()
+        return logits[:T]
