@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tolerance", type=float, default=None, help="token-forcing margin tolerance")
     bench.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers",
                        help="implementation that scores token forcing")
+    bench.add_argument("--systems", default="ar,specpilot",
+                       help="comma list from ar, hf-ar (transformers generate), stock (released spec system), specpilot")
+    bench.add_argument("--baseline-prompts", type=int, default=0,
+                       help="run hf-ar/stock on only the first N prompts of each benchmark (0 = all)")
     bench.add_argument("--out", default="results/bench.json")
     add_engine_flags(bench)
 

@@ -83,6 +83,32 @@ def _scorer(args, target, cfg):
     return specpilot_scorer(target)
 
 
+def _systems(args, cfg, target, tok, spec, ar):
+    """name -> generate(prompt_ids) for each system asked for."""
+    from specpilot.engine import DTYPE
+    from specpilot.evaluator.bench import SYSTEMS
+    from specpilot.evaluator.stock import HFSystem
+    from specpilot.hub import resolve_model
+
+    names = [n for n in args.systems.split(",") if n]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        raise ConfigError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    names = ["ar"] + [n for n in names if n not in ("ar", "specpilot")] + ["specpilot"]  # both always run
+    systems = {"ar": ar.generate, "specpilot": spec.generate}
+    hf = dict(dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
+              eos_ids=target.config.eos_token_ids)
+    for n in names:
+        if n == "hf-ar":
+            systems[n] = HFSystem(resolve_model(args.target), **hf).generate
+        elif n == "stock":
+            if cfg.drafter_kind == "model":
+                systems[n] = HFSystem(resolve_model(args.target), assistant_path=resolve_model(args.drafter), **hf).generate
+            else:
+                systems[n] = HFSystem(resolve_model(args.target), prompt_lookup=cfg.num_draft_tokens, **hf).generate
+    return {n: systems[n] for n in names}
+
+
 def cmd_bench(args) -> int:
     from rich.progress import Progress
 
@@ -109,30 +135,36 @@ def cmd_bench(args) -> int:
         sets = {b: datasets.load_prompts(b, num_prompts=args.num_prompts, dataset_dir=args.dataset_dir) for b in names}
     t0 = time.time()
     target, tok, spec, ar = _load_engines(args, cfg)
+    systems = _systems(args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
     tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    limits = {s: args.baseline_prompts for s in ("hf-ar", "stock") if args.baseline_prompts}
     reports, records = [], {}
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("decoding", total=sum(len(p) for p in sets.values()))
         for name, prompts in sets.items():
             bar.update(task, description=name)
-            rep, recs = run_benchmark(name, prompts, tok, ar, spec, scorer, tolerance=tol,
-                                      progress=lambda: bar.advance(task))
+            rep, recs = run_benchmark(name, prompts, lambda p: tok.encode_chat(p.messages), systems, scorer,
+                                      tolerance=tol, limits=limits, progress=lambda: bar.advance(task))
             reports.append(rep)
             records[name] = recs
     drafter_desc = args.drafter if cfg.drafter_kind == "model" else cfg.drafter_kind
     meta = {"target": args.target, "drafter": drafter_desc, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
     summary = summarize(reports, meta)
     write_results(Path(args.out), summary, records)
-    table = Table("benchmark", "prompts", "tau", "accept by position", "AR tok/s", "spec tok/s", "speedup", "forcing",
-                  title=f"{args.target} + {drafter_desc}, K={cfg.num_draft_tokens}, {cfg.device}/{cfg.dtype}")
+    table = Table("benchmark", "system", "prompts", "tok/s", "vs our AR", "tau", "accept by position", "forcing",
+                  title=f"{args.target} + {drafter_desc}, K={cfg.num_draft_tokens}, {cfg.device}/{cfg.dtype}, "
+                        f"{cfg.max_new_tokens} new tokens")
     for r in reports:
-        f = r.forcing
-        verdict = "pass" if f["forcing_passed"] else f"FAIL ({f['forcing_failures']})"
-        table.add_row(r.benchmark, str(r.num_prompts), f"{r.tau:.2f}", " ".join(f"{a:.2f}" for a in r.acceptance_by_position),
-                      f"{r.ar_tokens_per_s:.2f}", f"{r.spec_tokens_per_s:.2f}", f"{r.speedup:.2f}x",
-                      f"{verdict}, {f['forcing_mismatches']} near-tie mismatches of {f['forcing_tokens']}")
+        for s, e in r["systems"].items():
+            verdict = "pass" if e["forcing_passed"] else f"FAIL ({e['forcing_failures']})"
+            table.add_row(r["benchmark"], s, str(e["prompts"]), f"{e['tokens_per_s']:.2f}", f"{e['speedup_vs_ar']:.2f}x",
+                          f"{e['tau']:.2f}" if "tau" in e else "-",
+                          " ".join(f"{a:.2f}" for a in e.get("acceptance_by_position", [])),
+                          f"{verdict}, {e['forcing_mismatches']} near-tie mismatches / {e['forcing_tokens']} tokens")
     out.print(table)
+    if "speedup_vs_stock" in summary:
+        out.print(f"SpecPilot vs stock (same prompts): {summary['speedup_vs_stock']}")
     out.print(f"results: {args.out}")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("benchmarks", "config")}))
     return 0 if summary["forcing_passed"] else 1

@@ -45,6 +45,9 @@ class Session:
             self._sync()
             setattr(res, attr, getattr(res, attr) + time.perf_counter() - t0)
 
+    def stage_timer(self) -> "StageTimer":
+        return StageTimer(self.device)
+
     def tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
@@ -61,3 +64,37 @@ class Session:
     def emit(self, tokens: list[int]) -> None:
         if self.on_tokens and tokens:
             self.on_tokens(tokens)
+
+
+class StageTimer:
+    """Per-stage device time of speculative steps (draft / verify / accept / commit), with no host sync per step:
+    on CUDA it records events between stages and reads them once at the end."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks.append(("", self._now()))
+
+    def mark(self, stage: str) -> None:
+        self.marks.append((stage, self._now()))
+
+    def totals(self) -> dict[str, float]:
+        """stage -> seconds, summed over steps (time since the previous mark)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for (_, a), (stage, b) in zip(self.marks, self.marks[1:]):
+            if not stage:
+                continue
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[stage] = out.get(stage, 0.0) + dt
+        return out

@@ -29,8 +29,10 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     ids = s.prefill(prompt_ids, res)
     out, checked = res.output_ids, 0
     sampling = s.config.sampling
+    timer = s.stage_timer()
     with s.clock(res, "decode_s"):
         while True:
+            timer.start()
             k = min(s.config.num_draft_tokens, s.config.max_new_tokens - len(out) - 1, s.room(len(ids)) - 1)
             if k < 0:
                 res.finish_reason = "context"
@@ -40,10 +42,12 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             draft = drafter.propose(ids, k) if k > 0 else None
             d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
             res.draft_s += time.perf_counter() - t0
+            timer.mark("draft")
             # verify
             block = torch.cat([s.tensor(ids[-1:]), d_ids])
             logits = s.runner.step(block, len(ids) - 1)  # [K+1, V]
             res.num_target_forwards += 1
+            timer.mark("verify")
             # accept
             if sampling.greedy:
                 verdict = verify_chain(d_ids, logits)
@@ -53,6 +57,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
                     d_ids, logits, target_probs=probs_from_logits(logits, sampling), draft_probs=d_probs,
                     generator=s.generator,
                 )
+            timer.mark("accept")
             # commit
             a, nxt, *drafted = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids]).tolist()
             res.drafted_lengths.append(len(drafted))
@@ -64,7 +69,9 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             checked = len(out)
             ids.extend(out[before:])
             s.emit(out[before:])
+            timer.mark("commit")
             if reason:
                 res.finish_reason = reason
                 break
+    res.stage_s = timer.totals()
     return res

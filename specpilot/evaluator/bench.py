@@ -1,122 +1,138 @@
-"""`specpilot bench`: decode the same prompts with AR and with the speculative system, time both, gate with forcing.
+"""`specpilot bench`: decode the same prompts with several systems, time them, gate every output with forcing.
 
-Per benchmark it reports tau (tokens committed per target forward), per-position acceptance rates, tokens/s of
-each system, the speedup, and the token-forcing verdict over every speculative output token. Timing: each system
-is warmed up once, then every prompt is generated once per system, AR and speculative interleaved so drift hits
-both alike; tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU.
+Systems: `ar` (our AR, the denominator of every speedup), `specpilot` (our speculative engine), and where asked
+`hf-ar` (transformers' generate) and `stock` (the released speculative system for the same drafter). Per benchmark
+it reports tau (tokens committed per target forward), per-position acceptance, tokens/s of each system, speedups
+over our AR and over stock (on the prompts both ran), and the token-forcing verdict over every output token.
+Timing: each system is warmed up once; then prompt by prompt every system generates once (interleaved, so drift
+hits all alike); tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU. A system may be
+limited to the first N prompts (slow peers); its comparisons then use only those prompts.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from specpilot.engine import Engine, GenerationResult
+from specpilot.engine.result import GenerationResult
 from specpilot.evaluator.datasets import Prompt
 from specpilot.evaluator.forcing import LogitsFn, force, merge
-from specpilot.tokenizer import Tokenizer
 
-
-@dataclass
-class BenchmarkReport:
-    benchmark: str
-    num_prompts: int
-    tau: float
-    acceptance_by_position: list[float]  # P(draft token i accepted | drafted and tokens before it accepted)
-    ar_tokens_per_s: float
-    spec_tokens_per_s: float
-    speedup: float
-    ar_tokens: int
-    spec_tokens: int
-    outputs_equal_ar: int  # prompts whose speculative output equals AR's exactly (greedy: should be all)
-    forcing: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+SYSTEMS = ("ar", "hf-ar", "stock", "specpilot")
+Generate = Callable[[list[int]], GenerationResult]
 
 
 def acceptance_by_position(results: list[GenerationResult]) -> list[float]:
+    """P(draft token i accepted | it was drafted and every token before it accepted), i = 0..K-1."""
     reached, accepted = {}, {}
     for r in results:
         for drafted, acc in zip(r.drafted_lengths, r.accepted_lengths):
-            for i in range(drafted):
-                if i > acc:
-                    break
+            for i in range(min(drafted, acc + 1)):
                 reached[i] = reached.get(i, 0) + 1
                 accepted[i] = accepted.get(i, 0) + (i < acc)
     return [round(accepted[i] / reached[i], 4) for i in sorted(reached)]
 
 
+def _tps(results: list[GenerationResult]) -> float:
+    secs = sum(r.elapsed_s for r in results)
+    return sum(r.num_output_tokens for r in results) / secs if secs > 0 else 0.0
+
+
 def run_benchmark(
     name: str,
     prompts: list[Prompt],
-    tokenizer: Tokenizer,
-    ar: Engine,
-    spec: Engine,
+    encode: Callable[[Prompt], list[int]],
+    systems: dict[str, Generate],
     scorer: LogitsFn,
     *,
     tolerance: float,
+    limits: dict[str, int] | None = None,
     progress=None,
-) -> tuple[BenchmarkReport, list[dict]]:
-    encoded = [tokenizer.encode_chat(p.messages) for p in prompts]
-    ar.generate(encoded[0][:32])  # warm-up: first-call allocations stay out of the numbers
-    spec.generate(encoded[0][:32])
-    ar_res, spec_res, verdicts, records = [], [], [], []
-    for p, ids in zip(prompts, encoded):
-        a = ar.generate(ids)
-        s = spec.generate(ids)
-        v = force(scorer, ids, s.output_ids, tolerance)
-        ar_res.append(a), spec_res.append(s), verdicts.append(v)
-        records.append({
-            "id": p.id, "category": p.category, "prompt_tokens": len(ids),
-            "ar_tokens": a.num_output_tokens, "spec_tokens": s.num_output_tokens,
-            "ar_s": a.elapsed_s, "spec_s": s.elapsed_s, "tau": s.tau, "equal_ar": a.output_ids == s.output_ids,
-            "forcing_passed": v.passed, "forcing_mismatches": [m.__dict__ for m in v.mismatches],
-            "output": tokenizer.decode(s.output_ids, skip_special_tokens=True),
-        })
+) -> tuple[dict, list[dict]]:
+    limits = limits or {}
+    encoded = [encode(p) for p in prompts]
+    for gen in systems.values():
+        gen(encoded[0][:32])  # warm-up: first-call allocations and compilation stay out of the numbers
+    results = {s: [] for s in systems}
+    verdicts = {s: [] for s in systems}
+    records = []
+    for i, (p, ids) in enumerate(zip(prompts, encoded)):
+        rec = {"id": p.id, "category": p.category, "prompt_tokens": len(ids)}
+        for s, gen in systems.items():
+            if i >= limits.get(s, len(prompts)):
+                continue
+            r = gen(ids)
+            v = force(scorer, ids, r.output_ids, tolerance)
+            results[s].append(r)
+            verdicts[s].append(v)
+            rec[s] = {"tokens": r.num_output_tokens, "s": round(r.elapsed_s, 5), "forcing_passed": v.passed,
+                      "mismatches": [m.__dict__ for m in v.mismatches], "output_ids": r.output_ids}
+            if r.num_target_forwards:
+                rec[s]["tau"] = round(r.tau, 4)
+        records.append(rec)
         if progress:
             progress()
-    ar_tok, spec_tok = sum(r.num_output_tokens for r in ar_res), sum(r.num_output_tokens for r in spec_res)
-    ar_tps = ar_tok / sum(r.elapsed_s for r in ar_res)
-    spec_tps = spec_tok / sum(r.elapsed_s for r in spec_res)
-    report = BenchmarkReport(
-        benchmark=name,
-        num_prompts=len(prompts),
-        tau=round(spec_tok / max(sum(r.num_target_forwards for r in spec_res), 1), 4),
-        acceptance_by_position=acceptance_by_position(spec_res),
-        ar_tokens_per_s=round(ar_tps, 3),
-        spec_tokens_per_s=round(spec_tps, 3),
-        speedup=round(spec_tps / ar_tps, 4),
-        ar_tokens=ar_tok,
-        spec_tokens=spec_tok,
-        outputs_equal_ar=sum(r["equal_ar"] for r in records),
-        forcing=merge(verdicts),
+    ar_out = [r.output_ids for r in results["ar"]]
+    report = {"benchmark": name, "num_prompts": len(prompts), "systems": {}}
+    for s, rs in results.items():
+        n = len(rs)
+        entry = {
+            "prompts": n,
+            "tokens": sum(r.num_output_tokens for r in rs),
+            "tokens_per_s": round(_tps(rs), 3),
+            "speedup_vs_ar": round(_tps(rs) / _tps(results["ar"][:n]), 4),
+            "outputs_equal_ar": sum(r.output_ids == a for r, a in zip(rs, ar_out)),
+            **merge(verdicts[s]),
+        }
+        if any(r.num_target_forwards for r in rs) and s != "ar":
+            forwards = sum(r.num_target_forwards for r in rs)
+            entry["tau"] = round(entry["tokens"] / forwards, 4)
+            entry["acceptance_by_position"] = acceptance_by_position(rs)
+        report["systems"][s] = entry
+    spec = report["systems"]["specpilot"]
+    report.update(
+        tau=spec.get("tau", 1.0), acceptance_by_position=spec.get("acceptance_by_position", []),
+        ar_tokens_per_s=report["systems"]["ar"]["tokens_per_s"], spec_tokens_per_s=spec["tokens_per_s"],
+        speedup=spec["speedup_vs_ar"], forcing={k: spec[k] for k in spec if k.startswith("forcing")},
     )
+    if "stock" in results and results["stock"]:
+        n = len(results["stock"])
+        report["speedup_vs_stock"] = round(_tps(results["specpilot"][:n]) / _tps(results["stock"]), 4)
     return report, records
 
 
-def summarize(reports: list[BenchmarkReport], meta: dict) -> dict:
-    """The run's one JSON object: pooled figures over all benchmarks, plus each benchmark's."""
-    ar_tok = sum(r.ar_tokens for r in reports)
-    spec_tok = sum(r.spec_tokens for r in reports)
-    ar_s = sum(r.ar_tokens / r.ar_tokens_per_s for r in reports)
-    spec_s = sum(r.spec_tokens / r.spec_tokens_per_s for r in reports)
-    forwards = sum(r.spec_tokens / r.tau for r in reports)
-    return {
-        "tau": round(spec_tok / forwards, 4),
-        "speedup": round((spec_tok / spec_s) / (ar_tok / ar_s), 4),
-        "ar_tokens_per_s": round(ar_tok / ar_s, 3),
-        "spec_tokens_per_s": round(spec_tok / spec_s, 3),
-        "forcing_passed": all(r.forcing["forcing_passed"] for r in reports),
-        "forcing_mismatches": sum(r.forcing["forcing_mismatches"] for r in reports),
-        "forcing_failures": sum(r.forcing["forcing_failures"] for r in reports),
-        "benchmarks": {r.benchmark: r.to_dict() for r in reports},
-        **meta,
+def summarize(reports: list[dict], meta: dict) -> dict:
+    """The run's one JSON object: figures pooled over all benchmarks (by tokens and seconds), plus each one's."""
+    def pooled(system, key="tokens_per_s"):
+        tok = sum(r["systems"][system]["tokens"] for r in reports if system in r["systems"])
+        secs = sum(r["systems"][system]["tokens"] / r["systems"][system][key] for r in reports
+                   if system in r["systems"] and r["systems"][system][key] > 0)
+        return tok / secs if secs else 0.0
+
+    spec_tok = sum(r["systems"]["specpilot"]["tokens"] for r in reports)
+    forwards = sum(r["systems"]["specpilot"]["tokens"] / r["tau"] for r in reports)
+    out = {
+        "tau": round(spec_tok / forwards, 4) if forwards else 0.0,
+        "speedup": round(pooled("specpilot") / pooled("ar"), 4),
+        "ar_tokens_per_s": round(pooled("ar"), 3),
+        "spec_tokens_per_s": round(pooled("specpilot"), 3),
+        "forcing_passed": all(r["systems"][s]["forcing_passed"] for r in reports for s in r["systems"]),
+        "forcing_mismatches": sum(r["systems"][s]["forcing_mismatches"] for r in reports for s in r["systems"]),
+        "forcing_failures": sum(r["systems"][s]["forcing_failures"] for r in reports for s in r["systems"]),
     }
+    for s in ("hf-ar", "stock"):
+        if all(s in r["systems"] for r in reports):
+            out[f"{s.replace('-', '_')}_tokens_per_s"] = round(pooled(s), 3)
+    if all("speedup_vs_stock" in r for r in reports):
+        out["speedup_vs_stock"] = {r["benchmark"]: r["speedup_vs_stock"] for r in reports}
+    out["benchmarks"] = {r["benchmark"]: r for r in reports}
+    out.update(meta)
+    return out
 
 
 def write_results(path: Path, summary: dict, records: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"summary": summary, "prompts": records, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    payload = {"summary": summary, "prompts": records, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.write_text(json.dumps(payload, indent=1))

@@ -1,0 +1,55 @@
+"""Peer and stock systems, run from their released code (never re-implemented here):
+
+- `hf-ar`: transformers' own `generate`, greedy, static cache — the peer AR baseline;
+- `stock` with a model drafter: transformers' assisted generation (`generate(assistant_model=...)`);
+- `stock` with n-gram drafting: transformers' prompt lookup (`generate(prompt_lookup_num_tokens=K)`).
+Each is wrapped to return a `GenerationResult`, so the bench treats every system alike. Timing brackets the whole
+`generate` call, synchronized on GPU, like ours.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specpilot.engine.result import GenerationResult
+
+
+class HFSystem:
+    def __init__(self, target_path, *, dtype, device, max_new_tokens: int, eos_ids, assistant_path=None,
+                 prompt_lookup: int = 0, static_cache: bool = True):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        load = lambda p: AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype).to(self.device).eval()
+        self.model = load(target_path)
+        self.assistant = load(assistant_path) if assistant_path is not None else None
+        self.kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids) or None,
+                           pad_token_id=(list(eos_ids) or [0])[0])
+        if self.assistant is not None:
+            self.kwargs["assistant_model"] = self.assistant
+        elif prompt_lookup:
+            self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+        elif static_cache:
+            self.kwargs["cache_implementation"] = "static"
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        self._sync()
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+        self._sync()
+        elapsed = time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        eos = set(self.kwargs["eos_token_id"] or [])
+        for i, t in enumerate(new):  # HF pads finished sequences; keep up to the first EOS, as our stop rule does
+            if t in eos:
+                new = new[: i + 1]
+                break
+        return GenerationResult(list(prompt_ids), new, "eos" if new and new[-1] in eos else "length", decode_s=elapsed)
