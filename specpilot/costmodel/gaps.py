@@ -1,0 +1,214 @@
+"""Where a speculative step's time goes: measured stage times against their roofline floors and predictions.
+
+Two bounds per pass, both in seconds:
+  * floor     `pass_floor_s`: the physical bound, max(bytes / HBM bandwidth, FLOPs / bf16 matmul rate). Nothing
+              on this GPU can run the pass faster; measured / floor is the efficiency left on the table.
+  * predicted `pass_predicted_s`: a calibrated prediction of what a CUDA-graphed (or eager) pass of our
+              implementation should take: weights at the measured decode-GEMV bandwidth, K/V and activations
+              at HBM bandwidth (or the FLOP bound if larger), plus a per-kernel overhead for every kernel that is
+              not a GEMM. It is an estimate, not a bound: it may err either way.
+
+`analyze(target_cfg, drafter_cfg, profile, hw)` turns a measured StepProfile (stage times per speculative step,
+passed in: this module never runs the engine) into a CostReport: per-stage measured / floor / predicted, the
+ceiling speedup at the measured acceptance, and the stages ranked by gap (measured - floor), largest first.
+
+Invariants: all times in seconds per speculative step; floors are never above predictions for the same pass when
+gemv_bytes_per_s <= hbm_bytes_per_s; a stage with no device work (accept, other, an n-gram draft) has floor 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from specpilot.costmodel.hardware import HardwareCeilings
+from specpilot.costmodel.shapes import PassCost, forward_cost, param_count
+from specpilot.errors import ConfigError
+from specpilot.models.config import ModelConfig
+
+DrafterKind = Literal["model", "ngram", "none"]
+STAGES = ("draft", "verify", "accept", "other")
+
+
+# --- one pass -----------------------------------------------------------------------------------------------
+
+
+def pass_floor_s(cost: PassCost, hw: HardwareCeilings) -> float:
+    """Physical lower bound of one pass: the slower of streaming its bytes and computing its FLOPs."""
+    return max(cost.total_bytes / hw.hbm_bytes_per_s, cost.flops / hw.bf16_flops_per_s)
+
+
+def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True) -> float:
+    """Calibrated prediction of one pass of our implementation (not a bound).
+
+    Graphed: GEMM launches are already inside `gemv_bytes_per_s` (it was measured on a graphed GEMV chain), so
+    only the other kernels pay `graph_kernel_s` each. Eager: every kernel pays the host launch `launch_s`
+    (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean high).
+    """
+    memory_s = cost.weight_bytes / hw.gemv_bytes_per_s + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s
+    compute_s = cost.flops / hw.bf16_flops_per_s
+    if graphed:
+        overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
+    else:
+        overhead_s = cost.num_kernels * hw.launch_s
+    return max(memory_s, compute_s) + overhead_s
+
+
+# --- what the engine measured -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Mean stage times of one speculative step, as measured by the engine (seconds per step)."""
+
+    draft_s: float  # drafter work (all its passes, or the n-gram lookup)
+    verify_s: float  # the target pass over K + 1 tokens
+    accept_s: float  # acceptance / sampling / bookkeeping on device
+    other_s: float  # host work and everything not in the three stages above
+    tau: float  # mean tokens emitted per step (accepted drafts + the bonus token)
+    num_draft_tokens: int  # K, drafted tokens per step
+    drafter_passes: int  # drafter forward passes per step (0 for n-gram / none)
+    context_len: int  # mean tokens in the KV cache when a step starts
+    drafter_pass_tokens: tuple[int, ...] | None = None  # tokens of each drafter pass; None: 1 token per pass
+    acceptance_by_position: tuple[float, ...] | None = None  # P(draft i accepted), i = 0..K-1
+    ar_step_s: float | None = None  # optional: measured plain autoregressive step on the same setup
+
+    def __post_init__(self):
+        times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
+        if any(t < 0 for t in times) or sum(times) <= 0:
+            raise ConfigError(f"stage times must be >= 0 with a positive sum, got {times}")
+        if self.tau <= 0 or self.num_draft_tokens < 0 or self.drafter_passes < 0 or self.context_len < 0:
+            raise ConfigError("tau must be > 0; num_draft_tokens, drafter_passes, context_len >= 0")
+        if self.drafter_pass_tokens is not None and len(self.drafter_pass_tokens) != self.drafter_passes:
+            raise ConfigError(f"drafter_pass_tokens has {len(self.drafter_pass_tokens)} entries, "
+                              f"drafter_passes is {self.drafter_passes}")
+
+    @property
+    def step_s(self) -> float:
+        return self.draft_s + self.verify_s + self.accept_s + self.other_s
+
+    def pass_tokens(self) -> tuple[int, ...]:
+        return self.drafter_pass_tokens if self.drafter_pass_tokens is not None else (1,) * self.drafter_passes
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageCost:
+    measured_s: float
+    floor_s: float
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class GapRow:
+    stage: str
+    measured_s: float
+    floor_s: float
+    gap_s: float  # measured - floor
+    share_of_step: float  # measured / measured step
+
+
+@dataclass(frozen=True)
+class CostReport:
+    hardware: str
+    drafter_kind: str
+    target_params: int
+    tau: float
+    num_draft_tokens: int
+    context_len: int
+    stages: dict[str, StageCost]
+    step_measured_s: float
+    step_floor_s: float
+    step_predicted_s: float
+    predicted_over_measured: float  # step_predicted / step_measured
+    ar_floor_s: float  # target pass at 1 token
+    ar_predicted_s: float
+    ceiling_speedup: float  # tau * ar_floor / (draft_floor + verify_floor)
+    measured_speedup_equiv: float  # tau * ar_floor / step_measured: same yardstick as the ceiling
+    predicted_speedup: float  # tau * ar_predicted / step_predicted
+    measured_speedup: float | None  # tau * ar_step_s / step_measured, when the profile carries ar_step_s
+    gaps: tuple[GapRow, ...] = field(default_factory=tuple)  # largest gap first
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gaps"] = [asdict(r) for r in self.gaps]
+        return d
+
+    def table(self):
+        """A rich Table: stages ranked by gap, the step total, and the speedup summary as caption."""
+        from rich.table import Table
+
+        t = Table(title=f"Step cost vs roofline on {self.hardware} (drafter: {self.drafter_kind}, "
+                        f"tau {self.tau:.2f}, K {self.num_draft_tokens}, context {self.context_len})")
+        for col in ("stage", "measured ms", "floor ms", "predicted ms", "gap ms", "share"):
+            t.add_column(col, justify="left" if col == "stage" else "right")
+        for r in self.gaps:
+            t.add_row(r.stage, _ms(r.measured_s), _ms(r.floor_s), _ms(self.stages[r.stage].predicted_s),
+                      _ms(r.gap_s), f"{r.share_of_step:.0%}")
+        t.add_section()
+        t.add_row("step", _ms(self.step_measured_s), _ms(self.step_floor_s), _ms(self.step_predicted_s),
+                  _ms(self.step_measured_s - self.step_floor_s), "100%")
+        measured = "" if self.measured_speedup is None else f", measured vs AR {self.measured_speedup:.2f}x"
+        t.caption = (f"ceiling speedup {self.ceiling_speedup:.2f}x, measured-equivalent "
+                     f"{self.measured_speedup_equiv:.2f}x, predicted {self.predicted_speedup:.2f}x{measured}; "
+                     f"predicted/measured step {self.predicted_over_measured:.2f}")
+        return t
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+# --- analysis -----------------------------------------------------------------------------------------------
+
+
+def _draft_passes(drafter_cfg: ModelConfig | None, profile: StepProfile, kind: str) -> list[PassCost]:
+    if kind in ("ngram", "none"):
+        return []  # host-side lookup or no drafting: no device passes, floor 0
+    if kind != "model":
+        raise ConfigError(f"drafter_kind must be 'model', 'ngram' or 'none', not {kind!r}")
+    if drafter_cfg is None:
+        raise ConfigError("drafter_kind 'model' needs the drafter's ModelConfig")
+    return [forward_cost(drafter_cfg, t, profile.context_len) for t in profile.pass_tokens()]
+
+
+def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed) -> dict[str, StageCost]:
+    drafts = _draft_passes(drafter_cfg, profile, kind)
+    verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len)
+    return {
+        "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
+                           sum(pass_predicted_s(c, hw, graphed) for c in drafts)),
+        "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed)),
+        "accept": StageCost(profile.accept_s, 0.0, 0.0),
+        "other": StageCost(profile.other_s, 0.0, 0.0),
+    }
+
+
+def _gap_rows(stages: dict[str, StageCost], step_s: float) -> tuple[GapRow, ...]:
+    rows = [GapRow(name, s.measured_s, s.floor_s, s.measured_s - s.floor_s, s.measured_s / step_s)
+            for name, s in stages.items()]
+    return tuple(sorted(rows, key=lambda r: r.gap_s, reverse=True))
+
+
+def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: StepProfile,
+            hw: HardwareCeilings, *, drafter_kind: DrafterKind = "model", graphed: bool = True) -> CostReport:
+    """Compare a measured step with its roofline floor and calibrated prediction (see module docstring)."""
+    stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed)
+    ar = forward_cost(target_cfg, 1, profile.context_len)
+    ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed)
+    step = profile.step_s
+    step_floor = sum(s.floor_s for s in stages.values())
+    step_pred = sum(s.predicted_s for s in stages.values())
+    return CostReport(
+        hardware=hw.name, drafter_kind=drafter_kind, target_params=param_count(target_cfg), tau=profile.tau,
+        num_draft_tokens=profile.num_draft_tokens, context_len=profile.context_len, stages=stages,
+        step_measured_s=step, step_floor_s=step_floor, step_predicted_s=step_pred,
+        predicted_over_measured=step_pred / step, ar_floor_s=ar_floor, ar_predicted_s=ar_pred,
+        ceiling_speedup=profile.tau * ar_floor / (stages["draft"].floor_s + stages["verify"].floor_s),
+        measured_speedup_equiv=profile.tau * ar_floor / step,
+        predicted_speedup=profile.tau * ar_pred / step_pred,
+        measured_speedup=None if profile.ar_step_s is None else profile.tau * profile.ar_step_s / step,
+        gaps=_gap_rows(stages, step),
+    )

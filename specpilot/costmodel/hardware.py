@@ -1,0 +1,253 @@
+"""Measured hardware ceilings of one GPU: the numbers every floor and prediction in the cost model divides by.
+
+`measure_ceilings(device)` runs five micro-benchmarks (well under 30 s on an H200) and `load_or_measure(device)`
+caches the result as JSON at ``cache_dir()/hardware/<sanitized GPU name>.json``.
+
+Invariants:
+  * Every number is measured, never taken from a spec sheet: timed with CUDA events after warm-up, the median of
+    several repeats, on random (never all-zero) data, so no compression or zero-skipping can flatter a result.
+  * Units are SI base units: bytes per second, FLOP per second, seconds.
+  * Buffers are freed before returning; the measurement leaves no tensors behind on the device.
+  * Nothing here imports the engine: this module only needs torch and the cache location.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specpilot.errors import ConfigError
+from specpilot.hub.registry import cache_dir
+
+HBM_COPY_BYTES = 2 << 30  # 2 GiB source buffer: far beyond L2, so the copy streams from HBM
+MATMUL_N = 8192  # bf16 [N, N] @ [N, N]
+LAUNCH_COUNT = 2000  # eager tiny kernels timed per repeat
+GRAPH_KERNELS = 200  # tiny kernels captured in one CUDA graph
+GRAPH_REPLAYS = 10  # replays timed back to back per repeat
+GEMV_LAYERS = 28  # the 1.5B-like chain used to calibrate decode GEMV bandwidth
+GEMV_HIDDEN, GEMV_KV, GEMV_INTER = 1536, 256, 8960
+REPEATS = 7
+
+
+class CudaUnavailableError(ConfigError):
+    """Ceilings can only be measured on a CUDA device."""
+
+
+@dataclass(frozen=True)
+class HardwareCeilings:
+    name: str  # torch.cuda.get_device_name()
+    hbm_bytes_per_s: float  # device-to-device copy, bytes read + written per second
+    bf16_flops_per_s: float  # dense bf16 matmul, 2*N^3 FLOP per product
+    launch_s: float  # per tiny kernel launched eagerly from Python (host dispatch + launch)
+    graph_kernel_s: float  # per tiny kernel inside a replayed CUDA graph
+    gemv_bytes_per_s: float  # weight bytes per second of a CUDA-graphed chain of bf16 GEMVs (M=1)
+    measured_at: str  # ISO-8601 local time
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareCeilings":
+        names = {f.name for f in fields(cls)}
+        missing = names - d.keys()
+        if missing:
+            raise ValueError(f"hardware ceilings lack {sorted(missing)}")
+        return cls(**{k: d[k] for k in names})
+
+
+# --- timing helpers -----------------------------------------------------------------------------------------
+
+
+def _require_cuda(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise CudaUnavailableError(f"hardware ceilings are measured on a CUDA device, not {str(dev)!r}")
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError("CUDA is not available (no NVIDIA GPU or a CPU-only torch build): "
+                                   "hardware ceilings cannot be measured here")
+    return dev
+
+
+def _time_s(fn: Callable[[], object], *, warmup: int = 2, repeats: int = REPEATS) -> float:
+    """Median seconds of one call of `fn`, timed on the current stream with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)  # ms -> s
+    return statistics.median(samples)
+
+
+def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Warm `fn` up on a side stream (kernels chosen, workspaces allocated), then capture it into a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+# --- the five measurements ----------------------------------------------------------------------------------
+
+
+def _hbm_bytes_per_s(dev: torch.device) -> float:
+    src = torch.randn(HBM_COPY_BYTES // 2, dtype=torch.bfloat16, device=dev)  # bf16: 2 bytes per element
+    dst = torch.empty_like(src)
+    seconds = _time_s(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / seconds  # read + write
+
+
+def _bf16_flops_per_s(dev: torch.device) -> float:
+    a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(a)
+    seconds = _time_s(lambda: torch.mm(a, b, out=out), warmup=3)
+    return 2 * MATMUL_N**3 / seconds
+
+
+def _tiny_operands(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(4096, dtype=torch.bfloat16, device=dev)  # the size of one token's hidden state
+    return x, torch.randn_like(x), torch.empty_like(x)
+
+
+def _launch_s(dev: torch.device) -> float:
+    x, y, out = _tiny_operands(dev)
+
+    def burst():
+        for _ in range(LAUNCH_COUNT):
+            torch.add(x, y, out=out)
+
+    return _time_s(burst, warmup=1) / LAUNCH_COUNT
+
+
+def _graph_kernel_s(dev: torch.device) -> float:
+    x, y, out = _tiny_operands(dev)
+
+    def body():
+        for _ in range(GRAPH_KERNELS):
+            torch.add(x, y, out=out)
+
+    g = _capture(body)
+
+    def replays():
+        for _ in range(GRAPH_REPLAYS):
+            g.replay()
+
+    return _time_s(replays) / (GRAPH_REPLAYS * GRAPH_KERNELS)
+
+
+def _gemv_chain_weights(dev: torch.device) -> list[torch.Tensor]:
+    """Per layer, in execution order: q, k, v, o, gate, up, down as [out, in] bf16, scaled to keep values O(1)."""
+    h, kv, inter = GEMV_HIDDEN, GEMV_KV, GEMV_INTER
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    return [torch.randn(o, i, dtype=torch.bfloat16, device=dev) * i**-0.5
+            for _ in range(GEMV_LAYERS) for o, i in shapes]
+
+
+def _gemv_bytes_per_s(dev: torch.device) -> float:
+    weights = _gemv_chain_weights(dev)
+    x = torch.randn(1, GEMV_HIDDEN, dtype=torch.bfloat16, device=dev)  # [M=1, hidden]
+
+    def chain():
+        h = x
+        for layer in range(GEMV_LAYERS):
+            wq, wk, wv, wo, wg, wu, wd = weights[7 * layer: 7 * layer + 7]
+            q = torch.nn.functional.linear(h, wq)
+            torch.nn.functional.linear(h, wk)
+            torch.nn.functional.linear(h, wv)
+            a = torch.nn.functional.linear(q, wo)
+            g = torch.nn.functional.linear(a, wg)
+            torch.nn.functional.linear(a, wu)
+            h = torch.nn.functional.linear(g, wd)
+        return h
+
+    graph = _capture(chain)
+    seconds = _time_s(graph.replay)
+    return sum(w.numel() * w.element_size() for w in weights) / seconds
+
+
+def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
+    """Measure the ceilings of `device` (a CUDA device); raises CudaUnavailableError elsewhere."""
+    dev = _require_cuda(device)
+    with torch.cuda.device(dev), torch.inference_mode():
+        torch.manual_seed(0)
+        hw = HardwareCeilings(
+            name=torch.cuda.get_device_name(dev),
+            hbm_bytes_per_s=_hbm_bytes_per_s(dev),
+            bf16_flops_per_s=_bf16_flops_per_s(dev),
+            launch_s=_launch_s(dev),
+            graph_kernel_s=_graph_kernel_s(dev),
+            gemv_bytes_per_s=_gemv_bytes_per_s(dev),
+            measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        torch.cuda.empty_cache()
+    return hw
+
+
+# --- the JSON cache -----------------------------------------------------------------------------------------
+
+
+def sanitize_name(name: str) -> str:
+    """'NVIDIA H200 (MIG 1g.18gb)' -> 'NVIDIA_H200_MIG_1g.18gb': safe as a file name on any file system."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown-gpu"
+
+
+def ceilings_path(name: str) -> Path:
+    return cache_dir() / "hardware" / f"{sanitize_name(name)}.json"
+
+
+def save_ceilings(hw: HardwareCeilings, path: Path | None = None) -> Path:
+    """Write atomically (temp file + rename), so a reader never sees a half-written file."""
+    path = path or ceilings_path(hw.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(hw.to_dict(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_ceilings(path: Path) -> HardwareCeilings:
+    return HardwareCeilings.from_dict(json.loads(Path(path).read_text()))
+
+
+def _gpu_name(device: str | torch.device) -> str:
+    return torch.cuda.get_device_name(_require_cuda(device))
+
+
+def load_or_measure(device: str | torch.device = "cuda", refresh: bool = False) -> HardwareCeilings:
+    """Cached ceilings of this GPU model, measured (and cached) on first use or when `refresh`.
+
+    An unreadable cache file is measured over rather than trusted.
+    """
+    path = ceilings_path(_gpu_name(device))
+    if path.is_file() and not refresh:
+        try:
+            return load_ceilings(path)
+        except (ValueError, TypeError):  # JSONDecodeError is a ValueError: a corrupt file, measure again
+            pass
+    hw = measure_ceilings(device)
+    save_ceilings(hw, path)
+    return hw

@@ -1,0 +1,157 @@
+"""What one forward pass of a dense decoder must move and compute: pure arithmetic on a ModelConfig.
+
+`forward_cost(cfg, num_tokens, context_len)` -> PassCost for a pass of `num_tokens` new tokens (T) that attend over
+`context_len` tokens already in the KV cache (the prefix) plus themselves. `param_count(cfg)` counts parameters as
+HF does. `synthetic_config(name)` gives the shapes of well-known models with no weight files.
+
+Invariants:
+  * Bytes count what the pass must read or write from memory at least once; FLOPs count multiply-adds as 2.
+  * Weights are read once per pass whatever T is (that is why speculation pays); the embedding contributes only
+    the rows of the T tokens; a tied embedding/LM head matrix is counted once, as the LM head.
+  * Attention is computed as in our implementation: every query against every key in the span (no causal
+    skipping inside the block), so FLOPs and K/V reads use the span `context_len + T`.
+  * `num_kernels` is an estimate for our eager-style DenseLM (models/dense.py), not a measured count; the
+    breakdown is in `_LAYER_KERNELS` / `_HEAD_KERNELS` and the GPU check script prints the profiled count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specpilot.errors import ConfigError
+from specpilot.models.config import ModelConfig
+
+# Kernels per decoder layer of DenseLM, counted from its aten ops (views excluded):
+#   RMSNorm 8 (to fp32, pow, mean, +eps, rsqrt, mul, to dtype, *weight), twice per layer;
+#   q/k/v/o projections 4; RoPE 10 (neg, cat, 2 mul, add; for q and k); KV-cache write 2 (index_copy K, V);
+#   attention 4 (bool mask -> additive mask ~3, fused SDPA 1); head merge copy 1; 2 residual adds;
+#   MLP 5 (gate, up, silu, mul, down). Qwen3's q/k RMSNorm adds 2 * 8.
+_NORM_KERNELS = 8
+_LAYER_KERNELS = 2 * _NORM_KERNELS + 4 + 10 + 2 + 4 + 1 + 2 + 5  # = 44
+_QK_NORM_KERNELS = 2 * _NORM_KERNELS
+# Per pass: embedding 1, RoPE tables 7 (positions to fp32, * inv_freq, cat, cos, sin, 2 casts), causal mask 2
+# (arange, compare), final RMSNorm 8, LM head 1, logits to fp32 1.
+_HEAD_KERNELS = 1 + 7 + 2 + _NORM_KERNELS + 1 + 1  # = 20
+_LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+
+
+@dataclass(frozen=True)
+class PassCost:
+    num_tokens: int  # T, new tokens in the pass
+    context_len: int  # tokens already in the KV cache before the pass
+    weight_bytes: float  # bytes of weights read (once)
+    kv_bytes: float  # K/V bytes read over the attention span + written for the T new tokens
+    activation_bytes: float  # rough: hidden states in/out per layer + logits written
+    flops: float  # 2 * linear params * T + attention 4 * T * span * heads * head_dim per layer
+    num_kernels: int  # estimated kernels of one pass of our implementation (see module docstring)
+    num_linear_kernels: int  # of which GEMM/GEMV launches (7 per layer + LM head)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+# --- parameter counts (elements, not bytes) -----------------------------------------------------------------
+
+
+def _layer_linear_params(cfg: ModelConfig) -> int:
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = h * q + 2 * h * kv + q * h  # q, k, v [out, in] and o
+    bias = (q + 2 * kv) if cfg.attention_bias else 0
+    mlp = 3 * h * cfg.intermediate_size  # gate, up, down
+    return attn + bias + mlp
+
+
+def _layer_norm_params(cfg: ModelConfig) -> int:
+    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def _lm_head_params(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """All parameters, as HF counts them: a tied embedding/LM head matrix once, an untied pair twice."""
+    layers = cfg.num_hidden_layers * (_layer_linear_params(cfg) + _layer_norm_params(cfg))
+    embed = cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else _lm_head_params(cfg)
+    return embed + layers + cfg.hidden_size + head  # + final norm
+
+
+# --- one forward pass ---------------------------------------------------------------------------------------
+
+
+def _weight_bytes(cfg: ModelConfig, T: int, dtype_bytes: int) -> float:
+    layers = cfg.num_hidden_layers * (_layer_linear_params(cfg) + _layer_norm_params(cfg))
+    rows = T * cfg.hidden_size  # embedding rows gathered; the full matrix only counts as the LM head
+    return (layers + cfg.hidden_size + _lm_head_params(cfg) + rows) * dtype_bytes
+
+
+def _kv_bytes(cfg: ModelConfig, T: int, context_len: int, dtype_bytes: int) -> float:
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes  # K and V
+    return per_token * ((context_len + T) + T)  # read the span, write the T new tokens
+
+
+def _activation_bytes(cfg: ModelConfig, T: int, dtype_bytes: int) -> float:
+    hidden = 2 * cfg.num_hidden_layers * T * cfg.hidden_size * dtype_bytes  # in + out per layer
+    logits = T * cfg.vocab_size * (dtype_bytes + 4)  # LM head output, then its fp32 copy
+    return hidden + logits
+
+
+def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
+    linear = cfg.num_hidden_layers * _layer_linear_params(cfg) + _lm_head_params(cfg)
+    attn = 4 * T * (context_len + T) * cfg.num_attention_heads * cfg.head_dim  # QK^T and PV, per layer
+    return 2.0 * linear * T + cfg.num_hidden_layers * attn
+
+
+def kernels_per_layer(cfg: ModelConfig) -> int:
+    return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0)
+
+
+def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2) -> PassCost:
+    """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`."""
+    if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
+        raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
+                          f"(got {num_tokens}, {context_len}, {dtype_bytes})")
+    return PassCost(
+        num_tokens=num_tokens,
+        context_len=context_len,
+        weight_bytes=_weight_bytes(cfg, num_tokens, dtype_bytes),
+        kv_bytes=_kv_bytes(cfg, num_tokens, context_len, dtype_bytes),
+        activation_bytes=_activation_bytes(cfg, num_tokens, dtype_bytes),
+        flops=_flops(cfg, num_tokens, context_len),
+        num_kernels=cfg.num_hidden_layers * kernels_per_layer(cfg) + _HEAD_KERNELS,
+        num_linear_kernels=cfg.num_hidden_layers * _LINEARS_PER_LAYER + 1,
+    )
+
+
+# --- well-known shapes --------------------------------------------------------------------------------------
+
+_QWEN_VOCAB = 151936
+_SYNTHETIC: dict[str, dict] = {
+    "qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, qk_norm=True,
+                     tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=40960),
+    "qwen3-32b": dict(model_type="qwen3", num_hidden_layers=64, hidden_size=5120, intermediate_size=25600,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, qk_norm=True,
+                      tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=40960),
+    "qwen2.5-1.5b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, head_dim=128, attention_bias=True,
+                         tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=32768),
+    "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, attention_bias=True,
+                         tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=32768),
+}
+SYNTHETIC_NAMES = tuple(_SYNTHETIC)
+
+
+def synthetic_config(name: str) -> ModelConfig:
+    """The ModelConfig of a well-known model shape (no weights needed): one of SYNTHETIC_NAMES."""
+    try:
+        spec = _SYNTHETIC[name]
+    except KeyError:
+        raise ConfigError(f"unknown synthetic model {name!r}; known: {', '.join(SYNTHETIC_NAMES)}") from None
+    return ModelConfig(vocab_size=_QWEN_VOCAB, rms_norm_eps=1e-6, **spec)

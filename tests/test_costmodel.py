@@ -1,0 +1,235 @@
+"""The roofline cost model: shape arithmetic, floors and predictions, gap analysis, the ceilings cache (CPU only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specpilot.costmodel import (
+    CudaUnavailableError,
+    HardwareCeilings,
+    StepProfile,
+    analyze,
+    ceilings_path,
+    forward_cost,
+    load_ceilings,
+    load_or_measure,
+    measure_ceilings,
+    param_count,
+    pass_floor_s,
+    pass_predicted_s,
+    save_ceilings,
+    synthetic_config,
+)
+from specpilot.costmodel import hardware
+from specpilot.errors import ConfigError, SpecPilotError
+
+# H200-like numbers, made up (not measured): 4.0 TB/s copy, 700 TFLOP/s bf16, 3.5 TB/s decode GEMV.
+FAKE_HW = HardwareCeilings(name="Fake GPU (test)", hbm_bytes_per_s=4.0e12, bf16_flops_per_s=7.0e14,
+                           launch_s=6e-6, graph_kernel_s=1.5e-6, gemv_bytes_per_s=3.5e12,
+                           measured_at="2025-01-01T00:00:00+0000")
+
+
+def _bytes_s(cost, hw=FAKE_HW):
+    return cost.total_bytes / hw.hbm_bytes_per_s
+
+
+def _flops_s(cost, hw=FAKE_HW):
+    return cost.flops / hw.bf16_flops_per_s
+
+
+# --- shapes ---------------------------------------------------------------------------------------------------
+
+
+def test_param_counts_match_published_sizes():
+    assert param_count(synthetic_config("qwen2.5-1.5b")) == pytest.approx(1.54e9, rel=0.01)
+    assert param_count(synthetic_config("qwen3-8b")) == pytest.approx(8.19e9, rel=0.01)
+    assert param_count(synthetic_config("qwen2.5-0.5b")) == pytest.approx(0.494e9, rel=0.01)
+    assert param_count(synthetic_config("qwen3-32b")) == pytest.approx(32.8e9, rel=0.01)
+
+
+def test_untying_adds_a_head_to_params_but_not_to_bytes_read():
+    tied = synthetic_config("qwen2.5-1.5b")
+    untied = dataclasses.replace(tied, tie_word_embeddings=False)
+    assert param_count(untied) - param_count(tied) == tied.vocab_size * tied.hidden_size
+    # the pass reads the head matrix once either way; the embedding contributes only the T rows it gathers
+    assert forward_cost(untied, 4, 100).weight_bytes == forward_cost(tied, 4, 100).weight_bytes
+
+
+def test_weight_bytes_of_the_1_5b_in_bf16():
+    cfg = synthetic_config("qwen2.5-1.5b")
+    assert forward_cost(cfg, 1, 0).weight_bytes == pytest.approx(3.1e9, rel=0.02)
+    assert forward_cost(cfg, 1, 0, dtype_bytes=1).weight_bytes == pytest.approx(1.55e9, rel=0.02)
+
+
+def test_kv_bytes_read_the_span_and_write_the_new_tokens():
+    cfg = synthetic_config("qwen3-8b")
+    per_token = 2 * 36 * 8 * 128 * 2  # K+V, layers, kv heads, head_dim, bf16
+    assert forward_cost(cfg, 16, 512).kv_bytes == per_token * (512 + 16 + 16)
+    assert forward_cost(cfg, 1, 1000).kv_bytes - forward_cost(cfg, 1, 0).kv_bytes == per_token * 1000
+
+
+def test_flops_are_linear_in_tokens_plus_attention():
+    cfg = synthetic_config("qwen3-8b")
+    one, two = forward_cost(cfg, 1, 0), forward_cost(cfg, 2, 0)
+    linear_params = param_count(cfg) - cfg.vocab_size * cfg.hidden_size - 36 * (2 * 4096 + 2 * 128) - 4096
+    attn_one = 36 * 4 * 1 * 1 * 32 * 128
+    assert one.flops == 2 * linear_params + attn_one
+    assert two.flops > 2 * one.flops  # attention grows with T * span
+
+
+def test_kernel_estimate_counts_qk_norm_and_layers():
+    q3 = forward_cost(synthetic_config("qwen3-8b"), 1, 0)
+    q2 = forward_cost(synthetic_config("qwen2.5-1.5b"), 1, 0)
+    assert (q3.num_kernels - 20) / 36 == (q2.num_kernels - 20) / 28 + 16  # q/k RMSNorm: 2 x 8 kernels
+    assert q2.num_linear_kernels == 28 * 7 + 1
+
+
+def test_bad_arguments_raise_config_errors():
+    cfg = synthetic_config("qwen2.5-0.5b")
+    with pytest.raises(ConfigError):
+        forward_cost(cfg, 0, 10)
+    with pytest.raises(ConfigError):
+        forward_cost(cfg, 1, -1)
+    with pytest.raises(ConfigError, match="qwen3-8b"):  # the message lists the known names
+        synthetic_config("llama-70b")
+
+
+# --- floors and predictions -----------------------------------------------------------------------------------
+
+
+def test_8b_floor_is_bandwidth_bound_at_decode_and_compute_bound_at_prefill():
+    cfg = synthetic_config("qwen3-8b")
+    t1, t16, t1024 = (forward_cost(cfg, t, 512) for t in (1, 16, 1024))
+    assert _bytes_s(t1) > 50 * _flops_s(t1)
+    assert pass_floor_s(t1, FAKE_HW) == _bytes_s(t1)
+    assert pass_floor_s(t1, FAKE_HW) == pytest.approx(15.2e9 / 4.0e12, rel=0.02)  # ~3.8 ms
+    assert 1.0 < pass_floor_s(t16, FAKE_HW) / pass_floor_s(t1, FAKE_HW) < 1.05
+    assert _flops_s(t1024) > _bytes_s(t1024)
+    assert pass_floor_s(t1024, FAKE_HW) == _flops_s(t1024)
+    assert pass_floor_s(t1024, FAKE_HW) > 5 * pass_floor_s(t1, FAKE_HW)
+
+
+def test_prediction_sits_above_the_floor_and_graphs_beat_eager():
+    cost = forward_cost(synthetic_config("qwen2.5-1.5b"), 1, 512)
+    floor = pass_floor_s(cost, FAKE_HW)
+    graphed, eager = pass_predicted_s(cost, FAKE_HW), pass_predicted_s(cost, FAKE_HW, graphed=False)
+    expected_graphed = (cost.weight_bytes / 3.5e12 + (cost.kv_bytes + cost.activation_bytes) / 4.0e12
+                        + (cost.num_kernels - cost.num_linear_kernels) * 1.5e-6)
+    assert graphed == pytest.approx(expected_graphed, rel=1e-12)
+    assert floor < graphed < eager
+    assert eager - graphed == pytest.approx(cost.num_kernels * 6e-6 - (cost.num_kernels - 197) * 1.5e-6)
+
+
+# --- gap analysis ---------------------------------------------------------------------------------------------
+
+
+def _profile(**kw):
+    base = dict(draft_s=1.0e-3, verify_s=5.0e-3, accept_s=0.2e-3, other_s=2.5e-3, tau=3.2,
+                num_draft_tokens=4, drafter_passes=4, context_len=600)
+    return StepProfile(**{**base, **kw})
+
+
+def test_analyze_ranks_gaps_and_reports_the_ceiling_formula():
+    target, drafter = synthetic_config("qwen3-8b"), synthetic_config("qwen2.5-0.5b")
+    prof = _profile()
+    rep = analyze(target, drafter, prof, FAKE_HW, drafter_kind="model")
+
+    draft_floor = 4 * pass_floor_s(forward_cost(drafter, 1, 600), FAKE_HW)
+    verify_floor = pass_floor_s(forward_cost(target, 5, 600), FAKE_HW)
+    ar_floor = pass_floor_s(forward_cost(target, 1, 600), FAKE_HW)
+    assert rep.stages["draft"].floor_s == pytest.approx(draft_floor)
+    assert rep.stages["verify"].floor_s == pytest.approx(verify_floor)
+    assert rep.ceiling_speedup == pytest.approx(3.2 * ar_floor / (draft_floor + verify_floor))
+    assert rep.measured_speedup_equiv == pytest.approx(3.2 * ar_floor / 8.7e-3)
+    assert rep.measured_speedup is None
+
+    # verify floor ~3.8 ms -> gap ~1.2 ms; draft floor ~1.0 ms -> gap ~0; other 2.5 ms all gap; accept 0.2 ms
+    assert [r.stage for r in rep.gaps] == ["other", "verify", "accept", "draft"]
+    gaps = [r.gap_s for r in rep.gaps]
+    assert gaps == sorted(gaps, reverse=True)
+    assert rep.gaps[0].gap_s == pytest.approx(2.5e-3) and rep.gaps[0].floor_s == 0.0
+    assert sum(r.share_of_step for r in rep.gaps) == pytest.approx(1.0)
+    assert rep.step_measured_s == pytest.approx(8.7e-3)
+    assert rep.predicted_over_measured == pytest.approx(rep.step_predicted_s / 8.7e-3)
+    assert rep.stages["verify"].predicted_s > rep.stages["verify"].floor_s
+
+
+def test_analyze_orders_differently_when_the_draft_is_slow():
+    rep = analyze(synthetic_config("qwen3-8b"), synthetic_config("qwen2.5-0.5b"),
+                  _profile(draft_s=9e-3, other_s=0.1e-3, drafter_pass_tokens=(2, 1, 1, 1)), FAKE_HW)
+    assert rep.gaps[0].stage == "draft"
+    two_token = pass_floor_s(forward_cost(synthetic_config("qwen2.5-0.5b"), 2, 600), FAKE_HW)
+    one_token = pass_floor_s(forward_cost(synthetic_config("qwen2.5-0.5b"), 1, 600), FAKE_HW)
+    assert rep.stages["draft"].floor_s == pytest.approx(two_token + 3 * one_token)
+
+
+def test_analyze_ngram_and_plain_ar():
+    target = synthetic_config("qwen2.5-1.5b")
+    rep = analyze(target, None, _profile(draft_s=0.05e-3, drafter_passes=0, ar_step_s=2.0e-3), FAKE_HW,
+                  drafter_kind="ngram")
+    assert rep.stages["draft"].floor_s == 0.0 and rep.stages["draft"].predicted_s == 0.0
+    assert rep.measured_speedup == pytest.approx(3.2 * 2.0e-3 / rep.step_measured_s)
+    ar = analyze(target, None, _profile(draft_s=0.0, num_draft_tokens=0, drafter_passes=0, tau=1.0), FAKE_HW,
+                 drafter_kind="none")
+    assert ar.ceiling_speedup == pytest.approx(1.0)  # an AR step at the floor is the AR floor
+    with pytest.raises(ConfigError, match="drafter's ModelConfig"):
+        analyze(target, None, _profile(), FAKE_HW, drafter_kind="model")
+    with pytest.raises(ConfigError):
+        analyze(target, None, _profile(), FAKE_HW, drafter_kind="eagle")
+    with pytest.raises(ConfigError):
+        _profile(drafter_pass_tokens=(1, 1))  # 2 entries for 4 passes
+
+
+def test_report_serialises_and_renders():
+    from rich.console import Console
+
+    rep = analyze(synthetic_config("qwen3-8b"), synthetic_config("qwen2.5-0.5b"), _profile(), FAKE_HW)
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert [g["stage"] for g in d["gaps"]] == ["other", "verify", "accept", "draft"]
+    assert d["stages"]["verify"]["measured_s"] == 5.0e-3
+    console = Console(record=True, width=160)
+    console.print(rep.table())
+    text = console.export_text()
+    assert "verify" in text and "ceiling speedup" in text and "Fake GPU" in text
+
+
+# --- ceilings cache and the no-CUDA error ---------------------------------------------------------------------
+
+
+def test_ceilings_json_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    path = save_ceilings(FAKE_HW)
+    assert path == tmp_path / "hardware" / "Fake_GPU_test.json"
+    assert load_ceilings(path) == FAKE_HW
+    assert json.loads(path.read_text())["gemv_bytes_per_s"] == 3.5e12
+
+
+def test_load_or_measure_caches_per_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(hardware, "_gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(hardware, "measure_ceilings",
+                        lambda device: calls.append(device) or dataclasses.replace(FAKE_HW, name="NVIDIA H200"))
+    first = load_or_measure("cuda")
+    assert calls == ["cuda"] and ceilings_path("NVIDIA H200") == tmp_path / "hardware" / "NVIDIA_H200.json"
+    assert load_or_measure("cuda") == first and len(calls) == 1  # served from the cache
+    load_or_measure("cuda", refresh=True)
+    assert len(calls) == 2
+    ceilings_path("NVIDIA H200").write_text("{not json")  # a corrupt cache is measured over, not trusted
+    assert load_or_measure("cuda") == first and len(calls) == 3
+    assert load_ceilings(ceilings_path("NVIDIA H200")) == first
+
+
+def test_measure_ceilings_without_cuda_raises_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CudaUnavailableError, match="CUDA is not available") as err:
+        measure_ceilings()
+    assert isinstance(err.value, SpecPilotError)
+    with pytest.raises(CudaUnavailableError):
+        load_or_measure()
+    with pytest.raises(CudaUnavailableError, match="'cpu'"):
+        measure_ceilings("cpu")
