@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results/bench.json")
     add_engine_flags(bench)
 
+    prof = sub.add_parser("profile", help="cost model: measured stage times vs floors, ranked gap table (GPU)")
+    prof.add_argument("--target", default=dep.DEFAULT_TARGET)
+    prof.add_argument("--drafter", default=dep.DEFAULT_DRAFTER)
+    prof.add_argument("--benchmarks", default=",".join(dep.DEFAULT_BENCHMARKS))
+    prof.add_argument("--num-prompts", type=int, default=5)
+    prof.add_argument("--dataset-dir")
+    add_engine_flags(prof)
+
     forcep = sub.add_parser("force", help="token-force candidate outputs against the stock target")
     forcep.add_argument("--target", default=dep.DEFAULT_TARGET)
     forcep.add_argument("--input", required=True, help="JSONL: {prompt_ids: [...], output_ids: [...]} per line")

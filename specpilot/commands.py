@@ -197,3 +197,42 @@ def cmd_force(args) -> int:
     out.print(f"token forcing: {'PASS' if summary['forcing_passed'] else 'FAIL'} over {summary['forcing_tokens']} tokens")
     print(json.dumps(summary))
     return 0 if summary["forcing_passed"] else 1
+
+
+def cmd_profile(args) -> int:
+    """Measure AR and speculative steps on real prompts, then let the cost model rank the gaps to the ceiling."""
+    from specpilot.cli import engine_config
+    from specpilot.costmodel import StepProfile, analyze, load_or_measure
+    from specpilot.evaluator import datasets
+
+    cfg = engine_config(args)
+    if cfg.drafter_kind == "none":
+        raise ConfigError("profile needs a speculative system: --drafter-kind model or ngram")
+    hw = load_or_measure(cfg.device)
+    prompts = []
+    for b in [b for b in args.benchmarks.split(",") if b]:
+        prompts += datasets.load_prompts(b, num_prompts=args.num_prompts, dataset_dir=args.dataset_dir)
+    target, tok, spec, ar = _load_engines(args, cfg)
+    encoded = [tok.encode_chat(p.messages) for p in prompts]
+    spec.generate(encoded[0][:32]), ar.generate(encoded[0][:32])  # warm-up
+    ar_res = [ar.generate(ids) for ids in encoded]
+    spec_res = [spec.generate(ids) for ids in encoded]
+    steps = sum(len(r.accepted_lengths) for r in spec_res)
+    stage = {k: sum(r.stage_s.get(k, 0.0) for r in spec_res) / steps for k in ("draft", "verify", "accept", "commit")}
+    decode_per_step = sum(r.decode_s for r in spec_res) / steps
+    tau = sum(r.num_output_tokens for r in spec_res) / sum(r.num_target_forwards for r in spec_res)
+    K = cfg.num_draft_tokens
+    model_drafter = cfg.drafter_kind == "model"
+    profile = StepProfile(
+        draft_s=stage["draft"], verify_s=stage["verify"], accept_s=stage["accept"],
+        other_s=max(decode_per_step - stage["draft"] - stage["verify"] - stage["accept"], 0.0),
+        tau=tau, num_draft_tokens=K, drafter_passes=K if model_drafter else 0,
+        context_len=int(sum(len(r.prompt_ids) + r.num_output_tokens / 2 for r in spec_res) / len(spec_res)),
+        drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
+        ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
+    )
+    drafter_cfg = spec.drafter.runner.model.config if model_drafter else None
+    report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
+    out.print(report.table())
+    print(json.dumps({"profile": profile.__dict__, **report.to_dict()}, default=list))
+    return 0

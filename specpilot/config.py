@@ -49,6 +49,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # on CUDA: replay captured graphs per (tokens-per-step) bucket; ignored on CPU
+    compile: bool = False  # torch.compile each graphed step first (fuses small kernels; costs compile time once)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):

@@ -48,9 +48,9 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
     if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
         raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
     gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)
-    buckets = tuple(range(1, config.num_draft_tokens + 2))  # catch-up feeds of 1..K+1 tokens, then 1 per draft
+    buckets = (1, config.num_draft_tokens + 1)  # catch-up feeds (1..K+1 tokens, padded), then 1 per draft
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
-                         cuda_graphs=config.cuda_graphs)
+                         cuda_graphs=config.cuda_graphs, compile=config.compile)
     return SmallARDrafter(runner, config.sampling, gen)
 
 
@@ -59,7 +59,7 @@ class Engine:
         self.target, self.config, self.drafter, self.tokenizer = target, config, drafter, tokenizer
         buckets = (1,) if drafter is None else (1, config.num_draft_tokens + 1)
         self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
-                                  cuda_graphs=config.cuda_graphs)
+                                  cuda_graphs=config.cuda_graphs, compile=config.compile)
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

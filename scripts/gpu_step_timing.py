@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""AR decode-step time vs the bytes/bandwidth floor at real shapes with random weights (bf16, H200).
+
+For each shape: CUDA-graphed steps, plain and torch.compile'd, at T=1 and T=16 after a 512-token prefill;
+median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
+Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
+from specpilot.engine.runner import ModelRunner
+from specpilot.models.dense import DenseLM, rope_inv_freq
+
+
+def median_ms(fn, repeats=100) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main(shapes) -> int:
+    hw = load_or_measure("cuda")
+    out = {"hardware": hw.to_dict(), "shapes": {}}
+    for name in shapes:
+        cfg = synthetic_config(name)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = DenseLM(cfg).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        model.inv_freq = rope_inv_freq(cfg).cuda()
+        res = {}
+        for compiled in (False, True):
+            t0 = time.time()
+            runner = ModelRunner(model.eval(), model.new_cache(1, 1024), buckets=(1, 16), cuda_graphs=True, compile=compiled)
+            setup = time.time() - t0
+            runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
+            for T in (1, 16):
+                ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
+                ms = median_ms(lambda: runner.step(ids, 512))
+                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                key = f"{'compiled' if compiled else 'graphed'}_T{T}"
+                res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
+                print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
+            res[f"{'compiled' if compiled else 'graphed'}_setup_s"] = round(setup, 1)
+            del runner
+            torch.cuda.empty_cache()
+        out["shapes"][name] = res
+        del model
+        torch.cuda.empty_cache()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or ["qwen2.5-1.5b", "qwen3-8b"]))
