@@ -43,7 +43,13 @@ class HFSystem:
         ids = torch.tensor([prompt_ids], device=self.device)
         self._sync()
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+        try:
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+        except Exception as e:  # a transformers version without this cache type: fall back to its default cache
+            if self.kwargs.pop("cache_implementation", None) is None:
+                raise
+            print(f"hf-ar: static cache unavailable ({type(e).__name__}: {e}); using the default cache")
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
         self._sync()
         elapsed = time.perf_counter() - t0
         new = out[0, len(prompt_ids):].tolist()
