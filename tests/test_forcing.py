@@ -63,3 +63,23 @@ def test_near_tie_is_tolerated_and_reported(setup):
     assert loose.passed and len(loose.mismatches) == 1
     assert not strict.passed
     assert merge([loose, strict])["forcing_passed"] is False
+
+
+def test_bf16_scorer_tolerates_one_ulp_ties_only():
+    """A bf16 scorer's logits one bf16 step apart are a tie; two steps apart are not."""
+    V = 8
+
+    def scorer_with(top1, top2):
+        def fn(ids):
+            logits = torch.full((len(ids), V), -10.0)
+            logits[:, 0], logits[:, 1] = top1, top2
+            return logits
+        fn.dtype = torch.bfloat16
+        return fn
+
+    prompt, out = [3, 4], [1]  # the candidate chose token 1, the stock argmax is token 0
+    assert force(scorer_with(20.125, 20.0), prompt, out, tolerance=0.05).passed  # 1 ulp at |20| = 0.125
+    assert not force(scorer_with(20.25, 20.0), prompt, out, tolerance=0.05).passed  # 2 ulps
+    fp32 = scorer_with(20.125, 20.0)
+    fp32.dtype = torch.float32
+    assert not force(fp32, prompt, out, tolerance=0.05).passed  # no precision slack for an fp32 scorer

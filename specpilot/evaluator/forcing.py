@@ -4,7 +4,9 @@ Given a candidate system's output tokens for a prompt, teacher-force the stock s
 target) over prompt + output in one pass. For every output position record whether the candidate token equals the
 stock argmax and the stock top-1 / top-2 logit margin. It never stops or re-syncs at a mismatch (teacher forcing
 has no cascade: position i is judged on the candidate's own prefix). Verdict: pass only when every mismatch sits
-on a near-tie, i.e. a stock margin below `tolerance` (where two correct implementations may round differently).
+on a near-tie: a stock margin no larger than `tolerance`, or than one unit in the last place of the scorer's own
+precision at that logit (a bf16 scorer cannot tell apart logits one bf16 step apart: with |logit| in [16, 32) that
+step is 0.125, and two correct bf16 implementations of one model do land one step apart — measured on the H200).
 
 The stock scorer is independent of the candidate: by default transformers' own implementation of the target.
 """
@@ -16,7 +18,8 @@ from typing import Callable
 
 import torch
 
-DEFAULT_TOLERANCE = 0.1  # logits; bf16 implementations of one model differ by ~1e-2, fp32 by ~1e-4
+DEFAULT_TOLERANCE = 0.1  # logits; fp32 implementations of one model differ by ~1e-4
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 LogitsFn = Callable[[list[int]], torch.Tensor]  # token ids [T] -> logits [T, V] (fp32), causal
 
@@ -35,10 +38,18 @@ class ForcingVerdict:
     num_tokens: int
     tolerance: float
     mismatches: list[Mismatch] = field(default_factory=list)  # all of them, tolerated or not
-    failures: list[Mismatch] = field(default_factory=list)  # mismatches with margin >= tolerance
+    failures: list[Mismatch] = field(default_factory=list)  # mismatches beyond max(tolerance, scorer ulp)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at the magnitude of x (0 for fp32/fp64 scorers: no slack)."""
+    bits = MANTISSA_BITS.get(dtype)
+    if bits is None:
+        return torch.zeros_like(x)
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - bits)
 
 
 def force(logits_fn: LogitsFn, prompt_ids: list[int], output_ids: list[int], tolerance: float = DEFAULT_TOLERANCE) -> ForcingVerdict:
@@ -54,7 +65,9 @@ def force(logits_fn: LogitsFn, prompt_ids: list[int], output_ids: list[int], tol
         Mismatch(int(i), int(cand[i]), int(stock[i]), float(margins[i]))
         for i in torch.nonzero(cand != stock).flatten().tolist()
     ]
-    failures = [m for m in mismatches if m.margin >= tolerance]
+    slack = ulp(top2.values[:, 0], getattr(logits_fn, "dtype", torch.float32))
+    allowed = torch.clamp(slack, min=tolerance)  # per position
+    failures = [m for m in mismatches if m.margin > float(allowed[m.index])]
     return ForcingVerdict(not failures, len(output_ids), tolerance, mismatches, failures)
 
 
@@ -78,6 +91,7 @@ def specpilot_scorer(model) -> LogitsFn:
         cache = model.new_cache(1, len(ids))
         return model.logits(model(t, torch.arange(len(ids), device=device)[None], cache, kv_len=len(ids)))[0]
 
+    fn.dtype = model.lm_head.weight.dtype
     return fn
 
 
@@ -91,4 +105,5 @@ def transformers_scorer(path, dtype=torch.float32, device="cpu") -> LogitsFn:
     def fn(ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids], device=device)).logits[0].float()
 
+    fn.dtype = dtype
     return fn
