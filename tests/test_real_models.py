@@ -93,3 +93,22 @@ def test_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_cli_force_passes_ar_output_and_fails_a_changed_one(smollm, tmp_path, capsys):
+    path, model, tok = smollm
+    ids = tok.encode_chat(QUESTION)
+    cfg = EngineConfig(drafter_kind="none", max_new_tokens=16, max_seq_len=256)
+    out = Engine(model, cfg, None, tok).generate(ids).output_ids
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps({"prompt_ids": ids, "output_ids": out}) + "\n")
+    changed = list(out)
+    changed[3] = (changed[3] + 1) % 1000
+    bad.write_text(json.dumps({"prompt_ids": ids, "output_ids": changed}) + "\n")
+    assert main(["force", "--target", str(path), "--input", str(good)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["forcing_passed"] is True
+    assert main(["force", "--target", str(path), "--input", str(bad)]) == 1
+    captured = capsys.readouterr().out
+    assert "position 3" in captured and json.loads(captured.strip().splitlines()[-1])["forcing_passed"] is False
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    assert main(["force", "--target", str(path), "--input", str(tmp_path / "broken.jsonl")]) == 2

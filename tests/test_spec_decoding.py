@@ -101,3 +101,25 @@ def test_ngram_drafter_proposes_continuation():
     ctx = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
     assert d.propose(ctx, 3).token_ids.tolist() == [8, 9, 1]
     assert d.propose([1, 2, 3], 4).token_ids.numel() == 0
+
+
+def test_stop_strings_cut_ar_and_spec_at_the_same_token(models):
+    """A stop string ends generation at the token that completes it, in AR and speculative decoding alike."""
+    target = models["target"]
+    vocab = {i: f"<{i}>" for i in range(96)}
+    decode = lambda ids: "".join(vocab[i] for i in ids)
+
+    class FakeTok:  # the engine needs only decode() and eos_token_id from a tokenizer
+        eos_token_id = None
+        decode = staticmethod(lambda ids, skip_special_tokens=False: decode(ids))
+
+    p = _prompts(1)[0]
+    free = Engine(target, EngineConfig(drafter_kind="none", max_new_tokens=20, max_seq_len=64, ignore_eos=True)).generate(p).output_ids
+    stop = decode(free[5:7])  # spans two tokens: completed by the 7th
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=4, max_new_tokens=20, max_seq_len=64, ignore_eos=True,
+                       stop_strings=(stop,))
+    ar = Engine(target, cfg.with_(drafter_kind="none"), None, FakeTok()).generate(p)
+    spec = Engine(target, cfg, build_drafter(cfg, target, target), FakeTok()).generate(p)
+    first = min(i for i in range(len(free)) if stop in decode(free[: i + 1]))
+    assert ar.output_ids == spec.output_ids == free[: first + 1]
+    assert ar.finish_reason == spec.finish_reason == "stop"
