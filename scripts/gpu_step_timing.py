@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AR decode-step time vs the bytes/bandwidth floor at real shapes with random weights (bf16, H200).
 
-For each shape: CUDA-graphed steps, plain and torch.compile'd, at T=1 and T=16 after a 512-token prefill;
+For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, at T=1 and T=16 after a 512-token prefill;
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
@@ -45,6 +45,7 @@ def main(shapes) -> int:
             for p in model.parameters():
                 p.normal_(0, 0.02)
         model.inv_freq = rope_inv_freq(cfg).cuda()
+        model.fuse_projections()
         res = {}
         for compiled in (False, True):
             t0 = time.time()

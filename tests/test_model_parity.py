@@ -79,3 +79,16 @@ def test_batch_rows_at_different_positions(tiny_model_dir):
         got = ours.logits(ours(ids[:, 8:], pos, cache, kv_len=12))
     assert (got[0] - singles[0][0, 8:]).abs().max() < 1e-4
     assert (got[1] - singles[1][0, 8:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_fused_projections_give_the_same_logits(tiny_model_dir, family):
+    path = tiny_model_dir(family)
+    plain, fused = load_model(path), load_model(path).fuse_projections()
+    assert not hasattr(fused.model.layers[0].self_attn, "q_proj") and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(11)[None]
+    with torch.no_grad():
+        a = plain.logits(plain(ids, pos, plain.new_cache(1, 16), kv_len=11))
+        b = fused.logits(fused(ids, pos, fused.new_cache(1, 16), kv_len=11))
+    assert (a - b).abs().max().item() < 1e-5

@@ -31,7 +31,10 @@ def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Token
     from specpilot.hub import resolve_model
 
     path = resolve_model(name_or_path)
-    return load_model(path, dtype=DTYPE[config.dtype], device=config.device), Tokenizer.from_folder(path)
+    model = load_model(path, dtype=DTYPE[config.dtype], device=config.device)
+    if config.fused_projections:
+        model.fuse_projections()
+    return model, Tokenizer.from_folder(path)
 
 
 def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, target: DenseLM) -> Drafter | None:
@@ -45,6 +48,8 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         from specpilot.hub import resolve_model
 
         drafter_model = load_model(resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
+        if config.fused_projections:
+            drafter_model.fuse_projections()
     if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
         raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
     gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)

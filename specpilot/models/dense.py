@@ -74,11 +74,31 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one (same numbers, one GEMM instead of three: fewer, larger kernels)."""
+        if hasattr(self, "qkv_proj"):
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight for p in parts])
+        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.qkv_proj.weight.copy_(w)
+            if parts[0].bias is not None:
+                self.qkv_proj.bias.copy_(torch.cat([p.bias for p in parts]))
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x):
+        if hasattr(self, "qkv_proj"):
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split((q_dim, kv_dim, kv_dim), dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, positions, cache: KVCache, kv_len, mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -98,7 +118,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One gate+up GEMM instead of two (same numbers)."""
+        if hasattr(self, "gate_up_proj"):
+            return
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.gate_up_proj.weight.copy_(w)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -134,6 +167,13 @@ class DenseLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def fuse_projections(self) -> "DenseLM":
+        """Fuse q/k/v and gate/up projections in place (a run-time layout; checkpoints keep HF names)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
