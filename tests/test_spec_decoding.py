@@ -123,3 +123,38 @@ def test_stop_strings_cut_ar_and_spec_at_the_same_token(models):
     first = min(i for i in range(len(free)) if stop in decode(free[: i + 1]))
     assert ar.output_ids == spec.output_ids == free[: first + 1]
     assert ar.finish_reason == spec.finish_reason == "stop"
+
+
+class _RecordingConditionedDrafter(NgramDrafter):
+    """An n-gram drafter that also asks for target features, recording what the engine hands it."""
+
+    target_layers = (0, 1)
+
+    def __init__(self):
+        super().__init__(3, 1)
+        self.seen = []
+
+    def reset(self):
+        self.seen = []
+
+    def observe(self, features):
+        self.seen.append(features.clone())
+
+
+def test_conditioned_drafter_sees_target_features_of_every_committed_token(models):
+    """DFlash-style drafters condition on target layer outputs: the engine must deliver them for each committed
+    token (all but the last), in order, equal to a full forward's."""
+    target = models["target"]
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=128, ignore_eos=True)
+    drafter = _RecordingConditionedDrafter()
+    p = _prompts(1)[0]
+    res = Engine(target, cfg, drafter).generate(p)
+    assert res.output_ids == Engine(target, cfg.with_(drafter_kind="none")).generate(p).output_ids
+    seen = torch.cat(drafter.seen)
+    seq = p + res.output_ids[:-1]
+    with torch.no_grad():
+        _, layers = target(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(1, 128),
+                           kv_len=len(seq), return_layers=(0, 1))
+    want = torch.cat(layers, -1)[0]
+    assert seen.shape == want.shape
+    assert (seen - want).abs().max().item() < 1e-4

@@ -21,9 +21,16 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    # decoder layers of the target whose outputs this drafter conditions on (empty: none). When non-empty, the
+    # engine calls `observe(features)` with those outputs ([n, len(layers) * H]) for every newly committed token
+    # but the last (prefill, then each step's accepted tokens), in position order.
+    target_layers: tuple[int, ...] = ()
 
     def reset(self) -> None:
         """Forget all state (a new prompt follows)."""
+
+    def observe(self, features) -> None:
+        """Target hidden features of newly committed tokens (only called when `target_layers` is non-empty)."""
 
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         """Draft up to `num_tokens` tokens continuing `context_ids` (prompt + everything committed so far)."""

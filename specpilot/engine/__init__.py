@@ -64,7 +64,8 @@ class Engine:
         self.target, self.config, self.drafter, self.tokenizer = target, config, drafter, tokenizer
         buckets = (1,) if drafter is None else (1, config.num_draft_tokens + 1)
         self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
-                                  cuda_graphs=config.cuda_graphs, compile=config.compile)
+                                  cuda_graphs=config.cuda_graphs, compile=config.compile,
+                                  capture_layers=tuple(getattr(drafter, "target_layers", ())))
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

@@ -16,19 +16,30 @@ from specpilot.models import DenseLM, KVCache
 
 class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, capture_layers: tuple[int, ...] = ()):
         self.model, self.cache = model, cache
+        # outputs of these decoder layers, concatenated per token, are kept after every call in `last_hidden`
+        # ([T, len(capture_layers) * H]): a drafter conditioned on the target (DFlash) reads them
+        self.capture_layers = tuple(capture_layers)
+        self.last_hidden: torch.Tensor | None = None
         # torch.compile fuses the many small elementwise kernels (norms, RoPE, SiLU) that otherwise dominate a
         # graphed decode step at small shapes; captured into the same CUDA graphs afterwards.
         self._fwd = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = model.lm_head.weight.device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple] = {}  # T -> (graph, ids buffer, positions buffer, logits, captured hidden)
         self._arange = torch.arange(max(buckets, default=1), device=self.device)
         if cuda_graphs and self.device.type == "cuda":
             self._capture(sorted(set(buckets), reverse=True))
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(self.model(ids, pos, self.cache))[0]
+    def _run(self, ids, pos, kv_len=None, logits=True):
+        # -> (logits [T, V] or None, captured hidden [T, F] or None)
+        out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers)
+        hidden, layers = out if self.capture_layers else (out, None)
+        feats = torch.cat(layers, dim=-1)[0] if layers else None
+        return (self.model.logits(hidden)[0] if logits else None), feats
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor):
+        return self._run(ids, pos)
 
     @torch.inference_mode()
     def _capture(self, buckets: list[int]) -> None:
@@ -44,14 +55,14 @@ class ModelRunner:
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                logits = self._fwd(ids, pos)
-            self.graphs[T] = (g, ids, pos, logits)
+                logits, feats = self._fwd(ids, pos)
+            self.graphs[T] = (g, ids, pos, logits, feats)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
         """K/V of ids [T] at positions [start, start + T); no LM head. Always eager (prompt lengths vary)."""
         pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]
-        self.model(ids[None], pos, self.cache, kv_len=start + ids.shape[0])
+        _, self.last_hidden = self._run(ids[None], pos, kv_len=start + ids.shape[0], logits=False)
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -60,9 +71,11 @@ class ModelRunner:
         bucket = min((b for b in self.graphs if b >= T and start + b <= self.cache.max_seq_len), default=None)
         if bucket is None:
             pos = torch.arange(start, start + T, device=self.device)[None]
-            return self.model.logits(self.model(ids[None], pos, self.cache, kv_len=start + T))[0]
-        g, ids_buf, pos_buf, logits = self.graphs[bucket]
+            logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
+            return logits
+        g, ids_buf, pos_buf, logits, feats = self.graphs[bucket]
         ids_buf[0, :T].copy_(ids)
         torch.add(self._arange[:bucket], start, out=pos_buf[0])  # device-side: no host sync
         g.replay()
+        self.last_hidden = feats[:T] if feats is not None else None
         return logits[:T]

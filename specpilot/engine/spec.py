@@ -27,6 +27,9 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     res = GenerationResult(list(prompt_ids), [], "length")
     drafter.reset()
     ids = s.prefill(prompt_ids, res)
+    conditioned = bool(getattr(drafter, "target_layers", ()))
+    if conditioned and len(prompt_ids) > 1:
+        drafter.observe(s.runner.last_hidden)  # features of prompt[:-1]
     out, checked = res.output_ids, 0
     sampling = s.config.sampling
     timer = s.stage_timer()
@@ -60,6 +63,8 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             timer.mark("accept")
             # commit
             a, nxt, *drafted = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids]).tolist()
+            if conditioned:  # the last committed token and the accepted drafts: their features are now final
+                drafter.observe(s.runner.last_hidden[: a + 1])
             res.drafted_lengths.append(len(drafted))
             res.accepted_lengths.append(a)
             before = len(out)
