@@ -24,13 +24,13 @@ from __future__ import annotations
 import gc
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
 
 import torch
 
+from specpilot.costmodel.hardware import time_median_s
 from specpilot.costmodel import (
     forward_cost,
     measure_ceilings,
@@ -61,18 +61,7 @@ def _finite(x):
 
 def time_calls(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of fn() on the current stream, each call bracketed by its own CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    return time_median_s(fn, warmup=warmup, repeats=repeats)
 
 
 def build_model(cfg, device: str = "cuda") -> DenseLM:

@@ -15,22 +15,13 @@ import time
 import torch
 
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
+from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
 from specpilot.models.dense import DenseLM, rope_inv_freq
 
 
 def median_ms(fn, repeats=100) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
 
 def main(shapes) -> int:

@@ -77,7 +77,7 @@ def _require_cuda(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _time_s(fn: Callable[[], object], *, warmup: int = 2, repeats: int = REPEATS) -> float:
+def time_median_s(fn: Callable[[], object], *, warmup: int = 2, repeats: int = REPEATS) -> float:
     """Median seconds of one call of `fn`, timed on the current stream with CUDA events."""
     for _ in range(warmup):
         fn()
@@ -114,7 +114,7 @@ def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 def _hbm_bytes_per_s(dev: torch.device) -> float:
     src = torch.randn(HBM_COPY_BYTES // 2, dtype=torch.bfloat16, device=dev)  # bf16: 2 bytes per element
     dst = torch.empty_like(src)
-    seconds = _time_s(lambda: dst.copy_(src))
+    seconds = time_median_s(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / seconds  # read + write
 
 
@@ -122,7 +122,7 @@ def _bf16_flops_per_s(dev: torch.device) -> float:
     a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=dev)
     b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(a)
-    seconds = _time_s(lambda: torch.mm(a, b, out=out), warmup=3)
+    seconds = time_median_s(lambda: torch.mm(a, b, out=out), warmup=3)
     return 2 * MATMUL_N**3 / seconds
 
 
@@ -138,7 +138,7 @@ def _launch_s(dev: torch.device) -> float:
         for _ in range(LAUNCH_COUNT):
             torch.add(x, y, out=out)
 
-    return _time_s(burst, warmup=1) / LAUNCH_COUNT
+    return time_median_s(burst, warmup=1) / LAUNCH_COUNT
 
 
 def _graph_kernel_s(dev: torch.device) -> float:
@@ -154,7 +154,7 @@ def _graph_kernel_s(dev: torch.device) -> float:
         for _ in range(GRAPH_REPLAYS):
             g.replay()
 
-    return _time_s(replays) / (GRAPH_REPLAYS * GRAPH_KERNELS)
+    return time_median_s(replays) / (GRAPH_REPLAYS * GRAPH_KERNELS)
 
 
 def _gemv_chain_weights(dev: torch.device) -> list[torch.Tensor]:
@@ -183,7 +183,7 @@ def _gemv_bytes_per_s(dev: torch.device) -> float:
         return h
 
     graph = _capture(chain)
-    seconds = _time_s(graph.replay)
+    seconds = time_median_s(graph.replay)
     return sum(w.numel() * w.element_size() for w in weights) / seconds
 
 
