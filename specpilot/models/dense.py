@@ -175,6 +175,17 @@ class DenseLM(nn.Module):
             layer.mlp.fuse()
         return self
 
+    def use_gemv_kernel(self, force: bool = False) -> "DenseLM":
+        """Route few-token projections (decode, verification) through the Triton GEMV (kernels/gemv.py)."""
+        from specpilot.kernels.gemv import SkinnyLinear
+
+        for module in self.modules():
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    child.__class__ = SkinnyLinear  # same parameters, different forward
+                    child.force_kernel = force
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
