@@ -39,9 +39,10 @@ def _load_engines(args, cfg):
     err.print(f"loading target {args.target} ({cfg.dtype}, {cfg.device})")
     target, tok = load_target(args.target, cfg)
     drafter = None
-    if cfg.drafter_kind == "model":
+    uses_model = cfg.drafter_kind in ("model", "dflash")
+    if uses_model:
         err.print(f"loading drafter {args.drafter}")
-    drafter = build_drafter(cfg, args.drafter if cfg.drafter_kind == "model" else None, target)
+    drafter = build_drafter(cfg, args.drafter if uses_model else None, target)
     return target, tok, Engine(target, cfg, drafter, tok), Engine(target, cfg.with_(drafter_kind="none"), None, tok)
 
 
@@ -102,6 +103,8 @@ def _systems(args, cfg, target, tok, spec, ar):
         if n == "hf-ar":
             systems[n] = HFSystem(resolve_model(args.target), **hf).generate
         elif n == "stock":
+            if cfg.drafter_kind == "dflash":
+                raise ConfigError("stock for a DFlash drafter (the dflash package's spec_generate) is not wired yet")
             if cfg.drafter_kind == "model":
                 systems[n] = HFSystem(resolve_model(args.target), assistant_path=resolve_model(args.drafter), **hf).generate
             else:
@@ -148,7 +151,7 @@ def cmd_bench(args) -> int:
                                       tolerance=tol, limits=limits, progress=lambda: bar.advance(task))
             reports.append(rep)
             records[name] = recs
-    drafter_desc = args.drafter if cfg.drafter_kind == "model" else cfg.drafter_kind
+    drafter_desc = args.drafter if cfg.drafter_kind in ("model", "dflash") else cfg.drafter_kind
     meta = {"target": args.target, "drafter": drafter_desc, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
     summary = summarize(reports, meta)
     write_results(Path(args.out), summary, records)
@@ -206,8 +209,8 @@ def cmd_profile(args) -> int:
     from specpilot.evaluator import datasets
 
     cfg = engine_config(args)
-    if cfg.drafter_kind == "none":
-        raise ConfigError("profile needs a speculative system: --drafter-kind model or ngram")
+    if cfg.drafter_kind not in ("model", "ngram"):
+        raise ConfigError("profile supports --drafter-kind model or ngram so far")
     hw = load_or_measure(cfg.device)
     prompts = []
     for b in [b for b in args.benchmarks.split(",") if b]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from specpilot.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-DRAFTERS = ("none", "model", "ngram")
+DRAFTERS = ("none", "model", "ngram", "dflash")
 VERIFIERS = ("chain",)
 
 
@@ -37,7 +37,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    drafter_kind: str = "model"  # "none" = plain AR; "model" = a small AR drafter model; "ngram" = prompt lookup
+    drafter_kind: str = "model"  # "none" = AR; "model" = small AR drafter; "ngram" = prompt lookup; "dflash" = block
     num_draft_tokens: int = 4  # block size: tokens drafted per step (the n-gram drafter may propose fewer)
     ngram_max: int = 4  # longest suffix n-gram the prompt-lookup drafter matches
     ngram_min: int = 1

@@ -21,10 +21,11 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
-    # decoder layers of the target whose outputs this drafter conditions on (empty: none). When non-empty, the
-    # engine calls `observe(features)` with those outputs ([n, len(layers) * H]) for every newly committed token
-    # but the last (prefill, then each step's accepted tokens), in position order.
-    target_layers: tuple[int, ...] = ()
+    # decoder layers of the target whose outputs this drafter conditions on (None: not conditioned). When set,
+    # the engine calls `observe(features)` for every newly committed token but the last (prefill, then each
+    # step's accepted tokens), in position order; features are `features(final_hidden, layer_outputs)` if the
+    # drafter defines it, else the layer outputs concatenated ([n, len(layers) * H]).
+    target_layers: tuple[int, ...] | None = None
 
     def reset(self) -> None:
         """Forget all state (a new prompt follows)."""

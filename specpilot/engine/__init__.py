@@ -42,6 +42,16 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         return None
     if config.drafter_kind == "ngram":
         return NgramDrafter(config.ngram_max, config.ngram_min, device=config.device)
+    if config.drafter_kind == "dflash":
+        from specpilot.drafters.dflash import DFlashBlockDrafter
+        from specpilot.hub import resolve_model
+        from specpilot.models.dflash_io import load_dflash
+
+        if drafter_model is None:
+            raise ConfigError("drafter 'dflash' needs a DFlash checkpoint (--drafter PATH)")
+        network = drafter_model if not isinstance(drafter_model, (str, bytes)) else load_dflash(
+            resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
+        return DFlashBlockDrafter(network, target, config.max_seq_len)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")
     if isinstance(drafter_model, str):
@@ -65,7 +75,8 @@ class Engine:
         buckets = (1,) if drafter is None else (1, config.num_draft_tokens + 1)
         self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                  capture_layers=tuple(getattr(drafter, "target_layers", ())))
+                                  capture_layers=getattr(drafter, "target_layers", None),
+                                  feature_fn=getattr(drafter, "features", None))
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

@@ -16,11 +16,12 @@ from specpilot.models import DenseLM, KVCache
 
 class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
-                 compile: bool = False, capture_layers: tuple[int, ...] = ()):
+                 compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None):
         self.model, self.cache = model, cache
-        # outputs of these decoder layers, concatenated per token, are kept after every call in `last_hidden`
-        # ([T, len(capture_layers) * H]): a drafter conditioned on the target (DFlash) reads them
-        self.capture_layers = tuple(capture_layers)
+        # with capture_layers (even empty), features of every processed token are kept after each call in
+        # `last_hidden` [T, F]: `feature_fn(final_hidden, layer_outputs)` or, by default, the layer outputs
+        # concatenated. A drafter conditioned on the target (DFlash) reads them.
+        self.capture_layers, self.feature_fn = capture_layers, feature_fn
         self.last_hidden: torch.Tensor | None = None
         # torch.compile fuses the many small elementwise kernels (norms, RoPE, SiLU) that otherwise dominate a
         # graphed decode step at small shapes; captured into the same CUDA graphs afterwards.
@@ -33,9 +34,11 @@ class ModelRunner:
 
     def _run(self, ids, pos, kv_len=None, logits=True):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)
-        out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers)
-        hidden, layers = out if self.capture_layers else (out, None)
-        feats = torch.cat(layers, dim=-1)[0] if layers else None
+        out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers or ())
+        hidden, layers = out if self.capture_layers else (out, [])
+        feats = None
+        if self.capture_layers is not None:
+            feats = (self.feature_fn(hidden, layers) if self.feature_fn else torch.cat(layers, dim=-1))[0]
         return (self.model.logits(hidden)[0] if logits else None), feats
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor):

@@ -27,7 +27,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     res = GenerationResult(list(prompt_ids), [], "length")
     drafter.reset()
     ids = s.prefill(prompt_ids, res)
-    conditioned = bool(getattr(drafter, "target_layers", ()))
+    conditioned = getattr(drafter, "target_layers", None) is not None
     if conditioned and len(prompt_ids) > 1:
         drafter.observe(s.runner.last_hidden)  # features of prompt[:-1]
     out, checked = res.output_ids, 0

@@ -1,0 +1,224 @@
+"""The optimization loop (v1): `specpilot optimize` searches EngineConfig for one deployment, gating every trial.
+
+  registry  Mechanism / Deployment / REGISTRY: what may change (one entry per mechanism)
+  memory    SQLite store of runs, trials and what worked where (resume, transfer)
+  explore   Measurement, GpuLease, explorers, time_engine
+  gate      forcing on dev + held-out, noise, held-out repeat, cost-model ceiling
+  rounds    optimize(deployment, budget, memory, measure, profile_fn, dev=..., gate=...)
+  agent     AgentExplorer: a coding-agent command in a git worktree, diffs to the judge rejected
+  report    markdown + plots + best_config.yaml
+This module adds the real measure (`EngineMeasure`), the cost-model hooks and the CLI entry points
+(`add_optimize_parser`, `cmd_optimize`). Dependency rule: the loop imports engine / evaluator / costmodel; none of
+them imports the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from specpilot.config import EngineConfig
+from specpilot.errors import ConfigError
+from specpilot.loop.explore import GpuLease, Measurement, time_engine
+from specpilot.loop.gate import Gate
+from specpilot.loop.memory import Memory
+from specpilot.loop.registry import REGISTRY, Deployment, Mechanism, register
+from specpilot.loop.rounds import Budget, RunResult, optimize
+
+__all__ = ["REGISTRY", "Budget", "Deployment", "EngineMeasure", "Gate", "GpuLease", "Measurement", "Mechanism",
+           "Memory", "RunResult", "add_optimize_parser", "cmd_optimize", "cost_model_hooks", "optimize", "register"]
+
+
+class EngineMeasure:
+    """measure(config, prompts, repeats) on real engines; target and drafter model are loaded once and shared."""
+
+    def __init__(self, target, drafter_model=None, tokenizer=None):
+        self.target, self.drafter_model, self.tokenizer = target, drafter_model, tokenizer
+
+    def __call__(self, config: EngineConfig, prompts: list[list[int]], repeats: int) -> Measurement:
+        import torch
+
+        from specpilot.engine import Engine, build_drafter
+
+        drafter = build_drafter(config, self.drafter_model if config.drafter_kind == "model" else None, self.target)
+        engine = Engine(self.target, config, drafter, self.tokenizer)
+        sync = torch.cuda.synchronize if config.device.startswith("cuda") else None
+        r = time_engine(engine.generate, prompts, repeats, sync)
+        return Measurement(r["samples"], [list(p) for p in prompts], r["outputs"], r["tau"], r["stage_s"],
+                           r["context_len"])
+
+
+def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int):
+    from specpilot.costmodel import StepProfile
+
+    if not stage_s or sum(stage_s.values()) <= 0:
+        return None
+    k, model = cfg.num_draft_tokens, cfg.drafter_kind == "model"
+    return StepProfile(draft_s=stage_s.get("draft", 0.0), verify_s=stage_s.get("verify", 0.0),
+                       accept_s=stage_s.get("accept", 0.0), other_s=stage_s.get("commit", 0.0), tau=max(tau, 1e-6),
+                       num_draft_tokens=k, drafter_passes=k if model else 0, context_len=context_len,
+                       drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None)
+
+
+def cost_model_hooks(target, drafter_model, device: str):
+    """(profile_fn, ceiling_fn, note). On CUDA: the cost model's gap table and tokens/s ceiling (tau / step floor).
+    Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap) and no ceiling."""
+    from specpilot.costmodel import GapRow, analyze, load_or_measure
+
+    try:
+        hw = load_or_measure(device)
+    except ConfigError as e:  # CudaUnavailableError: CPU or no CUDA
+        def stage_times(cfg, stats):
+            st = stats.get("stage_s") or {}
+            rows = [("draft", st.get("draft")), ("verify", st.get("verify")), ("accept", st.get("accept")),
+                    ("other", st.get("commit"))]
+            total = sum(v or 0.0 for _, v in rows)
+            if total <= 0:
+                return None
+            return [GapRow(s, v or 0.0, 0.0, v or 0.0, (v or 0.0) / total) for s, v in rows]
+        return stage_times, None, f"no cost-model ceilings ({e}); diagnosis ranks measured stage times"
+
+    def report(cfg, stage_s, tau, context_len):
+        prof = _step_profile(cfg, stage_s, tau, context_len)
+        dcfg = drafter_model.config if (cfg.drafter_kind == "model" and drafter_model is not None) else None
+        return None if prof is None else analyze(target.config, dcfg, prof, hw, drafter_kind=cfg.drafter_kind,
+                                                 graphed=cfg.cuda_graphs)
+
+    def profile_fn(cfg, stats):
+        return report(cfg, stats.get("stage_s"), stats.get("tau", 1.0), stats.get("context_len", 0))
+
+    def ceiling_fn(cfg, m: Measurement):
+        rep = report(cfg, {"verify": 1.0}, m.tau, m.context_len)  # the floor depends on shapes and tau only
+        return None if rep is None or rep.step_floor_s <= 0 else m.tau / rep.step_floor_s
+
+    return profile_fn, ceiling_fn, f"cost model on {hw.name}"
+
+
+# --- CLI ------------------------------------------------------------------------------------------------------
+
+DEFAULTS = dict(target=None, drafter=None, drafter_kind="model", device="cpu", dtype="float32", max_new_tokens=None,
+                config=None, dev_benchmarks="humaneval", heldout_benchmark="mbpp", dev_prompts_file=None,
+                heldout_prompts_file=None, field="prompt", num_prompts=3, heldout_num_prompts=None, dataset_dir=None,
+                rounds=3, trials=40, wall_s=3600.0, directions=3, repeats=3, workers=2, memory=None, resume=None,
+                agent_command=None, agent_repo=None, ray=False, tolerance=None, stock="transformers",
+                out="results/optimize")
+
+
+def add_optimize_parser(subparsers):
+    p = subparsers.add_parser("optimize", help="search engine configs for a deployment; every trial token-forced")
+    a = p.add_argument
+    a("--deployment", help="YAML file holding any of the options below (underscored names; flags override it)")
+    a("--target", help="target model (default: the embedded default deployment's)")
+    a("--drafter", help="drafter model (enables drafter_kind 'model')")
+    a("--drafter-kind", choices=("model", "ngram"))
+    a("--device"), a("--dtype", choices=("float32", "bfloat16", "float16"))
+    a("--max-new-tokens", type=int, help="(default 64 on CPU, 256 elsewhere)")
+    a("--config", help="YAML/JSON of EngineConfig fields: the starting config")
+    a("--dev-benchmarks", help="comma list (default humaneval); explorers only ever see these prompts")
+    a("--heldout-benchmark", help="(default mbpp) must differ from the dev benchmarks")
+    a("--dev-prompts-file"), a("--heldout-prompts-file"), a("--field", help="prompt field of prompt files")
+    a("--num-prompts", type=int), a("--heldout-num-prompts", type=int), a("--dataset-dir")
+    a("--rounds", type=int), a("--trials", type=int), a("--wall-s", type=float)
+    a("--directions", type=int, help="mechanism explorers per round"), a("--workers", type=int)
+    a("--repeats", type=int, help="timed repeats per measurement (>= 2: the noise estimate)")
+    a("--memory", help="SQLite memory (default: <cache>/loop/memory.sqlite)")
+    a("--resume", type=int, metavar="RUN", help="resume a killed run: finished trials are not re-run")
+    a("--agent-command", help="coding-agent command template, e.g. 'my-agent -p {brief_file}'")
+    a("--agent-repo", help="git repo the agent's worktrees come from (default: the one holding this package)")
+    a("--ray", action="store_true", default=None, help="run explorer proposals as Ray tasks (needs ray)")
+    a("--tolerance", type=float), a("--stock", choices=("transformers", "specpilot"))
+    a("--out", help="report folder (default results/optimize)")
+    return p
+
+
+def _settings(args) -> dict:
+    s = dict(DEFAULTS)
+    if getattr(args, "deployment", None):
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(args.deployment).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read deployment file: {e}") from None
+        unknown = set(loaded) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(f"unknown deployment keys: {sorted(unknown)}")
+        s.update(loaded)
+    s.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+    return s
+
+
+def _prompts(s: dict, which: str) -> list:
+    from specpilot.evaluator import datasets
+
+    if s[f"{which}_prompts_file"]:
+        return datasets.load_prompt_file(s[f"{which}_prompts_file"], s["field"], num_prompts=s["num_prompts"])
+    n = s["num_prompts"] if which == "dev" else (s["heldout_num_prompts"] or s["num_prompts"])
+    names = s["dev_benchmarks"].split(",") if which == "dev" else [s["heldout_benchmark"]]
+    return [p for b in names if b for p in datasets.load_prompts(b, num_prompts=n, dataset_dir=s["dataset_dir"])]
+
+
+def cmd_optimize(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from specpilot import deployments as dep_defaults
+    from specpilot.engine import DTYPE, load_target
+    from specpilot.evaluator.forcing import DEFAULT_TOLERANCE, specpilot_scorer, transformers_scorer
+    from specpilot.hub import cache_dir, resolve_model
+    from specpilot.loop.agent import AgentExplorer
+    from specpilot.loop.report import write_report
+    from specpilot.models import load_model
+
+    err = Console(stderr=True)
+    s = _settings(args)
+    s["target"] = s["target"] or dep_defaults.DEFAULT_TARGET
+    if s["drafter"] is None and s["drafter_kind"] == "model":
+        s["drafter"] = dep_defaults.DEFAULT_DRAFTER
+    base = {}
+    if s["config"]:
+        import yaml
+
+        base = yaml.safe_load(Path(s["config"]).read_text()) or {}
+    base.update(drafter_kind=s["drafter_kind"], device=s["device"], dtype=s["dtype"],
+                max_new_tokens=s["max_new_tokens"] or base.get("max_new_tokens")
+                or (dep_defaults.DEFAULT_CPU_MAX_NEW_TOKENS if s["device"] == "cpu" else 256))
+    cfg = EngineConfig.from_dict(base)
+    dev_p, held_p = _prompts(s, "dev"), _prompts(s, "heldout")
+    if {p.id for p in dev_p} & {p.id for p in held_p} or not dev_p or not held_p:
+        raise ConfigError("dev and held-out prompts must be non-empty, different prompt sets")
+    err.print(f"loading target {s['target']} ({cfg.dtype}, {cfg.device})")
+    target, tok = load_target(s["target"], cfg)
+    drafter = load_model(resolve_model(s["drafter"]), dtype=DTYPE[cfg.dtype], device=cfg.device) \
+        if s["drafter"] else None
+    dev, held = [tok.encode_chat(p.messages) for p in dev_p], [tok.encode_chat(p.messages) for p in held_p]
+    if s["stock"] == "transformers":
+        scorer = transformers_scorer(resolve_model(s["target"]), DTYPE[cfg.dtype], cfg.device)
+    else:  # an independent instance of our implementation of the stock AR
+        scorer = specpilot_scorer(load_model(resolve_model(s["target"]), dtype=DTYPE[cfg.dtype], device=cfg.device))
+    device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
+    deployment = Deployment(s["target"], s["drafter"], cfg, device_name)
+    profile_fn, ceiling_fn, note = cost_model_hooks(target, drafter, cfg.device)
+    err.print(f"[dim]{note}[/dim]")
+    gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=ceiling_fn, device=cfg.device,
+                tolerance=DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"])
+    memory = Memory(s["memory"] or cache_dir() / "loop" / "memory.sqlite")
+    extra = []
+    if s["agent_command"]:
+        repo = s["agent_repo"] or subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=Path(__file__).parent,
+                                                 capture_output=True, text=True, check=True).stdout.strip()
+        extra = [lambda view: AgentExplorer(s["agent_command"], repo)]
+    budget = Budget(s["rounds"], s["trials"], s["wall_s"], s["directions"], s["workers"])
+    t0 = time.time()
+    result = optimize(deployment, budget, memory, EngineMeasure(target, drafter, tok), profile_fn, dev=dev,
+                      gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
+                      progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    paths = write_report(memory, result.run_id, s["out"], title=f"{s['target']} + {s['drafter'] or 'ngram'}")
+    summary = result.summary()
+    err.print(f"[bold]run {result.run_id}: x{result.speedup:.3f} vs round 0 after {result.rounds} rounds "
+              f"({result.stopped}); report {paths['report']}[/bold]")
+    print(json.dumps({**summary, "wall_s": round(time.time() - t0, 1), "report": str(paths["report"]),
+                      "config_file": str(paths["config"]), "memory": str(memory.path)}))
+    return 0

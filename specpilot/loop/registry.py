@@ -1,0 +1,157 @@
+"""What the loop may change: one registry entry per mechanism, and the deployment it is tuned for.
+
+A `Mechanism` names the EngineConfig fields it sets and their candidate values, the cost-model stage(s) whose gap
+it targets (so the loop can pick directions from a gap table) and a predicate saying where it applies. Adding a
+mechanism to the engine means adding one field to `EngineConfig` and one `register(Mechanism(...))` here: the
+explorers, the gate, memory and the report need no change.
+
+A `Deployment` is what results are remembered for: target, drafter, device and regime. Its fingerprint is the key
+of every remembered trial; `family` lets memory transfer what worked to similar deployments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from specpilot.config import EngineConfig
+from specpilot.errors import ConfigError
+
+STAGES = ("draft", "verify", "accept", "other")  # the cost model's stages (costmodel.gaps.STAGES)
+
+
+def family_of(target: str) -> str:
+    """'qwen2.5-coder-1.5b' -> 'qwen2.5-coder'; '/models/Llama-3-8B-Instruct' -> 'llama-3-instruct'.
+
+    The size suffix is what differs inside a family; a folder path keeps only its last component.
+    """
+    name = target.rstrip("/").rsplit("/", 1)[-1].lower()
+    name = re.sub(r"[-_.]?\d+(\.\d+)?[bm](?=$|[-_])", "", name)
+    return name or target
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The thing being optimized. `config` is the starting EngineConfig (round 0 measures it unchanged)."""
+
+    target: str
+    drafter: str | None  # drafter model name/path; None when only model-free drafters are possible
+    config: EngineConfig
+    device_name: str = "cpu"  # e.g. torch.cuda.get_device_name(); "cpu" for CPU
+    family: str = ""  # target family; derived from the target name when empty
+
+    def __post_init__(self):
+        if not self.family:
+            object.__setattr__(self, "family", family_of(self.target))
+
+    @property
+    def regime(self) -> str:
+        """What else changes the answer: dtype, sampling and output length."""
+        s = self.config.sampling
+        mode = "greedy" if s.greedy else f"t{s.temperature}-k{s.top_k}-p{s.top_p}"
+        return f"{self.config.dtype}/{mode}/{self.config.max_new_tokens}"
+
+    @property
+    def drafter_kind(self) -> str:
+        return self.config.drafter_kind
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.config.device.startswith("cuda")
+
+    def fingerprint(self) -> str:
+        key = json.dumps([self.target, self.drafter, self.device_name, self.regime])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+Applies = Callable[[Deployment, EngineConfig], bool]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    gap_stages: tuple[str, ...]  # cost-model stages this mechanism can shrink, most direct first
+    fields: dict[str, list]  # EngineConfig field -> candidate values
+    applies: Applies = lambda dep, cfg: True  # noqa: E731  (dep, the current best config) -> usable here?
+    description: str = ""
+
+    def __post_init__(self):
+        bad = [s for s in self.gap_stages if s not in STAGES]
+        if bad or not self.gap_stages:
+            raise ConfigError(f"mechanism {self.name}: gap stages must be from {STAGES}, got {self.gap_stages}")
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = set(self.fields) - known
+        if unknown or not self.fields:
+            raise ConfigError(f"mechanism {self.name}: unknown EngineConfig fields {sorted(unknown)}")
+
+    def candidates(self, cfg: EngineConfig) -> list[dict]:
+        """Config deltas (field -> value) this mechanism proposes from `cfg`, excluding `cfg` itself.
+        Several fields: every combination. Deltas that EngineConfig rejects are dropped."""
+        names = list(self.fields)
+        out = []
+        for values in itertools.product(*(self.fields[n] for n in names)):
+            delta = dict(zip(names, values))
+            if all(getattr(cfg, k) == v for k, v in delta.items()):
+                continue
+            try:
+                cfg.with_(**delta)
+            except ConfigError:
+                continue
+            out.append(delta)
+        return out
+
+
+REGISTRY: dict[str, Mechanism] = {}
+
+
+def register(m: Mechanism) -> Mechanism:
+    if m.name in REGISTRY:
+        raise ConfigError(f"mechanism {m.name!r} is registered twice")
+    REGISTRY[m.name] = m
+    return m
+
+
+def applicable(dep: Deployment, cfg: EngineConfig, registry: dict[str, Mechanism] | None = None) -> list[Mechanism]:
+    """Mechanisms usable for `dep` from the current config, in registry order."""
+    reg = REGISTRY if registry is None else registry
+    return [m for m in reg.values() if m.applies(dep, cfg)]
+
+
+def _speculative(dep: Deployment, cfg: EngineConfig) -> bool:
+    return cfg.drafter_kind != "none"
+
+
+# --- what the engine has now --------------------------------------------------------------------------------
+
+register(Mechanism(
+    "block_size", ("verify", "draft"), {"num_draft_tokens": [2, 3, 4, 6, 8]}, _speculative,
+    "tokens drafted per step: more raises tau but costs drafter passes and a wider verify pass"))
+register(Mechanism(
+    "drafter_kind", ("draft",), {"drafter_kind": ["model", "ngram"]},
+    lambda dep, cfg: dep.drafter is not None and cfg.drafter_kind != "none",
+    "small AR drafter model vs prompt-lookup n-grams (free to draft, lower acceptance off-prompt)"))
+register(Mechanism(
+    "ngram_window", ("draft",), {"ngram_max": [2, 3, 4, 6]},
+    lambda dep, cfg: cfg.drafter_kind == "ngram",
+    "longest suffix n-gram the prompt-lookup drafter matches"))
+register(Mechanism(
+    "cuda_graphs", ("other",), {"cuda_graphs": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "replay captured CUDA graphs per step bucket instead of launching kernels from Python"))
+register(Mechanism(
+    "compile", ("verify", "draft"), {"compile": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
+    "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
+
+
+def config_delta(base: EngineConfig, cfg: EngineConfig) -> dict:
+    """Fields of `cfg` that differ from `base` (sampling as a nested dict when it differs)."""
+    a, b = base.to_dict(), cfg.to_dict()
+    return {k: b[k] for k in b if a[k] != b[k]}
+
+
+__all__ = ["REGISTRY", "STAGES", "Deployment", "Mechanism", "applicable", "config_delta", "family_of", "register"]
