@@ -51,6 +51,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: replay captured graphs per (tokens-per-step) bucket; ignored on CPU
     compile: bool = False  # torch.compile each graphed step first (fuses small kernels; costs compile time once)
     fused_projections: bool = True  # one qkv GEMM and one gate+up GEMM per layer (same numbers, fewer kernels)
+    gemv_kernel: bool = False  # few-token projections through our Triton GEMV instead of cuBLAS (CUDA only)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):

@@ -27,13 +27,20 @@ __all__ = ["Engine", "GenerationResult", "build_drafter", "load_target"]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
+    """Run-time layout choices that keep the numbers: fused projections, the Triton GEMV."""
+    if config.fused_projections:
+        model.fuse_projections()
+    if config.gemv_kernel:
+        model.use_gemv_kernel()
+
+
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
     from specpilot.hub import resolve_model
 
     path = resolve_model(name_or_path)
     model = load_model(path, dtype=DTYPE[config.dtype], device=config.device)
-    if config.fused_projections:
-        model.fuse_projections()
+    _apply_layout(model, config)
     return model, Tokenizer.from_folder(path)
 
 
@@ -58,8 +65,7 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         from specpilot.hub import resolve_model
 
         drafter_model = load_model(resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
-        if config.fused_projections:
-            drafter_model.fuse_projections()
+        _apply_layout(drafter_model, config)
     if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
         raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
     gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""GPU check of the Triton GEMV (kernels/gemv.py): parity with the reference, bandwidth vs cuBLAS at real layer
+shapes, and a CUDA-graphed decode step with and without it (random weights, bf16). Last stdout line: JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
+from specpilot.costmodel.hardware import time_median_s
+from specpilot.engine.runner import ModelRunner
+from specpilot.kernels.gemv import gemv, gemv_reference
+from specpilot.models.dense import DenseLM, rope_inv_freq
+
+SHAPES = {  # (N, K) of fused projections
+    "1.5b qkv": (2048, 1536), "1.5b gate_up": (17920, 1536), "1.5b down": (1536, 8960), "1.5b lm_head": (151936, 1536),
+    "8b qkv": (6144, 4096), "8b gate_up": (24576, 4096), "8b down": (4096, 12288),
+}
+
+
+def main() -> int:
+    out, problems = {"parity": {}, "gemv": {}, "step": {}}, []
+    for M in (1, 2, 5, 8):
+        for N, K in ((2048, 1536), (1536, 8960), (300, 4100)):
+            x, w = torch.randn(M, K, device="cuda").bfloat16(), torch.randn(N, K, device="cuda").bfloat16()
+            y = torch.full((M, N), float("nan"), device="cuda")
+            y = gemv(x, w).float()
+            ref = gemv_reference(x.double(), w.double()).float()
+            rel = ((y - ref).norm() / ref.norm()).item()
+            out["parity"][f"M{M} {N}x{K}"] = rel
+            if not rel < 1e-2 or not torch.isfinite(y).all():
+                problems.append(f"parity M{M} {N}x{K}: {rel}")
+    print("parity", out["parity"], flush=True)
+    for name, (N, K) in SHAPES.items():
+        ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(4)]  # rotate: more than L2 holds
+        for M in (1, 5):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            i = [0]
+
+            def pick():
+                i[0] = (i[0] + 1) % len(ws)
+                return ws[i[0]]
+
+            t_lib = time_median_s(lambda: F.linear(x, pick()), warmup=5, repeats=50)
+            t_tri = time_median_s(lambda: gemv(x, pick()), warmup=5, repeats=50)
+            gb = N * K * 2 / 1e9
+            row = {"cublas_TBps": round(gb / t_lib / 1e3, 3), "triton_TBps": round(gb / t_tri / 1e3, 3),
+                   "cublas_us": round(t_lib * 1e6, 1), "triton_us": round(t_tri * 1e6, 1)}
+            out["gemv"][f"{name} M{M}"] = row
+            print(name, M, row, flush=True)
+    hw = load_or_measure("cuda")
+    for name in ("qwen2.5-1.5b", "qwen3-8b"):
+        cfg = synthetic_config(name)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = DenseLM(cfg).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        model.inv_freq = rope_inv_freq(cfg).cuda()
+        model.fuse_projections().eval()
+        for variant in ("cublas", "triton"):
+            if variant == "triton":
+                model.use_gemv_kernel()
+            runner = ModelRunner(model, model.new_cache(1, 1024), buckets=(1, 5), cuda_graphs=True)
+            runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
+            for T in (1, 5):
+                ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
+                ms = time_median_s(lambda: runner.step(ids, 512), warmup=5, repeats=100) * 1e3
+                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                row = {"ms": round(ms, 4), "over_floor": round(ms / floor, 3)}
+                out["step"][f"{name} {variant} T{T}"] = row
+                print(name, variant, T, row, flush=True)
+            del runner
+        del model
+        torch.cuda.empty_cache()
+    out["problems"] = problems
+    print(json.dumps(out))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
