@@ -64,7 +64,7 @@ class GpuLease:
         return self
 
     def __exit__(self, *exc):
-        pass
+        self.lock.release()
 
 
 def trial_key(round: int, mechanism: str, delta: dict) -> str:

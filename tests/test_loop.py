@@ -1,0 +1,400 @@
+"""The optimization loop: registry, memory (crash + resume, transfer), gate, integration, agent explorer, CLI.
+
+Timing on a shared 2-core CPU is noise, so most tests use a deterministic fake world: a scorer whose greedy
+continuation is a fixed rule (so forcing is real and exact) and a measure whose tokens/s is a function of the
+config. The forcing gate and the CLI also run on tiny random models with the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.errors import ConfigError
+from specpilot.loop import Budget, Deployment, EngineMeasure, Gate, Measurement, Memory, optimize
+from specpilot.loop.agent import AgentExplorer, DriverMeasure
+from specpilot.loop.registry import REGISTRY, Mechanism, applicable, register
+from specpilot.loop.report import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 32
+
+
+# --- the fake world ---------------------------------------------------------------------------------------------
+
+
+def rule(seq):
+    return (seq[-1] * 5 + len(seq)) % V
+
+
+def fake_scorer(ids):
+    """Logits whose argmax at each position is rule(prefix), with a margin of 4."""
+    out = torch.zeros(len(ids), V)
+    for t in range(len(ids)):
+        out[t, rule(ids[: t + 1])] = 4.0
+    return out
+
+
+def greedy(prompt, n=6):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(rule(seq))
+    return seq[len(prompt):]
+
+
+DEV = [[3, 4, 5, 6], [7, 8, 9], [1, 2, 3, 4, 5]]
+HELD = [[10, 11, 12], [13, 14, 15, 16]]
+K_SPEED = {2: 0.9, 3: 1.0, 4: 1.05, 6: 1.25, 8: 1.1}
+N_SPEED = {2: 1.0, 3: 1.15, 4: 1.05, 6: 0.95}
+
+
+def additive(cfg, prompts):
+    return 100 * K_SPEED[cfg.num_draft_tokens] * N_SPEED[cfg.ngram_max]
+
+
+def antagonistic(cfg, prompts):
+    s = additive(cfg, prompts)
+    return s * 0.7 if (cfg.num_draft_tokens, cfg.ngram_max) == (6, 3) else s
+
+
+class Killed(Exception):
+    pass
+
+
+class FakeMeasure:
+    """Deterministic tokens/s with a +-0.4% spread over repeats; outputs are the scorer's own greedy ones."""
+
+    def __init__(self, speed=additive, fail_after=None, sleep=0.0):
+        self.speed, self.fail_after, self.sleep = speed, fail_after, sleep
+        self.calls, self.active, self.max_active = [], 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, cfg, prompts, repeats):
+        with self.lock:
+            self.calls.append((json.dumps(cfg.to_dict(), sort_keys=True), "dev" if prompts is DEV else "held"))
+            if self.fail_after is not None and len(self.calls) > self.fail_after:
+                raise Killed("simulated kill")
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        time.sleep(self.sleep)
+        s = self.speed(cfg, prompts)
+        with self.lock:
+            self.active -= 1
+        return Measurement([s * (1 + 0.004 * (i - (repeats - 1) / 2)) for i in range(repeats)], prompts,
+                           [greedy(p) for p in prompts], tau=2.0, stage_s={"verify": 0.01, "draft": 0.002})
+
+
+def ngram_dep(target="toy-coder-1.5b"):
+    return Deployment(target, None, EngineConfig(drafter_kind="ngram", max_new_tokens=8, max_seq_len=64))
+
+
+def run(memory, measure, dep=None, budget=None, **kw):
+    gate = kw.pop("gate", None) or Gate(fake_scorer, HELD, repeats=3)
+    return optimize(dep or ngram_dep(), budget or Budget(rounds=3, trials=60), memory, measure, dev=DEV, gate=gate,
+                    **kw)
+
+
+# --- registry -----------------------------------------------------------------------------------------------
+
+
+def test_registry_applies_and_filters(tmp_path):
+    cpu_ngram = ngram_dep()
+    assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config)] == ["block_size", "ngram_window"]
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "cuda_graphs", "compile"]
+    no_graphs = gpu.config.with_(cuda_graphs=False)
+    assert "compile" not in [m.name for m in applicable(gpu, no_graphs)]
+    assert applicable(cpu_ngram, cpu_ngram.config.with_(drafter_kind="none")) == []
+    assert {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(cpu_ngram.config)} == {2, 3, 6, 8}
+    with pytest.raises(ConfigError):
+        Mechanism("bogus", ("draft",), {"no_such_field": [1]})
+    with pytest.raises(ConfigError):
+        register(Mechanism("block_size", ("verify",), {"num_draft_tokens": [5]}))
+    # one entry is all a new mechanism needs: a private registry with it is explored
+    reg = {"min_ngram": Mechanism("min_ngram", ("draft",), {"ngram_min": [2]}, lambda d, c: True)}
+    res = run(Memory(tmp_path / "m.sqlite"), FakeMeasure(), budget=Budget(rounds=1), registry=reg)
+    assert {t.mechanism for t in res.trials} == {"baseline", "min_ngram"}
+
+
+# --- memory: crash + resume, transfer ----------------------------------------------------------------------------
+
+
+def test_killed_run_resumes_without_rerunning_or_losing_trials(tmp_path):
+    path = tmp_path / "m.sqlite"
+    reference = run(Memory(tmp_path / "ref.sqlite"), FakeMeasure())
+    mem = Memory(path)
+    with pytest.raises(Killed):
+        run(mem, FakeMeasure(fail_after=9))
+    run_id = mem._q("SELECT max(id) FROM runs")[0][0]
+    before = mem.finished_trials(run_id)
+    assert 2 <= len(before) < len(reference.trials)
+    mem.close()
+    again = Memory(path)  # a new process
+    measure = FakeMeasure()
+    res = run(again, measure, resume_run=run_id)
+    finished_dev = {json.dumps(t.config, sort_keys=True) for t in before}
+    assert not [c for c, split in measure.calls if split == "dev" and c in finished_dev], "a finished trial re-ran"
+    after = {t.id: t for t in res.trials}
+    assert all(after[t.id] == t for t in before), "a finished trial was lost or changed"
+    assert sorted(t.key for t in res.trials) == sorted(t.key for t in reference.trials)
+    assert res.best.config == reference.best.config
+    assert again.run_info(run_id)["status"] == "finished"
+
+
+def test_memory_transfer_reaches_best_in_fewer_trials(tmp_path):
+    mem = Memory(tmp_path / "shared.sqlite")
+    first = run(mem, FakeMeasure())
+    second = run(mem, FakeMeasure(), dep=ngram_dep("toy-coder-3b"))  # same family, remembers the first
+    empty = run(Memory(tmp_path / "empty.sqlite"), FakeMeasure(), dep=ngram_dep("toy-coder-3b"))
+    assert second.best.config == empty.best.config == first.best.config
+    assert second.trials_to_best < empty.trials_to_best
+    assert [t.mechanism for t in second.trials if t.round == 1] == ["transfer"]
+    knows = mem.validated_for(ngram_dep("toy-coder-7b"))
+    assert {m for m, _, _ in knows.worked} == {"block_size", "ngram_window"}
+
+
+def test_failed_elsewhere_is_skipped(tmp_path):
+    mem = Memory(tmp_path / "m.sqlite")
+    flat_k = lambda cfg, p: 100 * N_SPEED[cfg.ngram_max]  # noqa: E731  block size never helps here
+    run(mem, FakeMeasure(flat_k))
+    assert "block_size" in mem.validated_for(ngram_dep("toy-coder-3b")).failed
+    res = run(mem, FakeMeasure(flat_k), dep=ngram_dep("toy-coder-3b"), budget=Budget(rounds=3))
+    assert "block_size" not in {t.mechanism for t in res.trials}
+
+
+# --- gate ------------------------------------------------------------------------------------------------------
+
+
+def _ref(median, spread=2.0):
+    return {"dev": {"median": median, "spread": spread}, "heldout": {"median": median, "spread": spread}}
+
+
+def test_gate_rejects_gain_within_noise_and_slower():
+    gate = Gate(fake_scorer, HELD, repeats=3)
+    cfg = EngineConfig(drafter_kind="ngram")
+    m = FakeMeasure(lambda c, p: 101.0)
+    within = gate.judge(cfg, m(cfg, DEV, 3), _ref(100.0, spread=2.0), m)
+    assert not within.passed and within.check == "noise" and "run-to-run spread" in within.reason
+    slower = gate.judge(cfg, m(cfg, DEV, 3), _ref(105.0), m)
+    assert not slower.passed and slower.check == "slower"
+    real = gate.judge(cfg, m(cfg, DEV, 3), _ref(90.0), m)
+    assert real.passed and real.figures["heldout"]["median"] == pytest.approx(101.0)
+
+
+def test_gate_rejects_speed_above_ceiling_and_notes_missing_ceiling():
+    cfg = EngineConfig(drafter_kind="ngram")
+    m = FakeMeasure(lambda c, p: 150.0)
+    capped = Gate(fake_scorer, HELD, repeats=3, ceiling_fn=lambda c, meas: 120.0)
+    v = capped.judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    assert not v.passed and v.check == "ceiling" and "measurement fault" in v.reason
+    free = Gate(fake_scorer, HELD, repeats=3).judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    assert free.passed and any("skipped" in n for n in free.notes)
+
+
+def test_gate_rejects_gain_that_does_not_repeat_on_heldout():
+    """A candidate tuned to (or caching outputs for) the dev prompts: fast there, not on held-out."""
+    cfg = EngineConfig(drafter_kind="ngram")
+    m = FakeMeasure(lambda c, p: 150.0 if p is DEV else 100.0)
+    v = Gate(fake_scorer, HELD, repeats=3).judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    assert not v.passed and v.check == "heldout"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("llama", seed=3)
+    return path, load_model(path), load_model(path)  # candidate's model, and an independent scorer instance
+
+
+def test_gate_rejects_changed_output_at_high_margin(tiny):
+    from specpilot.evaluator.forcing import specpilot_scorer
+
+    _, model, scorer_model = tiny
+    scorer = specpilot_scorer(scorer_model)
+    g = torch.Generator().manual_seed(0)
+    dev = [torch.randint(3, 96, (7,), generator=g).tolist() for _ in range(2)]
+    held = [torch.randint(3, 96, (6,), generator=g).tolist()]
+    cfg = EngineConfig(drafter_kind="ngram", max_new_tokens=8, max_seq_len=64, ignore_eos=True)
+    honest = EngineMeasure(model)
+    first = honest(cfg, dev, 2)
+    logits = scorer(dev[0] + first.outputs[0][:-1])[len(dev[0]) - 1:]
+    top2 = logits.topk(2, -1)
+    pos = int((top2.values[:, 0] - top2.values[:, 1]).argmax())  # the most confident position
+
+    def steady(c, prompts, repeats):  # real outputs; fixed figures, since this test is about forcing, not timing
+        m = first if prompts is dev else honest(c, prompts, repeats)
+        return Measurement([100.0, 100.2], prompts, [list(o) for o in m.outputs])
+
+    def cheat(c, prompts, repeats):
+        m = steady(c, prompts, repeats)
+        if prompts is dev:
+            m.outputs[0][pos] = int(top2.indices[pos, 1])
+        return m
+
+    gate = Gate(scorer, held, repeats=2)
+    ok = gate.judge(cfg, steady(cfg, dev, 2), _ref(90.0, 0.0), steady)
+    assert ok.passed, ok.reason
+    bad = gate.judge(cfg, cheat(cfg, dev, 2), _ref(90.0, 0.0), cheat)
+    assert not bad.passed and bad.check == "forcing"
+    assert f"position {pos} " in bad.reason and "heldout" not in bad.figures  # rejected before held-out
+
+
+# --- explore / integrate ------------------------------------------------------------------------------------------
+
+
+def test_integration_keeps_combination_only_when_it_beats_best_single(tmp_path):
+    good = run(Memory(tmp_path / "a.sqlite"), FakeMeasure(additive), budget=Budget(rounds=1))
+    assert good.best.mechanism == "combine" and good.best.delta == {"num_draft_tokens": 6, "ngram_max": 3}
+    bad = run(Memory(tmp_path / "b.sqlite"), FakeMeasure(antagonistic), budget=Budget(rounds=1))
+    combo = [t for t in bad.trials if t.mechanism == "combine"]
+    assert combo and not combo[0].passed
+    assert bad.best.mechanism == "block_size" and bad.best.delta == {"num_draft_tokens": 6}
+
+
+def test_timed_runs_never_overlap(tmp_path):
+    m = FakeMeasure(sleep=0.01)
+    run(Memory(tmp_path / "m.sqlite"), m, budget=Budget(rounds=1, workers=4))
+    assert len(m.calls) > 4 and m.max_active == 1
+
+
+# --- agent explorer -----------------------------------------------------------------------------------------------
+
+HONEST = """import pathlib, sys
+brief = pathlib.Path(sys.argv[1]).read_text()
+assert "## Gap table" in brief and "## Rules" in brief and "specpilot/evaluator/" in brief
+p = pathlib.Path("specpilot/config.py")
+p.write_text(p.read_text().replace("num_draft_tokens: int = 4", "num_draft_tokens: int = 6"))
+"""
+CHEAT = """import pathlib
+p = pathlib.Path("specpilot/evaluator/forcing.py")
+p.write_text(p.read_text() + "\\ndef force(*a, **k):\\n    return ForcingVerdict(True, 0, 0.0)\\n")
+"""
+SHORTCUT = """import pathlib
+p = pathlib.Path("specpilot/config.py")
+p.write_text(p.read_text().replace("ignore_eos: bool = False", "ignore_eos: bool = True"))
+"""
+
+
+@pytest.fixture
+def agent_repo(tmp_path):
+    repo = tmp_path / "repo"
+    for f in ("specpilot/__init__.py", "specpilot/config.py", "specpilot/errors.py", "specpilot/evaluator/__init__.py",
+              "specpilot/evaluator/forcing.py"):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / f, repo / f)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+    subprocess.run(git + ["add", "."], cwd=repo, check=True)
+    subprocess.run(git + ["commit", "-qm", "base"], cwd=repo, check=True)
+    for name, text in (("honest", HONEST), ("cheat", CHEAT), ("shortcut", SHORTCUT)):
+        (tmp_path / f"{name}.py").write_text(text)
+    return repo
+
+
+def test_agent_honest_change_accepted_cheats_rejected(tmp_path, agent_repo):
+    fake = FakeMeasure()
+    extra = [lambda v, n=n: AgentExplorer(f"{sys.executable} {tmp_path / n}.py {{brief_file}}", agent_repo,
+                                          name=f"agent:{n}", measure_factory=lambda wt: fake)
+             for n in ("honest", "cheat", "shortcut")]
+    res = run(Memory(tmp_path / "m.sqlite"), fake, budget=Budget(rounds=1, directions=0), extra=extra)
+    by = {t.mechanism: t for t in res.trials}
+    assert by["agent:honest"].verdict == "accepted", by["agent:honest"].reason
+    assert by["agent:honest"].delta == {"num_draft_tokens": 6} and "num_draft_tokens: int = 6" in \
+        by["agent:honest"].figures["patch"]
+    assert by["agent:cheat"].verdict == "rejected" and by["agent:cheat"].reason.startswith("protected:")
+    assert "specpilot/evaluator/forcing.py" in by["agent:cheat"].reason
+    assert by["agent:shortcut"].verdict == "rejected" and by["agent:shortcut"].reason.startswith("regime:")
+    assert res.best_config.num_draft_tokens == 6
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=agent_repo, capture_output=True, text=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1  # every agent worktree was removed
+
+
+def test_driver_measures_the_worktree_engine(tiny_model_dir):
+    """The default agent measure: the worktree's engine in a subprocess, clocked by the loop's own code."""
+    from specpilot.engine import Engine
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("qwen2", seed=0)
+    cfg = EngineConfig(drafter_kind="ngram", max_new_tokens=10, max_seq_len=64, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12]]
+    m = DriverMeasure(ROOT, str(path), None)(cfg, prompts, 2)
+    from specpilot.drafters import NgramDrafter
+
+    want = [Engine(load_model(path), cfg, NgramDrafter(cfg.ngram_max, cfg.ngram_min)).generate(p).output_ids
+            for p in prompts]
+    assert m.outputs == want and len(m.samples) == 2 and all(s > 0 for s in m.samples)
+    assert m.config["num_draft_tokens"] == cfg.num_draft_tokens
+
+
+# --- report and CLI ------------------------------------------------------------------------------------------------
+
+
+def test_report_and_config_file_roundtrip(tmp_path):
+    mem = Memory(tmp_path / "m.sqlite")
+    res = run(mem, FakeMeasure(antagonistic), budget=Budget(rounds=2))
+    paths = write_report(mem, res.run_id, tmp_path / "out")
+    text = paths["report"].read_text()
+    for t in res.trials:
+        assert f"| {t.id} | {t.round} | {t.mechanism} |" in text
+    assert "rejected" in text and "noise" in text or "slower" in text
+    from specpilot.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["bench", "--config", str(paths["config"])])
+    assert engine_config(args) == res.best_config
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in text
+    else:
+        assert paths["speedup_png"].stat().st_size > 1000
+
+
+def _tokenized_copy(src: Path, dst: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(src, dst)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(dst)
+    return dst
+
+
+def test_cli_optimize_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
+    import argparse
+
+    from specpilot.loop import add_optimize_parser, cmd_optimize
+
+    model = _tokenized_copy(tiny_model_dir("llama", seed=3), tmp_path / "tiny")
+    g = torch.Generator().manual_seed(1)
+    for name, n in (("dev", 2), ("held", 2)):
+        rows = [{"prompt": " ".join(f"w{i}" for i in torch.randint(3, 96, (4,), generator=g).tolist() * 2)}
+                for _ in range(n)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "base.yaml").write_text("ignore_eos: true\nmax_seq_len: 64\n")
+    parser = argparse.ArgumentParser()
+    add_optimize_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "optimize", "--target", str(model), "--drafter-kind", "ngram", "--max-new-tokens", "8",
+        "--config", str(tmp_path / "base.yaml"), "--dev-prompts-file", str(tmp_path / "dev.jsonl"),
+        "--heldout-prompts-file", str(tmp_path / "held.jsonl"), "--rounds", "1", "--directions", "1",
+        "--repeats", "2", "--memory", str(tmp_path / "m.sqlite"), "--out", str(tmp_path / "out")])
+    assert cmd_optimize(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["rounds"] == 1 and summary["trials"]["tried"] >= 1
+    assert summary["trials"]["tried"] == summary["trials"]["accepted"] + summary["trials"]["rejected"]
+    assert Path(summary["report"]).is_file() and Path(summary["config_file"]).is_file()
+    mem = Memory(tmp_path / "m.sqlite")
+    base = mem.finished_trials(summary["run"])[0]
+    assert base.verdict == "baseline" and base.figures["dev"]["median"] > 0  # real engine, forcing passed
+    assert mem.rounds(summary["run"])[0]["gaps"][0]["measured_s"] is not None  # CPU: measured stage times
