@@ -66,8 +66,8 @@ def antagonistic(cfg, prompts):
     return s * 0.7 if (cfg.num_draft_tokens, cfg.ngram_max) == (6, 3) else s
 
 
-class Killed(Exception):
-    pass
+class Killed(BaseException):
+    """A kill, not an error: errors in measure() reject a trial, a kill stops the run."""
 
 
 class FakeMeasure:
@@ -108,12 +108,20 @@ def run(memory, measure, dep=None, budget=None, **kw):
 
 def test_registry_applies_and_filters(tmp_path):
     cpu_ngram = ngram_dep()
-    assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config)] == ["block_size", "ngram_window"]
+    assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config)] == ["block_size", "ngram_window",
+                                                                          "fused_projections"]
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "cuda_graphs", "compile"]
+    assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "cuda_graphs",
+                                                             "fused_projections", "gemv_kernel", "compile"]
+    assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]
+    flash = Deployment("t", "ckpt", EngineConfig(drafter_kind="dflash"), "cpu")
+    assert REGISTRY["drafter_kind"].candidates(flash.config, flash) == [{"drafter_kind": "ngram"}]
+    assert REGISTRY["drafter_kind"].candidates(flash.config.with_(drafter_kind="ngram"), flash) == \
+        [{"drafter_kind": "dflash"}]
     no_graphs = gpu.config.with_(cuda_graphs=False)
     assert "compile" not in [m.name for m in applicable(gpu, no_graphs)]
-    assert applicable(cpu_ngram, cpu_ngram.config.with_(drafter_kind="none")) == []
+    assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config.with_(drafter_kind="none"))] == \
+        ["fused_projections"]  # speculative mechanisms need a drafter; a weight layout does not
     assert {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(cpu_ngram.config)} == {2, 3, 6, 8}
     with pytest.raises(ConfigError):
         Mechanism("bogus", ("draft",), {"no_such_field": [1]})
@@ -225,7 +233,7 @@ def test_gate_rejects_changed_output_at_high_margin(tiny):
     dev = [torch.randint(3, 96, (7,), generator=g).tolist() for _ in range(2)]
     held = [torch.randint(3, 96, (6,), generator=g).tolist()]
     cfg = EngineConfig(drafter_kind="ngram", max_new_tokens=8, max_seq_len=64, ignore_eos=True)
-    honest = EngineMeasure(model)
+    honest = EngineMeasure(lambda c: model)
     first = honest(cfg, dev, 2)
     logits = scorer(dev[0] + first.outputs[0][:-1])[len(dev[0]) - 1:]
     top2 = logits.topk(2, -1)
@@ -259,6 +267,18 @@ def test_integration_keeps_combination_only_when_it_beats_best_single(tmp_path):
     combo = [t for t in bad.trials if t.mechanism == "combine"]
     assert combo and not combo[0].passed
     assert bad.best.mechanism == "block_size" and bad.best.delta == {"num_draft_tokens": 6}
+
+
+def test_error_in_a_trial_rejects_it_and_the_run_goes_on(tmp_path):
+    def speed(cfg, prompts):
+        if cfg.num_draft_tokens == 8:
+            raise RuntimeError("out of memory")
+        return additive(cfg, prompts)
+
+    res = run(Memory(tmp_path / "m.sqlite"), FakeMeasure(speed), budget=Budget(rounds=1))
+    broken = [t for t in res.trials if t.config["num_draft_tokens"] == 8]
+    assert broken and broken[0].reason.startswith("error: RuntimeError: out of memory")
+    assert res.best.delta == {"num_draft_tokens": 6, "ngram_max": 3}
 
 
 def test_timed_runs_never_overlap(tmp_path):

@@ -32,18 +32,38 @@ __all__ = ["REGISTRY", "Budget", "Deployment", "EngineMeasure", "Gate", "GpuLeas
 
 
 class EngineMeasure:
-    """measure(config, prompts, repeats) on real engines; target and drafter model are loaded once and shared."""
+    """measure(config, prompts, repeats) on real engines.
 
-    def __init__(self, target, drafter_model=None, tokenizer=None):
-        self.target, self.drafter_model, self.tokenizer = target, drafter_model, tokenizer
+    `load_target(config)` builds the target for a config's layout (dtype, device, fused projections, GEMV kernel:
+    choices applied to the weights at load time, one way); the last one is kept and reloaded only when the layout
+    changes. The drafter is given as a name/path and built per config by `build_drafter` (which loads a small AR
+    model with the config's layout, or a DFlash checkpoint); loading stays outside the timed region.
+    """
+
+    LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel")
+
+    def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
+        self.load_target, self.drafter, self.tokenizer = load_target, drafter, tokenizer
+        self._key, self._target = (self._layout(loaded[0]), loaded[1]) if loaded else (None, None)
+
+    def _layout(self, config: EngineConfig) -> tuple:
+        return tuple(getattr(config, f, None) for f in self.LAYOUT)
+
+    def target(self, config: EngineConfig):
+        if self._layout(config) != self._key:
+            self._target = None  # free the old copy first
+            self._target, self._key = self.load_target(config), self._layout(config)
+        return self._target
 
     def __call__(self, config: EngineConfig, prompts: list[list[int]], repeats: int) -> Measurement:
         import torch
 
         from specpilot.engine import Engine, build_drafter
 
-        drafter = build_drafter(config, self.drafter_model if config.drafter_kind == "model" else None, self.target)
-        engine = Engine(self.target, config, drafter, self.tokenizer)
+        target = self.target(config)
+        needs_model = config.drafter_kind in ("model", "dflash")
+        drafter = build_drafter(config, self.drafter if needs_model else None, target)
+        engine = Engine(target, config, drafter, self.tokenizer)
         sync = torch.cuda.synchronize if config.device.startswith("cuda") else None
         r = time_engine(engine.generate, prompts, repeats, sync)
         return Measurement(r["samples"], [list(p) for p in prompts], r["outputs"], r["tau"], r["stage_s"],
@@ -62,9 +82,9 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None)
 
 
-def cost_model_hooks(target, drafter_model, device: str):
-    """(profile_fn, ceiling_fn, note). On CUDA: the cost model's gap table and tokens/s ceiling (tau / step floor).
-    Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap) and no ceiling."""
+def cost_model_hooks(target_cfg, drafter_cfg, device: str):
+    """(profile_fn, ceiling_fn, note) from the target's and drafter's ModelConfig (drafter_cfg None: no AR drafter).
+    On CUDA: the cost model's gap table and tokens/s ceiling (tau / step floor). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap) and no ceiling."""
     from specpilot.costmodel import GapRow, analyze, load_or_measure
 
     try:
@@ -81,10 +101,11 @@ def cost_model_hooks(target, drafter_model, device: str):
         return stage_times, None, f"no cost-model ceilings ({e}); diagnosis ranks measured stage times"
 
     def report(cfg, stage_s, tau, context_len):
+        if cfg.drafter_kind not in ("model", "ngram") or (cfg.drafter_kind == "model" and drafter_cfg is None):
+            return None  # the cost model has no shapes for this drafter (e.g. DFlash) yet
         prof = _step_profile(cfg, stage_s, tau, context_len)
-        dcfg = drafter_model.config if (cfg.drafter_kind == "model" and drafter_model is not None) else None
-        return None if prof is None else analyze(target.config, dcfg, prof, hw, drafter_kind=cfg.drafter_kind,
-                                                 graphed=cfg.cuda_graphs)
+        return None if prof is None else analyze(target_cfg, drafter_cfg if cfg.drafter_kind == "model" else None,
+                                                 prof, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
 
     def profile_fn(cfg, stats):
         return report(cfg, stats.get("stage_s"), stats.get("tau", 1.0), stats.get("context_len", 0))
@@ -112,7 +133,7 @@ def add_optimize_parser(subparsers):
     a("--deployment", help="YAML file holding any of the options below (underscored names; flags override it)")
     a("--target", help="target model (default: the embedded default deployment's)")
     a("--drafter", help="drafter model (enables drafter_kind 'model')")
-    a("--drafter-kind", choices=("model", "ngram"))
+    a("--drafter-kind", choices=("model", "ngram", "dflash"))
     a("--device"), a("--dtype", choices=("float32", "bfloat16", "float16"))
     a("--max-new-tokens", type=int, help="(default 64 on CPU, 256 elsewhere)")
     a("--config", help="YAML/JSON of EngineConfig fields: the starting config")
@@ -175,6 +196,8 @@ def cmd_optimize(args) -> int:
     err = Console(stderr=True)
     s = _settings(args)
     s["target"] = s["target"] or dep_defaults.DEFAULT_TARGET
+    if s["drafter"] is None and s["drafter_kind"] == "dflash":
+        raise ConfigError("--drafter-kind dflash needs --drafter (a DFlash checkpoint)")
     if s["drafter"] is None and s["drafter_kind"] == "model":
         s["drafter"] = dep_defaults.DEFAULT_DRAFTER
     base = {}
@@ -191,8 +214,11 @@ def cmd_optimize(args) -> int:
         raise ConfigError("dev and held-out prompts must be non-empty, different prompt sets")
     err.print(f"loading target {s['target']} ({cfg.dtype}, {cfg.device})")
     target, tok = load_target(s["target"], cfg)
-    drafter = load_model(resolve_model(s["drafter"]), dtype=DTYPE[cfg.dtype], device=cfg.device) \
-        if s["drafter"] else None
+    drafter_cfg = None
+    if s["drafter"] and cfg.drafter_kind != "dflash":  # a small AR drafter: the cost model knows its shapes
+        from specpilot.models.config import ModelConfig
+
+        drafter_cfg = ModelConfig.from_folder(resolve_model(s["drafter"]))
     dev, held = [tok.encode_chat(p.messages) for p in dev_p], [tok.encode_chat(p.messages) for p in held_p]
     if s["stock"] == "transformers":
         scorer = transformers_scorer(resolve_model(s["target"]), DTYPE[cfg.dtype], cfg.device)
@@ -200,7 +226,7 @@ def cmd_optimize(args) -> int:
         scorer = specpilot_scorer(load_model(resolve_model(s["target"]), dtype=DTYPE[cfg.dtype], device=cfg.device))
     device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
     deployment = Deployment(s["target"], s["drafter"], cfg, device_name)
-    profile_fn, ceiling_fn, note = cost_model_hooks(target, drafter, cfg.device)
+    profile_fn, ceiling_fn, note = cost_model_hooks(target.config, drafter_cfg, cfg.device)
     err.print(f"[dim]{note}[/dim]")
     gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=ceiling_fn, device=cfg.device,
                 tolerance=DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"])
@@ -212,7 +238,8 @@ def cmd_optimize(args) -> int:
         extra = [lambda view: AgentExplorer(s["agent_command"], repo)]
     budget = Budget(s["rounds"], s["trials"], s["wall_s"], s["directions"], s["workers"])
     t0 = time.time()
-    result = optimize(deployment, budget, memory, EngineMeasure(target, drafter, tok), profile_fn, dev=dev,
+    measure = EngineMeasure(lambda c: load_target(s["target"], c)[0], s["drafter"], tok, loaded=(cfg, target))
+    result = optimize(deployment, budget, memory, measure, profile_fn, dev=dev,
                       gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
                       progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
     paths = write_report(memory, result.run_id, s["out"], title=f"{s['target']} + {s['drafter'] or 'ngram'}")

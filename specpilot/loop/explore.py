@@ -120,7 +120,7 @@ class MechanismExplorer(Explorer):
         self.mechanism, self.name, self.prefer = mechanism, mechanism.name, list(prefer)
 
     def propose(self, view: View) -> list[Candidate]:
-        deltas = self.mechanism.candidates(view.best_config)
+        deltas = self.mechanism.candidates(view.best_config, view.deployment)
         deltas.sort(key=lambda d: 0 if d in self.prefer else 1)  # stable: registry order otherwise
         out = []
         for d in deltas:

@@ -60,6 +60,11 @@ class Deployment:
         return self.config.drafter_kind
 
     @property
+    def drafter_model_kind(self) -> str:
+        """What the drafter file is: a DFlash checkpoint when the deployment starts as dflash, else a small AR."""
+        return self.config.drafter_kind if self.config.drafter_kind in ("model", "dflash") else "model"
+
+    @property
     def on_cuda(self) -> bool:
         return self.config.device.startswith("cuda")
 
@@ -69,6 +74,7 @@ class Deployment:
 
 
 Applies = Callable[[Deployment, EngineConfig], bool]
+Valid = Callable[[Deployment, dict], bool]
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Mechanism:
     fields: dict[str, list]  # EngineConfig field -> candidate values
     applies: Applies = lambda dep, cfg: True  # noqa: E731  (dep, the current best config) -> usable here?
     description: str = ""
+    valid: Valid = lambda dep, delta: True  # noqa: E731  drops candidate values this deployment cannot run
 
     def __post_init__(self):
         bad = [s for s in self.gap_stages if s not in STAGES]
@@ -88,14 +95,14 @@ class Mechanism:
         if unknown or not self.fields:
             raise ConfigError(f"mechanism {self.name}: unknown EngineConfig fields {sorted(unknown)}")
 
-    def candidates(self, cfg: EngineConfig) -> list[dict]:
+    def candidates(self, cfg: EngineConfig, dep: Deployment | None = None) -> list[dict]:
         """Config deltas (field -> value) this mechanism proposes from `cfg`, excluding `cfg` itself.
-        Several fields: every combination. Deltas that EngineConfig rejects are dropped."""
+        Several fields: every combination. Deltas that EngineConfig rejects, or `valid` (given `dep`), are dropped."""
         names = list(self.fields)
         out = []
         for values in itertools.product(*(self.fields[n] for n in names)):
             delta = dict(zip(names, values))
-            if all(getattr(cfg, k) == v for k, v in delta.items()):
+            if all(getattr(cfg, k) == v for k, v in delta.items()) or (dep is not None and not self.valid(dep, delta)):
                 continue
             try:
                 cfg.with_(**delta)
@@ -131,9 +138,10 @@ register(Mechanism(
     "block_size", ("verify", "draft"), {"num_draft_tokens": [2, 3, 4, 6, 8]}, _speculative,
     "tokens drafted per step: more raises tau but costs drafter passes and a wider verify pass"))
 register(Mechanism(
-    "drafter_kind", ("draft",), {"drafter_kind": ["model", "ngram"]},
+    "drafter_kind", ("draft",), {"drafter_kind": ["model", "dflash", "ngram"]},
     lambda dep, cfg: dep.drafter is not None and cfg.drafter_kind != "none",
-    "small AR drafter model vs prompt-lookup n-grams (free to draft, lower acceptance off-prompt)"))
+    "the deployment's drafter model (small AR or DFlash block drafter) vs prompt-lookup n-grams",
+    lambda dep, delta: delta["drafter_kind"] in (dep.drafter_model_kind, "ngram")))
 register(Mechanism(
     "ngram_window", ("draft",), {"ngram_max": [2, 3, 4, 6]},
     lambda dep, cfg: cfg.drafter_kind == "ngram",
@@ -142,6 +150,14 @@ register(Mechanism(
     "cuda_graphs", ("other",), {"cuda_graphs": [True, False]},
     lambda dep, cfg: dep.on_cuda,
     "replay captured CUDA graphs per step bucket instead of launching kernels from Python"))
+register(Mechanism(
+    "fused_projections", ("verify", "draft"), {"fused_projections": [True, False]},
+    lambda dep, cfg: True,
+    "one qkv and one gate+up GEMM per layer instead of five (same numbers, fewer kernels)"))
+register(Mechanism(
+    "gemv_kernel", ("verify", "draft"), {"gemv_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "few-token projections through the Triton split-K GEMV instead of cuBLAS"))
 register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,

@@ -127,6 +127,12 @@ def _merge(deltas: Sequence[dict]) -> dict:
     return out
 
 
+def _transferable(knowledge: Knowledge, dep: Deployment, cfg: EngineConfig, registry) -> list[dict]:
+    """Remembered deltas of registry mechanisms that apply here and whose values this deployment can run."""
+    return [d for m, d, _ in knowledge.worked
+            if m in registry and registry[m].applies(dep, cfg) and registry[m].valid(dep, d)]
+
+
 def _by_mechanism(delta: dict, registry: dict[str, Mechanism]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for k, v in delta.items():
@@ -170,14 +176,20 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
             verdict, reason, cfg = "rejected", cand.rejected, cand.config.to_dict()
         else:
             m = cand.measure or measure
-            with gate.lease:
-                dev_m = m(cand.config, dev, gate.repeats)
-            v = gate.baseline(cand.config, dev_m, m) if reference is None else \
-                gate.judge(cand.config, dev_m, reference, m)
-            figures.update(v.figures, notes=v.notes)
-            cfg = dev_m.config or cand.config.to_dict()
-            verdict = ("baseline" if reference is None else "accepted") if v.passed else "rejected"
-            reason = v.reason
+            try:
+                with gate.lease:
+                    dev_m = m(cand.config, dev, gate.repeats)
+                v = gate.baseline(cand.config, dev_m, m) if reference is None else \
+                    gate.judge(cand.config, dev_m, reference, m)
+            except Exception as e:  # a config the engine cannot run (OOM, no kernel): rejected, not fatal
+                if reference is None:
+                    raise
+                verdict, reason, cfg = "rejected", f"error: {type(e).__name__}: {str(e)[:300]}", cand.config.to_dict()
+            else:
+                figures.update(v.figures, notes=v.notes)
+                cfg = dev_m.config or cand.config.to_dict()
+                verdict = ("baseline" if reference is None else "accepted") if v.passed else "rejected"
+                reason = v.reason
         t = memory.record_trial(run, rnd, cand.key, cand.mechanism, cfg, cand.delta, figures, verdict, reason)
         say(f"round {rnd} {cand.mechanism} {cand.delta}: {verdict} {t.median:.2f} tok/s {reason}".rstrip())
         return t
@@ -199,7 +211,7 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
         view = View(deployment, rnd, best_cfg, best.figures, gaps, knowledge, frozenset(tried))
         explorers: list[Explorer] = []
         if rnd == 1 and knowledge.worked:
-            warm = FixedExplorer("transfer", [_merge([d for _, d, _ in knowledge.worked])])
+            warm = FixedExplorer("transfer", [_merge(_transferable(knowledge, deployment, best_cfg, reg))])
             explorers = [warm] if warm.propose(view) else []
         if not explorers:
             explorers = choose(deployment, view, knowledge, reg, skip_failed)[:budget.directions]
