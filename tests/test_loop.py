@@ -149,8 +149,10 @@ def test_killed_run_resumes_without_rerunning_or_losing_trials(tmp_path):
     again = Memory(path)  # a new process
     measure = FakeMeasure()
     res = run(again, measure, resume_run=run_id)
-    finished_dev = {json.dumps(t.config, sort_keys=True) for t in before}
-    assert not [c for c, split in measure.calls if split == "dev" and c in finished_dev], "a finished trial re-ran"
+    new = [t for t in res.trials if t.id not in {b.id for b in before}]
+    dev_calls = [c for c, split in measure.calls if split == "dev"]  # reference, candidate, reference, ...
+    assert sorted(dev_calls[1::2]) == sorted(json.dumps(t.config, sort_keys=True) for t in new), \
+        "a finished trial was measured again"
     after = {t.id: t for t in res.trials}
     assert all(after[t.id] == t for t in before), "a finished trial was lost or changed"
     assert sorted(t.key for t in res.trials) == sorted(t.key for t in reference.trials)
@@ -182,37 +184,43 @@ def test_failed_elsewhere_is_skipped(tmp_path):
 # --- gate ------------------------------------------------------------------------------------------------------
 
 
-def _ref(median, spread=2.0):
-    return {"dev": {"median": median, "spread": spread}, "heldout": {"median": median, "spread": spread}}
+CFG = EngineConfig(drafter_kind="ngram")
+REF = FakeMeasure(lambda c, p: 100.0)  # the reference: 99.6, 100, 100.4 tok/s over three repeats
+
+
+def judge(speed, gate=None):
+    gate = gate or Gate(fake_scorer, HELD, repeats=3)
+    return gate.judge(CFG.with_(num_draft_tokens=6), FakeMeasure(speed), CFG, REF, DEV)
 
 
 def test_gate_rejects_gain_within_noise_and_slower():
-    gate = Gate(fake_scorer, HELD, repeats=3)
-    cfg = EngineConfig(drafter_kind="ngram")
-    m = FakeMeasure(lambda c, p: 101.0)
-    within = gate.judge(cfg, m(cfg, DEV, 3), _ref(100.0, spread=2.0), m)
+    within = judge(lambda c, p: 100.5)
     assert not within.passed and within.check == "noise" and "run-to-run spread" in within.reason
-    slower = gate.judge(cfg, m(cfg, DEV, 3), _ref(105.0), m)
+    slower = judge(lambda c, p: 99.0)
     assert not slower.passed and slower.check == "slower"
-    real = gate.judge(cfg, m(cfg, DEV, 3), _ref(90.0), m)
-    assert real.passed and real.figures["heldout"]["median"] == pytest.approx(101.0)
+    real = judge(lambda c, p: 110.0)
+    assert real.passed and real.figures["gain_dev"] == pytest.approx(1.1)
+    assert real.figures["heldout"]["median"] == pytest.approx(110.0)
+
+
+def test_gate_measures_the_reference_next_to_the_candidate():
+    """A machine that slows down after the reference was first measured must not hide a real gain (or fake one)."""
+    drift = FakeMeasure(lambda c, p: 50.0 * (1.2 if c.num_draft_tokens == 6 else 1.0))  # everything at half speed
+    v = Gate(fake_scorer, HELD, repeats=3).judge(CFG.with_(num_draft_tokens=6), drift, CFG, drift, DEV)
+    assert v.passed and v.figures["gain_dev"] == pytest.approx(1.2)
+    assert [split for _, split in drift.calls] == ["dev", "dev", "held", "held"]  # reference, candidate, per split
 
 
 def test_gate_rejects_speed_above_ceiling_and_notes_missing_ceiling():
-    cfg = EngineConfig(drafter_kind="ngram")
-    m = FakeMeasure(lambda c, p: 150.0)
-    capped = Gate(fake_scorer, HELD, repeats=3, ceiling_fn=lambda c, meas: 120.0)
-    v = capped.judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    v = judge(lambda c, p: 150.0, Gate(fake_scorer, HELD, repeats=3, ceiling_fn=lambda c, meas: 120.0))
     assert not v.passed and v.check == "ceiling" and "measurement fault" in v.reason
-    free = Gate(fake_scorer, HELD, repeats=3).judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    free = judge(lambda c, p: 150.0)
     assert free.passed and any("skipped" in n for n in free.notes)
 
 
 def test_gate_rejects_gain_that_does_not_repeat_on_heldout():
     """A candidate tuned to (or caching outputs for) the dev prompts: fast there, not on held-out."""
-    cfg = EngineConfig(drafter_kind="ngram")
-    m = FakeMeasure(lambda c, p: 150.0 if p is DEV else 100.0)
-    v = Gate(fake_scorer, HELD, repeats=3).judge(cfg, m(cfg, DEV, 3), _ref(100.0), m)
+    v = judge(lambda c, p: 150.0 if p is DEV else 100.0)
     assert not v.passed and v.check == "heldout"
 
 
@@ -225,6 +233,7 @@ def tiny(tiny_model_dir):
 
 
 def test_gate_rejects_changed_output_at_high_margin(tiny):
+    """Real engine outputs on a tiny model, forced by an independent instance; one confident token changed."""
     from specpilot.evaluator.forcing import specpilot_scorer
 
     _, model, scorer_model = tiny
@@ -234,27 +243,31 @@ def test_gate_rejects_changed_output_at_high_margin(tiny):
     held = [torch.randint(3, 96, (6,), generator=g).tolist()]
     cfg = EngineConfig(drafter_kind="ngram", max_new_tokens=8, max_seq_len=64, ignore_eos=True)
     honest = EngineMeasure(lambda c: model)
-    first = honest(cfg, dev, 2)
-    logits = scorer(dev[0] + first.outputs[0][:-1])[len(dev[0]) - 1:]
-    top2 = logits.topk(2, -1)
-    pos = int((top2.values[:, 0] - top2.values[:, 1]).argmax())  # the most confident position
+    real = {id(dev): honest(cfg, dev, 2).outputs, id(held): honest(cfg, held, 2).outputs}
 
-    def steady(c, prompts, repeats):  # real outputs; fixed figures, since this test is about forcing, not timing
-        m = first if prompts is dev else honest(c, prompts, repeats)
-        return Measurement([100.0, 100.2], prompts, [list(o) for o in m.outputs])
+    def confident_swap(prompt, out):
+        """`out` with its most confident token (largest stock margin) replaced by the runner-up; and where."""
+        top2 = scorer(prompt + out[:-1])[len(prompt) - 1:].topk(2, -1)
+        pos = int((top2.values[:, 0] - top2.values[:, 1]).argmax())
+        return out[:pos] + [int(top2.indices[pos, 1])] + out[pos + 1:], pos
 
-    def cheat(c, prompts, repeats):
-        m = steady(c, prompts, repeats)
-        if prompts is dev:
-            m.outputs[0][pos] = int(top2.indices[pos, 1])
+    def measure(split_to_corrupt=None, speed=100.0):  # real outputs; fixed figures: this test is about forcing
+        def m(c, prompts, repeats):
+            outs = [list(o) for o in real[id(prompts)]]
+            if prompts is split_to_corrupt:
+                outs[0] = confident_swap(prompts[0], outs[0])[0]
+            return Measurement([speed, speed + 0.2], prompts, outs)
         return m
 
-    gate = Gate(scorer, held, repeats=2)
-    ok = gate.judge(cfg, steady(cfg, dev, 2), _ref(90.0, 0.0), steady)
+    gate, ref = Gate(scorer, held, repeats=2), measure(speed=90.0)
+    ok = gate.judge(cfg, measure(), cfg, ref, dev)
     assert ok.passed, ok.reason
-    bad = gate.judge(cfg, cheat(cfg, dev, 2), _ref(90.0, 0.0), cheat)
-    assert not bad.passed and bad.check == "forcing"
+    bad = gate.judge(cfg, measure(dev), cfg, ref, dev)
+    pos = confident_swap(dev[0], real[id(dev)][0])[1]
+    assert not bad.passed and bad.check == "forcing" and "forcing: dev:" in bad.reason
     assert f"position {pos} " in bad.reason and "heldout" not in bad.figures  # rejected before held-out
+    bad_held = gate.judge(cfg, measure(held), cfg, ref, dev)  # passes on dev, changes a held-out output
+    assert not bad_held.passed and "forcing: heldout:" in bad_held.reason
 
 
 # --- explore / integrate ------------------------------------------------------------------------------------------
@@ -282,9 +295,15 @@ def test_error_in_a_trial_rejects_it_and_the_run_goes_on(tmp_path):
 
 
 def test_timed_runs_never_overlap(tmp_path):
-    m = FakeMeasure(sleep=0.01)
-    run(Memory(tmp_path / "m.sqlite"), m, budget=Budget(rounds=1, workers=4))
-    assert len(m.calls) > 4 and m.max_active == 1
+    """Two loops on one device in one process (e.g. two deployments): the lease keeps their clocks apart."""
+    m = FakeMeasure(sleep=0.005)
+    loops = [threading.Thread(target=run, args=(Memory(tmp_path / f"{i}.sqlite"), m),
+                              kwargs={"budget": Budget(rounds=1, workers=4)}) for i in range(2)]
+    for t in loops:
+        t.start()
+    for t in loops:
+        t.join()
+    assert len(m.calls) > 20 and m.max_active == 1
 
 
 # --- agent explorer -----------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Explorers: one direction each, proposing candidate configs; trials: measure on dev, gate, remember.
 
 `measure(config, prompts, repeats) -> Measurement` is the only way the loop learns how fast a config is; the CLI's
-`EngineMeasure` times real engines, tests pass a deterministic fake. Explorers run concurrently (a thread pool;
-their proposals may also run as Ray tasks) because proposing can be slow — a coding agent thinks for minutes — but
-every timed run and every forcing pass holds the `GpuLease` of its device, so measurements never overlap and one
-explorer's work cannot slow another's clock.
+`EngineMeasure` times real engines, tests pass a deterministic fake. Explorers propose concurrently (a thread pool,
+or Ray tasks) because proposing can be slow — a coding agent thinks for minutes — while trials run one at a time
+on the loop's thread, and every timed run and every forcing pass holds the `GpuLease` of its device, so
+measurements never overlap and one explorer's work cannot slow another's clock.
 
 A trial is finished once it is gated and written to memory. Before doing anything, a trial (and a single-shot
 explorer such as an agent) looks its key up in memory: a resumed run re-uses what was finished and redoes only
@@ -180,10 +180,12 @@ def _proposals(explorers: list[Explorer], view: View, workers: int, use_ray: boo
 
 def explore(explorers: list[Explorer], view: View, run_trial: Callable, find: Callable, *, workers: int = 2,
             use_ray: bool = False) -> list:
-    """Propose in parallel; run each candidate's trial (measure, gate, remember) on a thread as proposals arrive.
+    """Propose in parallel; run each candidate's trial (measure, gate, remember) as its proposal arrives.
 
-    `run_trial(candidate) -> Trial | None` (None: out of budget); `find(key) -> Trial | None` (memory). The result
-    lists trials in explorer order, then proposal order, whatever order they ran in.
+    Trials run one after another on the calling thread — the thread that measured round 0 — under the device
+    lease (which also keeps concurrent loops in one process apart): timed runs never share the machine with each
+    other, and every one runs on the same thread. `run_trial(candidate) -> Trial | None` (None: out of budget);
+    `find(key) -> Trial | None` (memory). The result lists trials in explorer order, then proposal order.
     """
     results: dict[int, list] = {i: [] for i in range(len(explorers))}
     skip = set()
@@ -192,12 +194,10 @@ def explore(explorers: list[Explorer], view: View, run_trial: Callable, find: Ca
         found = find(k) if k else None
         if found is not None:
             results[i], _ = [found], skip.add(i)
+    done = []
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            futs = []
-            for i, cands in _proposals(explorers, view, workers, use_ray, skip):
-                futs += [(i, j, pool.submit(run_trial, c)) for j, c in enumerate(cands)]
-            done = [(i, j, f.result()) for i, j, f in futs]
+        for i, cands in _proposals(explorers, view, workers, use_ray, skip):
+            done += [(i, j, run_trial(c)) for j, c in enumerate(cands)]
     finally:
         for ex in explorers:
             ex.close()

@@ -5,7 +5,9 @@ A trial passes only if every check passes (the first failures are recorded as th
                 held-out prompts, scored by `scorer` — the stock AR of the same target, which shares no code path
                 with the candidate (the CLI uses transformers' implementation; see evaluator/forcing.py);
   (c) noise     on dev, median tokens/s beats the reference's median by more than the run-to-run spread
-                (max - min over the R repeats) of either: a "gain" inside the noise is not a gain;
+                (max - min over the R repeats) of either: a "gain" inside the noise is not a gain. The reference
+                (the current best) is measured again right before the candidate, so slow drift of a shared
+                machine cannot pass for a gain or hide one;
   (d) ceiling   a median above the cost model's tokens/s ceiling for this config is a measurement fault, not a
                 speedup (where no ceiling is available, e.g. on CPU, the check is skipped and a note says so);
   (b) held-out  measured again on the held-out prompts (which no explorer ever sees), the candidate must also
@@ -95,34 +97,46 @@ class Gate:
 
     # --- verdicts -----------------------------------------------------------------------------------------------
 
-    def baseline(self, config: EngineConfig, dev: Measurement, measure: Measure) -> Verdict:
-        """Round 0: the starting config must itself be lossless; its dev and held-out figures are the reference."""
-        reasons = self.forcing(dev, "dev")
+    def _pair(self, ref_cfg, ref_measure, cfg, measure, prompts) -> tuple[Measurement, Measurement]:
+        """The reference, then the candidate, back to back under the lease: drift of the machine hits both."""
         with self.lease:
-            held = measure(config, self.heldout, self.repeats)
-        reasons += self.forcing(held, "heldout")
-        figures = {"dev": dev.stats(), "heldout": held.stats()}
-        r, notes = self.ceiling(config, dev, "dev", figures)  # a reference above the ceiling is a fault too
-        reasons += r
-        return Verdict(not reasons, reasons, notes, figures)
+            return ref_measure(ref_cfg, prompts, self.repeats), measure(cfg, prompts, self.repeats)
 
-    def judge(self, config: EngineConfig, dev: Measurement, reference: dict, measure: Measure) -> Verdict:
-        """Is `config` (measured as `dev`) better than `reference` (figures of the current best)?"""
-        v = Verdict(False, figures={"dev": dev.stats()})
-        v.reasons += self.forcing(dev, "dev")
-        r, notes = self.ceiling(config, dev, "dev", v.figures)
+    def baseline(self, config: EngineConfig, measure: Measure, dev: list[list[int]]) -> Verdict:
+        """Round 0: the starting config must itself be lossless (and under the ceiling). Its figures are for the
+        report; later trials are judged against the reference measured next to them, not against these."""
+        with self.lease:
+            d, h = measure(config, dev, self.repeats), measure(config, self.heldout, self.repeats)
+        v = Verdict(False, self.forcing(d, "dev") + self.forcing(h, "heldout"),
+                    figures={"dev": d.stats(), "heldout": h.stats(), "gain_dev": 1.0, "gain_heldout": 1.0})
+        r, v.notes = self.ceiling(config, d, "dev", v.figures)
         v.reasons += r
-        v.notes += notes
-        r, v.figures["gain_dev"] = self.beats(v.figures["dev"], reference["dev"], "dev")
+        v.passed = not v.reasons
+        return v
+
+    def judge(self, config: EngineConfig, measure: Measure, ref_config: EngineConfig, ref_measure: Measure,
+              dev: list[list[int]]) -> Verdict:
+        """Is `config` (run by `measure`) better than `ref_config` (run by `ref_measure`), both measured now?
+
+        Paired: each split measures the reference and then the candidate, R repeats each, so a machine that got
+        slower or faster since the reference was first measured biases neither. Gains are ratios of medians.
+        """
+        ref, cand = self._pair(ref_config, ref_measure, config, measure, dev)
+        v = Verdict(False, figures={"dev": cand.stats(), "ref_dev": ref.stats()})
+        if cand.config:
+            v.figures["measured_config"] = cand.config
+        v.reasons += self.forcing(cand, "dev")
+        r, v.notes = self.ceiling(config, cand, "dev", v.figures)
+        v.reasons += r
+        r, v.figures["gain_dev"] = self.beats(v.figures["dev"], v.figures["ref_dev"], "dev")
         v.reasons += r
         if v.reasons:
             return v
-        with self.lease:
-            held = measure(config, self.heldout, self.repeats)
-        v.figures["heldout"] = held.stats()
+        ref_h, held = self._pair(ref_config, ref_measure, config, measure, self.heldout)
+        v.figures.update(heldout=held.stats(), ref_heldout=ref_h.stats())
         v.reasons += self.forcing(held, "heldout")
         v.reasons += self.ceiling(config, held, "heldout", v.figures)[0]
-        r, v.figures["gain_heldout"] = self.beats(v.figures["heldout"], reference["heldout"], "heldout")
+        r, v.figures["gain_heldout"] = self.beats(v.figures["heldout"], v.figures["ref_heldout"], "heldout")
         v.reasons += r
         v.passed = not v.reasons
         return v

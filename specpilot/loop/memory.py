@@ -64,6 +64,16 @@ class Trial:
     def median(self) -> float:
         return self.figures.get("dev", {}).get("median", 0.0)
 
+    @property
+    def gain(self) -> float:
+        """Dev tokens/s over the reference measured next to it (1.0 for round 0, 0.0 when never measured)."""
+        return self.figures.get("gain_dev", 0.0)
+
+    @property
+    def chain(self) -> float:
+        """Dev speedup over round 0: the product of paired gains from round 0 to this trial (0.0: unmeasured)."""
+        return self.figures.get("chain", 0.0)
+
 
 @dataclass(frozen=True)
 class Knowledge:

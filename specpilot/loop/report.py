@@ -1,8 +1,8 @@
 """What a run leaves behind: a markdown report, PNG plots, and the winning config as a file the CLI accepts.
 
   report.md       summary, each round's diagnosis, every trial with its figures and verdict (and why rejected)
-  speedup.png     best dev tokens/s per round relative to round 0 (the starting config), every trial as a dot,
-                  and the cost model's ceiling where one was measured
+  speedup.png     the best config's dev speedup over round 0 (the starting config) per round, as a product of
+                  paired gains; every trial as a dot; the cost model's ceiling where one was measured
   gaps.png        the last diagnosed gap table as a waterfall (seconds per step by stage)
   best_config.yaml  EngineConfig fields of the best config: `specpilot bench --config best_config.yaml`
   *.patch         the diff of each accepted agent trial (v1 does not apply it)
@@ -30,12 +30,12 @@ def write_config(cfg: EngineConfig, path: str | Path) -> Path:
 
 
 def best_by_round(trials: list[Trial]) -> list[tuple[int, float]]:
-    """(round, dev median of the best config after that round), round 0 first."""
+    """(round, dev speedup over round 0 of the best config after that round), round 0 first."""
     out, cur = [], None
     for r in sorted({t.round for t in trials}):
         adopted = [t for t in trials if t.round == r and t.adopted]
         if adopted:
-            cur = max(adopted, key=lambda t: t.id).median
+            cur = max(adopted, key=lambda t: t.id).chain
         if cur is not None:
             out.append((r, cur))
     return out
@@ -52,14 +52,15 @@ def _plots(trials: list[Trial], rounds: list[dict], base: Trial, out: Path) -> t
     paths, notes = {}, []
     fig, ax = plt.subplots(figsize=(7, 4))
     series = best_by_round(trials)
-    ax.plot([r for r, _ in series], [m / base.median for _, m in series], "o-", label="best so far")
+    ax.plot([r for r, _ in series], [c for _, c in series], "o-", label="best so far")
     for verdict, color in (("accepted", "tab:green"), ("rejected", "tab:red")):
-        pts = [(t.round, t.median / base.median) for t in trials if t.verdict == verdict and t.median > 0]
+        pts = [(t.round, t.chain) for t in trials if t.verdict == verdict and t.chain > 0]
         if pts:
             ax.scatter(*zip(*pts), color=color, alpha=0.5, s=18, label=f"trial {verdict}")
     ceilings = [t.figures.get("ceiling_dev") for t in trials if t.adopted and t.figures.get("ceiling_dev")]
     if ceilings:
-        ax.axhline(ceilings[-1] / base.median, color="gray", ls="--", label="cost-model ceiling (best config)")
+        best = [t for t in trials if t.adopted][-1]  # ceiling in the same yardstick: speedup over round 0
+        ax.axhline(ceilings[-1] / best.median * best.chain, color="gray", ls="--", label="cost-model ceiling")
     else:
         notes.append("no cost-model ceiling was available (e.g. CPU): none plotted")
     ax.axhline(1.0, color="black", lw=0.5)
@@ -102,13 +103,13 @@ def write_report(memory: Memory, run: int, out_dir: str | Path, *, title: str = 
     paths = {"config": write_config(best_cfg, out / "best_config.yaml")}
     plots, notes = _plots(trials, rounds, base, out)
     paths.update(plots)
-    held, base_held = best.figures.get("heldout", {}).get("median"), base.figures.get("heldout", {}).get("median")
     lines = [f"# Optimization run {run}{': ' + title if title else ''}", "",
              f"- best config: `{json.dumps(config_delta(base_cfg, best_cfg))}` (changes from round 0), file "
              f"`{paths['config'].name}` (`specpilot bench --config {paths['config'].name}`)",
-             f"- dev: {base.median:.3f} -> {best.median:.3f} tok/s (x{best.median / base.median:.3f} vs round 0)",
-             f"- held-out: {_fmt(base_held)} -> {_fmt(held)} tok/s"
-             + (f" (x{held / base_held:.3f})" if held and base_held else ""),
+             f"- speedup over round 0 (product of paired gains): dev x{best.chain:.3f}, held-out "
+             f"x{_fmt(best.figures.get('chain_heldout'))}",
+             f"- absolute dev tokens/s (each measured at its own time): round 0 {base.median:.3f}, "
+             f"best {best.median:.3f}",
              f"- trials: {sum(t.round > 0 for t in trials)} gated, "
              f"{sum(t.round > 0 and t.passed for t in trials)} accepted", ""]
     lines += [f"- note: {n}" for n in notes] + [""]
@@ -121,12 +122,13 @@ def write_report(memory: Memory, run: int, out_dir: str | Path, *, title: str = 
                            for g in r["gaps"])
         lines.append(f"| {r['round']} | {r['note']} | {stages} |")
     lines += ["", "## Trials", "",
-              "| id | round | mechanism | delta | dev tok/s | x round 0 | held-out tok/s | verdict | reason |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| id | round | mechanism | delta | dev tok/s | x reference | x round 0 | held-out x reference | verdict "
+              "| reason |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in trials:
-        h = t.figures.get("heldout", {}).get("median")
         lines.append(f"| {t.id} | {t.round} | {t.mechanism} | `{json.dumps(t.delta)}` | {_fmt(t.median or None)} "
-                     f"| {_fmt(t.median / base.median if t.median else None)} | {_fmt(h)} | "
+                     f"| {_fmt(t.figures.get('gain_dev'))} | {_fmt(t.chain or None)} "
+                     f"| {_fmt(t.figures.get('gain_heldout'))} | "
                      f"{t.verdict}{' (adopted)' if t.adopted else ''} | {t.reason.replace('|', '/')} |")
         if t.verdict == "accepted" and t.figures.get("patch"):
             p = out / f"trial-{t.id}.patch"

@@ -1,7 +1,8 @@
 """The optimization loop: measure, diagnose, explore, gate, integrate, remember — round after round.
 
-Round 0 measures the starting config (it must pass forcing itself: it is the reference everything is judged
-against). Each later round
+Round 0 measures the starting config (it must pass forcing itself). Every later trial is measured next to its
+reference — the current best, or for a combination the best single winner — and its gain is the ratio of the two;
+speedups over round 0 are products of such paired gains. Each later round
   diagnose   ranks the cost model's stages by gap (measured - floor) when a profile function is given, else a
              fixed stage order;
   choose     directions: mechanisms that worked on similar deployments first, then by the rank of the stage they
@@ -68,7 +69,8 @@ class RunResult:
 
     @property
     def speedup(self) -> float:
-        return self.best.median / self.baseline.median
+        """Dev speedup over round 0 as the product of paired gains (immune to drift between rounds)."""
+        return self.best.chain
 
     @property
     def trials_to_best(self) -> int:
@@ -78,13 +80,12 @@ class RunResult:
     def summary(self) -> dict:
         tried = [t for t in self.trials if t.round > 0]
         rejected = [t for t in tried if not t.passed]
-        held = self.best.figures.get("heldout", {}).get("median")
-        base_held = self.baseline.figures.get("heldout", {}).get("median")
+        held = self.best.figures.get("chain_heldout")
         return {
             "run": self.run_id, "rounds": self.rounds, "stopped": self.stopped,
             "best_config": config_delta(EngineConfig.from_dict(self.baseline.config), self.best_config),
             "speedup_vs_round0": round(self.speedup, 4),
-            "heldout_speedup_vs_round0": round(held / base_held, 4) if held and base_held else None,
+            "heldout_speedup_vs_round0": round(held, 4) if held else None,
             "round0_tokens_per_s": round(self.baseline.median, 3), "best_tokens_per_s": round(self.best.median, 3),
             "trials": {"tried": len(tried), "accepted": len(tried) - len(rejected), "rejected": len(rejected),
                        "reasons": dict(Counter(t.reason.split(":", 1)[0] for t in rejected))},
@@ -100,8 +101,9 @@ def diagnose(profile_fn: ProfileFn | None, cfg: EngineConfig, dev_stats: dict) -
     rows = [{"stage": r.stage, "measured_s": r.measured_s, "floor_s": r.floor_s, "gap_s": r.gap_s}
             for r in getattr(report, "gaps", report)]
     rows.sort(key=lambda r: -r["gap_s"])
-    ceiling = getattr(report, "ceiling_speedup", None)
-    return rows, "cost model" + (f": ceiling speedup x{ceiling:.2f}" if ceiling else "")
+    if not hasattr(report, "gaps"):
+        return rows, "measured stage times (no floors on this device: ranked by time)"
+    return rows, f"cost model: ceiling speedup x{report.ceiling_speedup:.2f}"
 
 
 def choose(dep: Deployment, view: View, knowledge: Knowledge, registry: dict[str, Mechanism],
@@ -163,7 +165,8 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
     t0, lock = time.monotonic(), threading.Lock()
     started = [len(memory.finished_trials(run))]
 
-    def run_trial(cand: Candidate, rnd: int, reference: dict | None) -> Trial | None:
+    def run_trial(cand: Candidate, rnd: int, reference: Trial | None) -> Trial | None:
+        """Gate `cand` against `reference` (None: round 0), record it; a trial found in memory is returned as is."""
         found = memory.find_trial(run, cand.key)
         if found is not None:
             return found
@@ -177,21 +180,23 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
         else:
             m = cand.measure or measure
             try:
-                with gate.lease:
-                    dev_m = m(cand.config, dev, gate.repeats)
-                v = gate.baseline(cand.config, dev_m, m) if reference is None else \
-                    gate.judge(cand.config, dev_m, reference, m)
+                v = gate.baseline(cand.config, m, dev) if reference is None else \
+                    gate.judge(cand.config, m, EngineConfig.from_dict(reference.config), measure, dev)
             except Exception as e:  # a config the engine cannot run (OOM, no kernel): rejected, not fatal
                 if reference is None:
                     raise
                 verdict, reason, cfg = "rejected", f"error: {type(e).__name__}: {str(e)[:300]}", cand.config.to_dict()
             else:
                 figures.update(v.figures, notes=v.notes)
-                cfg = dev_m.config or cand.config.to_dict()
+                ref_chain = (reference.chain, reference.figures.get("chain_heldout")) if reference else (1.0, 1.0)
+                figures["chain"] = ref_chain[0] * v.figures["gain_dev"]
+                if "gain_heldout" in v.figures and ref_chain[1]:
+                    figures["chain_heldout"] = ref_chain[1] * v.figures["gain_heldout"]
+                cfg = v.figures.get("measured_config") or cand.config.to_dict()
                 verdict = ("baseline" if reference is None else "accepted") if v.passed else "rejected"
                 reason = v.reason
         t = memory.record_trial(run, rnd, cand.key, cand.mechanism, cfg, cand.delta, figures, verdict, reason)
-        say(f"round {rnd} {cand.mechanism} {cand.delta}: {verdict} {t.median:.2f} tok/s {reason}".rstrip())
+        say(f"round {rnd} {cand.mechanism} {cand.delta}: {verdict} x{t.gain:.3f} vs reference {reason}".rstrip())
         return t
 
     base = run_trial(Candidate("baseline", {}, deployment.config, trial_key(0, "baseline", {})), 0, None)
@@ -220,7 +225,7 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
             stopped = "no direction left to explore"
             break
         say(f"round {rnd}: {note}; directions: {', '.join(e.name for e in explorers)}")
-        trials = explore(explorers, view, lambda c: run_trial(c, rnd, best.figures),
+        trials = explore(explorers, view, lambda c: run_trial(c, rnd, best),
                          lambda k: memory.find_trial(run, k), workers=budget.workers, use_ray=use_ray)
         rounds_done = rnd
         for t in trials:
@@ -235,9 +240,9 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
             delta = config_delta(best_cfg, EngineConfig.from_dict(t.config))
             parts = _by_mechanism(delta, reg) if t.mechanism in PSEUDO else {t.mechanism: delta}
             for mech, d in parts.items():
-                memory.validate(run, deployment, mech, d, t.median / best.median, ok=True)
+                memory.validate(run, deployment, mech, d, t.chain / best.chain, ok=True)
         say(f"round {rnd}: adopted {new.mechanism} {config_delta(best_cfg, EngineConfig.from_dict(new.config))} "
-            f"x{new.median / base.median:.3f} vs round 0")
+            f"x{new.chain:.3f} vs round 0")
         best = new
     for mech, ok in won.items():
         if not ok and mech not in PSEUDO:
@@ -250,9 +255,9 @@ def _integrate(winners: list[Trial], best_cfg: EngineConfig, rnd: int, run_trial
     """Best single winner, or the combination of all mechanisms' winners if it beats that winner at the gate."""
     per: dict[str, Trial] = {}
     for t in winners:
-        if t.mechanism not in per or t.median > per[t.mechanism].median:
+        if t.mechanism not in per or t.gain > per[t.mechanism].gain:
             per[t.mechanism] = t
-    ranked = sorted(per.values(), key=lambda t: -t.median)
+    ranked = sorted(per.values(), key=lambda t: -t.gain)  # one reference for all of a round: gains compare
     single = ranked[0]
     delta: dict = {}
     used = []
@@ -267,7 +272,7 @@ def _integrate(winners: list[Trial], best_cfg: EngineConfig, rnd: int, run_trial
         cfg = EngineConfig.from_dict({**best_cfg.to_dict(), **delta})
     except (ConfigError, TypeError):
         return single, [single]
-    combo = run_trial(Candidate("combine", delta, cfg, trial_key(rnd, "combine", delta)), rnd, single.figures)
+    combo = run_trial(Candidate("combine", delta, cfg, trial_key(rnd, "combine", delta)), rnd, single)
     if combo is not None and combo.passed:
         return combo, used
     return single, [single]
