@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     forcep.add_argument("--input", required=True, help="JSONL: {prompt_ids: [...], output_ids: [...]} per line")
     forcep.add_argument("--tolerance", type=float, default=None)
     forcep.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers")
+    from specpilot.loop import add_optimize_parser
+
+    add_optimize_parser(sub)
     return p
 
 
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from specpilot import commands
 
-        return getattr(commands, f"cmd_{args.command}")(args)
+        return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)
     except SpecPilotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

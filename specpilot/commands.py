@@ -239,3 +239,9 @@ def cmd_profile(args) -> int:
     out.print(report.table())
     print(json.dumps({"profile": profile.__dict__, **report.to_dict()}, default=list))
     return 0
+
+
+def cmd_optimize(args) -> int:
+    from specpilot.loop import cmd_optimize
+
+    return cmd_optimize(args)
