@@ -294,6 +294,15 @@ def test_error_in_a_trial_rejects_it_and_the_run_goes_on(tmp_path):
     assert res.best.delta == {"num_draft_tokens": 6, "ngram_max": 3}
 
 
+def test_ray_flag_without_ray_says_so(tmp_path):
+    from specpilot.loop.explore import ray_available
+
+    if ray_available():
+        pytest.skip("ray is installed here")
+    with pytest.raises(ConfigError, match="ray is not installed"):
+        run(Memory(tmp_path / "m.sqlite"), FakeMeasure(), budget=Budget(rounds=1), use_ray=True)
+
+
 def test_timed_runs_never_overlap(tmp_path):
     """Two loops on one device in one process (e.g. two deployments): the lease keeps their clocks apart."""
     m = FakeMeasure(sleep=0.005)

@@ -22,10 +22,21 @@ from pathlib import Path
 from specpilot.config import EngineConfig
 from specpilot.errors import ConfigError
 from specpilot.loop.explore import GpuLease, Measurement, time_engine
-from specpilot.loop.gate import Gate
 from specpilot.loop.memory import Memory
 from specpilot.loop.registry import REGISTRY, Deployment, Mechanism, register
-from specpilot.loop.rounds import Budget, RunResult, optimize
+
+_LAZY = {"Gate": "specpilot.loop.gate", "Budget": "specpilot.loop.rounds", "RunResult": "specpilot.loop.rounds",
+         "optimize": "specpilot.loop.rounds"}
+
+
+def __getattr__(name: str):
+    """The gate and the rounds import torch (through forcing): loaded on first use, so `specpilot --help` and
+    `add_optimize_parser` stay light."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'specpilot.loop' has no attribute {name!r}")
 
 __all__ = ["REGISTRY", "Budget", "Deployment", "EngineMeasure", "Gate", "GpuLease", "Measurement", "Mechanism",
            "Memory", "RunResult", "add_optimize_parser", "cmd_optimize", "cost_model_hooks", "optimize", "register"]
@@ -174,9 +185,9 @@ def _settings(args) -> dict:
 def _prompts(s: dict, which: str) -> list:
     from specpilot.evaluator import datasets
 
-    if s[f"{which}_prompts_file"]:
-        return datasets.load_prompt_file(s[f"{which}_prompts_file"], s["field"], num_prompts=s["num_prompts"])
     n = s["num_prompts"] if which == "dev" else (s["heldout_num_prompts"] or s["num_prompts"])
+    if s[f"{which}_prompts_file"]:
+        return datasets.load_prompt_file(s[f"{which}_prompts_file"], s["field"], num_prompts=n)
     names = s["dev_benchmarks"].split(",") if which == "dev" else [s["heldout_benchmark"]]
     return [p for b in names if b for p in datasets.load_prompts(b, num_prompts=n, dataset_dir=s["dataset_dir"])]
 
@@ -190,7 +201,9 @@ def cmd_optimize(args) -> int:
     from specpilot.evaluator.forcing import DEFAULT_TOLERANCE, specpilot_scorer, transformers_scorer
     from specpilot.hub import cache_dir, resolve_model
     from specpilot.loop.agent import AgentExplorer
+    from specpilot.loop.gate import Gate
     from specpilot.loop.report import write_report
+    from specpilot.loop.rounds import Budget, optimize
     from specpilot.models import load_model
 
     err = Console(stderr=True)

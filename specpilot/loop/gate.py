@@ -91,8 +91,10 @@ class Gate:
         ratio = cand["median"] / ref["median"] if ref["median"] > 0 else float("inf")
         if gain <= noise:
             what = "heldout" if split == "heldout" else ("noise" if gain > 0 else "slower")
-            return [f"{what}: {split}: {cand['median']:.3f} vs {ref['median']:.3f} tok/s (x{ratio:.3f}); "
-                    f"gain {gain:+.3f} does not exceed the run-to-run spread {noise:.3f}"], ratio
+            why = f"not faster than the reference (spread {noise:.3f})" if gain <= 0 else \
+                f"gain {gain:+.3f} does not exceed the run-to-run spread {noise:.3f}"
+            return [f"{what}: {split}: {cand['median']:.3f} vs {ref['median']:.3f} tok/s (x{ratio:.3f}); {why}"], \
+                ratio
         return [], ratio
 
     # --- verdicts -----------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def _plots(trials: list[Trial], rounds: list[dict], base: Trial, out: Path) -> t
     else:
         notes.append("no cost-model ceiling was available (e.g. CPU): none plotted")
     ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xticks(sorted({t.round for t in trials}))
     ax.set(xlabel="round", ylabel="dev tokens/s vs round 0", title="speedup per round (vs the starting config)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -174,7 +174,7 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
             if reference is not None and (started[0] >= budget.trials or time.monotonic() - t0 > budget.wall_s):
                 return None
             started[0] += 1
-        figures, notes = dict(cand.extra), []
+        figures = dict(cand.extra)
         if cand.rejected:
             verdict, reason, cfg = "rejected", cand.rejected, cand.config.to_dict()
         else:
