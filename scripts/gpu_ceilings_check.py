@@ -41,7 +41,8 @@ from specpilot.costmodel import (
     synthetic_config,
 )
 from specpilot.engine.runner import ModelRunner
-from specpilot.models.dense import DenseLM, rope_inv_freq
+from specpilot.models import random_model
+from specpilot.models.dense import DenseLM
 
 MODELS = ("qwen2.5-1.5b", "qwen3-8b")
 TOKENS = (1, 16)
@@ -65,20 +66,8 @@ def time_calls(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def build_model(cfg, device: str = "cuda") -> DenseLM:
-    """Random-weight DenseLM of cfg's shape on the GPU in bf16 (RoPE tables kept fp32, as the loader does)."""
-    with torch.device(device):
-        model = DenseLM(cfg)
-    model = model.to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.02 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.02)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model
+    """Random-weight DenseLM of cfg's shape on the GPU in bf16."""
+    return random_model(cfg, dtype=torch.bfloat16, device=device)
 
 
 def count_kernels(fn) -> int:

@@ -17,18 +17,7 @@ import torch
 from specpilot.config import EngineConfig
 from specpilot.costmodel import synthetic_config
 from specpilot.engine import Engine, build_drafter
-from specpilot.models.dense import DenseLM, rope_inv_freq
-
-
-def random_model(cfg, dtype, seed):
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        m = DenseLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.02)
-    m.inv_freq = rope_inv_freq(cfg).cuda()
-    return m.to(dtype).eval()
+from specpilot.models import random_model
 
 
 def main() -> int:
@@ -36,7 +25,7 @@ def main() -> int:
 
     result, problems = {}, []
     cfg = dataclasses.replace(synthetic_config("qwen2.5-0.5b"), num_hidden_layers=4)
-    target, other = random_model(cfg, torch.float32, 0), random_model(cfg, torch.float32, 1)
+    target, other = random_model(cfg, dtype=torch.float32, seed=0), random_model(cfg, dtype=torch.float32, seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [(torch.randint(0, 1000, (7,), generator=g).tolist() * 4)[: 20 + i] for i in range(3)]
     base = EngineConfig(drafter_kind="none", device="cuda", max_new_tokens=48, max_seq_len=256, ignore_eos=True,

@@ -14,7 +14,7 @@ from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, syn
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
 from specpilot.kernels.gemv import gemv, gemv_reference
-from specpilot.models.dense import DenseLM, rope_inv_freq
+from specpilot.models import random_model
 
 SHAPES = {  # (N, K) of fused projections
     "1.5b qkv": (2048, 1536), "1.5b gate_up": (17920, 1536), "1.5b down": (1536, 8960), "1.5b lm_head": (151936, 1536),
@@ -54,13 +54,7 @@ def main() -> int:
     hw = load_or_measure("cuda")
     for name in ("qwen2.5-1.5b", "qwen3-8b"):
         cfg = synthetic_config(name)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = DenseLM(cfg).to(torch.bfloat16)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        model.inv_freq = rope_inv_freq(cfg).cuda()
+        model = random_model(cfg)
         model.fuse_projections().eval()
         for variant in ("cublas", "triton"):
             if variant == "triton":

@@ -17,7 +17,7 @@ import torch
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
-from specpilot.models.dense import DenseLM, rope_inv_freq
+from specpilot.models import random_model
 
 
 def median_ms(fn, repeats=100) -> float:
@@ -29,13 +29,7 @@ def main(shapes) -> int:
     out = {"hardware": hw.to_dict(), "shapes": {}}
     for name in shapes:
         cfg = synthetic_config(name)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = DenseLM(cfg).to(torch.bfloat16)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        model.inv_freq = rope_inv_freq(cfg).cuda()
+        model = random_model(cfg)
         model.fuse_projections()
         res = {}
         for compiled in (False, True):

@@ -3,6 +3,6 @@
 from specpilot.models.cache import KVCache
 from specpilot.models.config import ModelConfig
 from specpilot.models.dense import DenseLM
-from specpilot.models.loader import load_model
+from specpilot.models.loader import load_model, random_model
 
-__all__ = ["DenseLM", "KVCache", "ModelConfig", "load_model"]
+__all__ = ["DenseLM", "KVCache", "ModelConfig", "load_model", "random_model"]

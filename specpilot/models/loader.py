@@ -56,3 +56,21 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers were made on meta: rebuild on the real device
     return model.eval()
+
+
+def random_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0) -> DenseLM:
+    """A model of real shape with random weights made directly on the device: speed work at scale needs no weight
+    files (timing depends on shapes, not values; never time on zeros, hence N(0, 0.02))."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DenseLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # norm weights near 1, as trained models have them
+                p.copy_(1.0 + 0.02 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    torch.random.set_rng_state(gen_state)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.to(dtype).eval()
