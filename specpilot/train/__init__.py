@@ -10,8 +10,10 @@ drafter with the best validation tau), `log.jsonl`, `train_config.json` (the run
 Made for commands with a wall-clock limit: `--time-limit-s` stops cleanly (after the regeneration batch or
 training step in flight) and checkpoints before the limit, and `--resume` continues exactly where the last
 command stopped (regeneration included), so the same command line can simply be repeated until
-`"done": true`. On resume the run's settings come from OUT/train_config.json, except the run-time flags
-(`--time-limit-s`, `--val-every`, `--save-every`, `--regen-batch-size`, `--no-progress`).
+`"done": true`. Once training has started (OUT/checkpoint exists) a resumed run's settings come from
+OUT/train_config.json, except the run-time flags (`--time-limit-s`, `--val-every`, `--save-every`,
+`--regen-batch-size`, `--no-progress`); before that the given flags apply (the regeneration cache refuses a
+change of what responses depend on, e.g. --regen-max-new-tokens).
 
 The last stdout line is one JSON object: done, stage, steps, final_loss, best_val_tau, checkpoint, best,
 wall_s, ...
@@ -88,8 +90,8 @@ def _settings(args, out: Path, err) -> dict:
         if checkpoint_dir(out) is not None or saved_path.exists():
             raise ConfigError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
         return now
-    if not saved_path.exists():
-        return now
+    if not saved_path.exists() or checkpoint_dir(out) is None:
+        return now  # training has not started (at most regeneration ran): the given flags apply
     saved = json.loads(saved_path.read_text())
     changed = {k: (saved.get(k), v) for k, v in now.items() if k not in RUNTIME_FLAGS and saved.get(k) != v}
     if changed:
