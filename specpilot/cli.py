@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     forcep.add_argument("--tolerance", type=float, default=None)
     forcep.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers")
     from specpilot.loop import add_optimize_parser
+    from specpilot.train import add_train_parser
 
     add_optimize_parser(sub)
+    add_train_parser(sub)
     return p
 
 

@@ -245,3 +245,9 @@ def cmd_optimize(args) -> int:
     from specpilot.loop import cmd_optimize
 
     return cmd_optimize(args)
+
+
+def cmd_train_drafter(args) -> int:
+    from specpilot.train import cmd_train_drafter
+
+    return cmd_train_drafter(args)
