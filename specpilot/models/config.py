@@ -15,6 +15,19 @@ from specpilot.errors import ModelFormatError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
+def read_config_json(path: Path, what: str) -> dict:
+    """`path/config.json` as a dict, or a ModelFormatError that names the folder and what it should have been."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path} has no config.json: not {what}") from None
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{path}/config.json is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{path}/config.json is not a JSON object")
+    return cfg
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -75,12 +88,7 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except FileNotFoundError:
-            raise ModelFormatError(f"{path} has no config.json: not an HF model folder") from None
-        except json.JSONDecodeError as e:
-            raise ModelFormatError(f"{path}/config.json is not valid JSON: {e}") from None
+        cfg = read_config_json(path, "an HF model folder")
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
         return cls.from_hf_dict(cfg, gen)

@@ -326,6 +326,19 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def apply_layer_rules(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+                      window: int | None) -> torch.Tensor:
+    """A layer's causal / sliding-window rules on a visibility mask [B, Q, K] (q_pos [B, Q], k_pos [B, K])."""
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
 class DFlashDrafter(nn.Module):
     """z-lab's DFlashDraftModel as a pure forward. Parameter names are the checkpoint's."""
 
@@ -393,14 +406,9 @@ class DFlashDrafter(nn.Module):
             key_pos = torch.cat((slots, positions_blk), dim=1)
             anchor = positions_blk[:, :1]
             valid = torch.cat((slots < anchor, torch.ones_like(positions_blk, dtype=torch.bool)), dim=1)[:, None, :]
-        q, k = positions_blk[:, :, None], key_pos[:, None, :]
-        visible = torch.ones(q.shape[0], q.shape[1], k.shape[2], dtype=torch.bool, device=q.device)
-        if causal:
-            visible &= k <= q
-        if window is not None:
-            visible &= q - k < window
-            if not causal:
-                visible &= k - q < window
+        visible = torch.ones(key_pos.shape[0], positions_blk.shape[1], key_pos.shape[1], dtype=torch.bool,
+                             device=key_pos.device)
+        visible = apply_layer_rules(visible, positions_blk, key_pos, causal, window)
         if valid is not None:
             visible &= valid
         return visible[:, None]

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specpilot.errors import ModelFormatError
+from specpilot.models.config import read_config_json
 from specpilot.models.dense import rope_inv_freq
 from specpilot.models.dflash import DFlashConfig, DFlashDrafter
 
@@ -26,14 +27,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; re
 
 def read_dflash_config(path: str | Path) -> DFlashConfig:
     path = Path(path)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ModelFormatError(f"{path} has no config.json: not a DFlash checkpoint folder") from None
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{path}/config.json is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{path}/config.json is not a JSON object")
+    cfg = read_config_json(path, "a DFlash checkpoint folder")
     return DFlashConfig.from_hf_dict(cfg)
 
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from specpilot.errors import ConfigError
 from specpilot.models.dflash import (
-    DFlashConfig, DFlashDrafter, build_target_layer_ids, context_features, target_capture_layers,
+    DFlashConfig, DFlashDrafter, apply_layer_rules, build_target_layer_ids, context_features, target_capture_layers,
 )
 from specpilot.models.dflash_io import load_dflash, save_dflash
 
@@ -213,14 +213,7 @@ def block_attention_mask(cfg: DFlashConfig, layer: int, pos_ctx, pos_blk, anchor
     vis = torch.cat((ctx_vis, blk_vis), dim=2)
     causal, window = cfg.layer_is_causal(layer), cfg.layer_window(layer)
     if causal or window is not None:
-        q = pos_blk[:, :, None]
-        k = torch.cat((pos_ctx, pos_blk), dim=1)[:, None, :]
-        if causal:
-            vis &= k <= q
-        if window is not None:
-            vis &= q - k < window
-            if not causal:
-                vis &= k - q < window
+        vis = apply_layer_rules(vis, pos_blk, torch.cat((pos_ctx, pos_blk), dim=1), causal, window)
     return vis[:, None]
 
 
