@@ -71,22 +71,28 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true")
     msub.add_parser("list", help="show the cache")
 
+    def models_and_prompts(parser, num_prompts: int | None = None):
+        """--target/--drafter, and with num_prompts the benchmark selection flags, defaults stated once here."""
+        parser.add_argument("--target", default=dep.DEFAULT_TARGET)
+        parser.add_argument("--drafter", default=dep.DEFAULT_DRAFTER,
+                            help="drafter model or DFlash checkpoint (for --drafter-kind model / dflash)")
+        if num_prompts is not None:
+            parser.add_argument("--benchmarks", default=",".join(dep.DEFAULT_BENCHMARKS))
+            parser.add_argument("--num-prompts", type=int, default=num_prompts)
+            parser.add_argument("--dataset-dir",
+                                help="folder of benchmark data (default: $SPECPILOT_DATASETS or ../shared/datasets)")
+
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming")
-    gen.add_argument("--target", default=dep.DEFAULT_TARGET)
-    gen.add_argument("--drafter", default=dep.DEFAULT_DRAFTER, help="drafter model (for --drafter-kind model)")
+    models_and_prompts(gen)
     text = gen.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="raw text, no chat template")
     text.add_argument("--chat", help="one user message, chat template applied")
     add_engine_flags(gen)
 
     bench = sub.add_parser("bench", help="AR vs speculative on benchmarks, with token forcing")
-    bench.add_argument("--target", default=dep.DEFAULT_TARGET)
-    bench.add_argument("--drafter", default=dep.DEFAULT_DRAFTER)
-    bench.add_argument("--benchmarks", default=",".join(dep.DEFAULT_BENCHMARKS))
-    bench.add_argument("--num-prompts", type=int, default=dep.DEFAULT_NUM_PROMPTS)
+    models_and_prompts(bench, dep.DEFAULT_NUM_PROMPTS)
     bench.add_argument("--prompts", help="a JSON/JSONL file of prompts (replaces --benchmarks)")
     bench.add_argument("--field", default="prompt", help="the prompt field of --prompts records")
-    bench.add_argument("--dataset-dir", help="folder of benchmark data (default: $SPECPILOT_DATASETS or ../shared/datasets)")
     bench.add_argument("--tolerance", type=float, default=None, help="token-forcing margin tolerance")
     bench.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers",
                        help="implementation that scores token forcing")
@@ -98,11 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(bench)
 
     prof = sub.add_parser("profile", help="cost model: measured stage times vs floors, ranked gap table (GPU)")
-    prof.add_argument("--target", default=dep.DEFAULT_TARGET)
-    prof.add_argument("--drafter", default=dep.DEFAULT_DRAFTER)
-    prof.add_argument("--benchmarks", default=",".join(dep.DEFAULT_BENCHMARKS))
-    prof.add_argument("--num-prompts", type=int, default=5)
-    prof.add_argument("--dataset-dir")
+    models_and_prompts(prof, 5)
     add_engine_flags(prof)
 
     forcep = sub.add_parser("force", help="token-force candidate outputs against the stock target")
