@@ -102,13 +102,14 @@ def _systems(args, cfg, target, tok, spec, ar):
     for n in names:
         if n == "hf-ar":
             systems[n] = HFSystem(resolve_model(args.target), **hf).generate
+        elif n == "stock" and cfg.drafter_kind == "dflash":
+            from specpilot.evaluator.stock import DFlashStockSystem
+
+            systems[n] = DFlashStockSystem(resolve_model(args.target), resolve_model(args.drafter), **hf).generate
+        elif n == "stock" and cfg.drafter_kind == "model":
+            systems[n] = HFSystem(resolve_model(args.target), assistant_path=resolve_model(args.drafter), **hf).generate
         elif n == "stock":
-            if cfg.drafter_kind == "dflash":
-                raise ConfigError("stock for a DFlash drafter (the dflash package's spec_generate) is not wired yet")
-            if cfg.drafter_kind == "model":
-                systems[n] = HFSystem(resolve_model(args.target), assistant_path=resolve_model(args.drafter), **hf).generate
-            else:
-                systems[n] = HFSystem(resolve_model(args.target), prompt_lookup=cfg.num_draft_tokens, **hf).generate
+            systems[n] = HFSystem(resolve_model(args.target), prompt_lookup=cfg.num_draft_tokens, **hf).generate
     return {n: systems[n] for n in names}
 
 

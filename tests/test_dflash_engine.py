@@ -53,3 +53,18 @@ def test_dflash_needs_a_checkpoint(setup):
 
     with pytest.raises(ConfigError):
         build_drafter(EngineConfig(drafter_kind="dflash"), None, setup[0])
+
+
+def test_stock_dflash_package_agrees_with_our_engine(setup, tiny_model_dir):
+    """The stock system for DFlash is z-lab's own loop on the same checkpoint: same greedy tokens (its per-step stats need CUDA, so on CPU only the tokens are compared)."""
+    pytest.importorskip("dflash", reason="z-lab's dflash package not installed")
+    from specpilot.evaluator.stock import DFlashStockSystem
+
+    target, path = setup
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=4, max_new_tokens=20, max_seq_len=128, ignore_eos=True)
+    ours = Engine(target, cfg, build_drafter(cfg, str(path), target))
+    stock = DFlashStockSystem(tiny_model_dir("qwen3"), path, dtype=torch.float32, device="cpu", max_new_tokens=20,
+                              eos_ids=())
+    p = list(range(3, 14))
+    a, b = ours.generate(p), stock.generate(p)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 20

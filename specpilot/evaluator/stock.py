@@ -59,3 +59,45 @@ class HFSystem:
                 new = new[: i + 1]
                 break
         return GenerationResult(list(prompt_ids), new, "eos" if new and new[-1] in eos else "length", decode_s=elapsed)
+
+
+class DFlashStockSystem:
+    """z-lab's released DFlash loop (`dflash` package: `dflash_generate`, what `DFlashDraftModel.spec_generate`
+    runs) over transformers' target, with the same checkpoint our engine loads."""
+
+    def __init__(self, target_path, drafter_path, *, dtype, device, max_new_tokens: int, eos_ids):
+        try:
+            from dflash.model import DFlashDraftModel, dflash_generate
+        except ImportError:
+            from specpilot.errors import ConfigError
+
+            raise ConfigError("stock for DFlash needs z-lab's package: pip install --no-deps dflash==0.1.0") from None
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self._generate = dflash_generate
+        self.target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(self.device).eval()
+        self.draft = DFlashDraftModel.from_pretrained(str(drafter_path), dtype=dtype).to(self.device).eval()
+        self.max_new_tokens, self.eos = max_new_tokens, list(eos_ids)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        stats = self.device.type == "cuda"  # its stats path calls torch.cuda.synchronize unconditionally
+        out = self._generate(self.draft, target=self.target, input_ids=ids, max_new_tokens=self.max_new_tokens,
+                             stop_token_ids=self.eos, return_stats=stats)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        output_ids = out.output_ids if stats else out
+        new = output_ids[0, len(prompt_ids):].tolist()
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[: i + 1]
+                break
+        reason = "eos" if new and new[-1] in self.eos else "length"
+        forwards = len(out.acceptance_lengths) if stats else 0  # 0 = not reported (CPU)
+        return GenerationResult(list(prompt_ids), new, reason, num_target_forwards=forwards, decode_s=elapsed)
