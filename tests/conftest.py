@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU; set before any kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,12 +1,9 @@
 """Triton kernels vs their PyTorch reference twins (TRITON_INTERPRET=1: the kernels run on CPU)."""
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton", reason="triton not installed")
+triton = pytest.importorskip("triton", reason="triton not installed")  # conftest sets TRITON_INTERPRET on CPU
 
 from specpilot.kernels.gemv import gemv, gemv_reference  # noqa: E402
 
