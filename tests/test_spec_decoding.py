@@ -158,3 +158,18 @@ def test_conditioned_drafter_sees_target_features_of_every_committed_token(model
     want = torch.cat(layers, -1)[0]
     assert seen.shape == want.shape
     assert (seen - want).abs().max().item() < 1e-4
+
+
+def test_small_ar_drafter_feeds_only_new_tokens(models):
+    """After a fully accepted block the drafter's cache already holds the drafts: it feeds just the bonus token."""
+    target = models["target"]
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_new_tokens=20, max_seq_len=64, ignore_eos=True)
+    drafter = build_drafter(cfg, target, target)
+    fed = []
+    step = drafter.runner.step
+    drafter.runner.step = lambda ids, start: (fed.append(ids.shape[0]), step(ids, start))[1]
+    p = _prompts(1)[0]
+    res = Engine(target, cfg, drafter).generate(p)
+    assert res.output_ids == Engine(target, cfg.with_(drafter_kind="none")).generate(p).output_ids
+    catch_up = fed[::3]  # each propose: one catch-up pass, then num_draft_tokens - 1 single-token passes
+    assert catch_up[0] == len(p) and all(n == 2 for n in catch_up[1:])  # bonus + the never-fed last draft

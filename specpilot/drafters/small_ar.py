@@ -1,7 +1,8 @@
 """A small AR model as drafter (e.g. Qwen2.5-Coder-0.5B drafting for -1.5B): any model with the target's tokenizer.
 
 It keeps its own KV cache and the list of tokens that cache holds. Each step it finds the longest common prefix
-of that list and the committed context, feeds only the tokens past it, then drafts K tokens one at a time. The
+of that list and the committed context, feeds only the tokens past it (after an accepted block: just the token
+the target added), then drafts K tokens one at a time. The
 drafted tokens never leave the device (each feeds the next step's input directly), so drafting costs no host
 sync. Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
 """
@@ -24,9 +25,11 @@ class SmallARDrafter:
         self.generator = generator
         self.device = runner.device
         self.cached: list[int] = []  # tokens whose K/V the cache holds, in position order
+        self._unread: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.cached = []
+        self._unread: torch.Tensor | None = None  # last step's fed drafts, still on the device
 
     def _pick(self, logits: torch.Tensor, dists: list) -> torch.Tensor:
         # logits [V] -> token (0-dim, on device)
@@ -38,6 +41,10 @@ class SmallARDrafter:
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        if self._unread is not None:  # the engine has synced since: reading them now stalls nothing
+            values = self._unread.tolist()
+            self.cached[len(self.cached) - len(values):] = values
+            self._unread = None
         keep = 0
         limit = min(len(self.cached), len(context_ids) - 1)  # always re-feed at least the last context token
         while keep < limit and self.cached[keep] == context_ids[keep]:
@@ -53,7 +60,9 @@ class SmallARDrafter:
             logits = self.runner.step(tokens[-1].view(1), pos)
             tokens.append(self._pick(logits[0], dists))
             pos += 1
-        # the cache now holds the context and all drafts but the last; their values are known only on the device,
-        # so mark them unknown (-1): the next prefix match stops there and re-feeds from the first draft on.
+        # the cache now holds the context and all drafts but the last; their values are on the device only, so
+        # they are read at the next propose (after the engine's sync): accepted drafts then need no re-feeding.
+        drafted = torch.stack(tokens)
         self.cached = list(context_ids) + [-1] * (num_tokens - 1)
-        return Draft(torch.stack(tokens), torch.stack(dists) if dists else None)
+        self._unread = drafted[: num_tokens - 1] if num_tokens > 1 else None
+        return Draft(drafted, torch.stack(dists) if dists else None)
