@@ -9,6 +9,7 @@ Each is wrapped to return a `GenerationResult`, so the bench treats every system
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -48,7 +49,8 @@ class HFSystem:
         except Exception as e:  # a transformers version without this cache type: fall back to its default cache
             if self.kwargs.pop("cache_implementation", None) is None:
                 raise
-            print(f"hf-ar: static cache unavailable ({type(e).__name__}: {e}); using the default cache")
+            print(f"hf-ar: static cache unavailable ({type(e).__name__}: {e}); using the default cache",
+                  file=sys.stderr)
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
         self._sync()
         elapsed = time.perf_counter() - t0
