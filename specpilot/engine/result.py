@@ -15,7 +15,6 @@ class GenerationResult:
     drafted_lengths: list[int] = field(default_factory=list)  # per step: tokens the drafter proposed
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    draft_s: float = 0.0  # host time inside the drafter's propose() (subset of decode_s)
     stage_s: dict = field(default_factory=dict)  # speculative steps: stage -> device seconds (draft/verify/accept/commit)
 
     @property

@@ -11,8 +11,6 @@ sampled output has the target's distribution.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from specpilot.drafters.base import Drafter
@@ -41,10 +39,8 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
                 res.finish_reason = "context"
                 break
             # draft
-            t0 = time.perf_counter()
             draft = drafter.propose(ids, k) if k > 0 else None
             d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
-            res.draft_s += time.perf_counter() - t0
             timer.mark("draft")
             # verify
             block = torch.cat([s.tensor(ids[-1:]), d_ids])
