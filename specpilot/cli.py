@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     forcep.add_argument("--input", required=True, help="JSONL: {prompt_ids: [...], output_ids: [...]} per line")
     forcep.add_argument("--tolerance", type=float, default=None)
     forcep.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers")
+    exp = sub.add_parser("export-drafter", help="rewrite a DFlash checkpoint in a smaller storage (to ship it) or "
+                                                "as a plain z-lab folder")
+    exp.add_argument("src", help="DFlash checkpoint folder or shipped drafter name")
+    exp.add_argument("dst", help="output folder")
+    exp.add_argument("--storage", default="int4", help="int4, int8 (SpecPilot only) or bfloat16/float16/float32 (z-lab)")
+    exp.add_argument("--group-size", type=int, default=64, help="inputs per quantization scale")
+    exp.add_argument("--max-shard-mb", type=float, default=15.0, help="safetensors shard size limit")
     from specpilot.loop import add_optimize_parser
     from specpilot.train import add_train_parser
 

@@ -28,7 +28,8 @@ def cmd_models(args) -> int:
     table = Table("name", "status", "size", "path")
     for m in hub.list_models():
         size = f"{m['size_bytes'] / 1e9:.2f} GB" if m.get("size_bytes") else "-"
-        table.add_row(m["name"], m["status"], size, str(m.get("path") or "-"))
+        status = m.get("status") or ("cached" if m.get("cached") else "not pulled")
+        table.add_row(m["name"], status, size, str(m.get("path") or "-"))
     out.print(table)
     return 0
 
@@ -113,6 +114,12 @@ def _systems(args, cfg, target, tok, spec, ar):
     return {n: systems[n] for n in names}
 
 
+def _bench_meta(args, cfg, t0: float, partial: bool = False) -> dict:
+    drafter = args.drafter if cfg.drafter_kind in ("model", "dflash") else cfg.drafter_kind
+    meta = {"target": args.target, "drafter": drafter, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
+    return {**meta, "partial": True} if partial else meta
+
+
 def cmd_bench(args) -> int:
     from rich.progress import Progress
 
@@ -152,10 +159,11 @@ def cmd_bench(args) -> int:
                                       tolerance=tol, limits=limits, progress=lambda: bar.advance(task))
             reports.append(rep)
             records[name] = recs
-    drafter_desc = args.drafter if cfg.drafter_kind in ("model", "dflash") else cfg.drafter_kind
-    meta = {"target": args.target, "drafter": drafter_desc, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
-    summary = summarize(reports, meta)
+            if len(reports) < len(sets):  # a run killed later keeps the benchmarks already done
+                write_results(Path(args.out), summarize(reports, _bench_meta(args, cfg, t0, partial=True)), records)
+    summary = summarize(reports, _bench_meta(args, cfg, t0))
     write_results(Path(args.out), summary, records)
+    drafter_desc = summary["drafter"]
     table = Table("benchmark", "system", "prompts", "tok/s", "vs our AR", "tau", "accept by position", "forcing",
                   title=f"{args.target} + {drafter_desc}, K={cfg.num_draft_tokens}, {cfg.device}/{cfg.dtype}, "
                         f"{cfg.max_new_tokens} new tokens")
@@ -252,3 +260,19 @@ def cmd_train_drafter(args) -> int:
     from specpilot.train import cmd_train_drafter
 
     return cmd_train_drafter(args)
+
+
+def cmd_export_drafter(args) -> int:
+    from specpilot.hub import resolve_model
+    from specpilot.models.dflash_io import load_dflash, save_dflash
+
+    src = resolve_model(args.src, log=lambda m: err.print(f"[dim]{m}[/dim]"))
+    drafter = load_dflash(src)
+    save_dflash(drafter, args.dst, storage=args.storage, group_size=args.group_size,
+                max_shard_bytes=int(args.max_shard_mb * (1 << 20)))
+    files = sorted(Path(args.dst).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    err.print(f"{src} -> {args.dst}: {args.storage}, {len(files)} shard(s), {size / 1e6:.1f} MB")
+    print(json.dumps({"src": str(src), "dst": str(args.dst), "storage": args.storage, "bytes": size,
+                      "shards": len(files)}))
+    return 0

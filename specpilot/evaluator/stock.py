@@ -10,6 +10,7 @@ Each is wrapped to return a `GenerationResult`, so the bench treats every system
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 
 import torch
@@ -78,7 +79,12 @@ class DFlashStockSystem:
 
         self.device = torch.device(device)
         self._generate = dflash_generate
+        from specpilot.models.dflash_io import export_zlab, read_storage
+
         self.target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(self.device).eval()
+        if read_storage(drafter_path) is not None:  # SpecPilot's int8/int4 storage: z-lab reads plain floats only
+            self._tmp = tempfile.TemporaryDirectory(prefix="specpilot-zlab-")
+            drafter_path = export_zlab(drafter_path, self._tmp.name, str(dtype).removeprefix("torch."))
         self.draft = DFlashDraftModel.from_pretrained(str(drafter_path), dtype=dtype).to(self.device).eval()
         self.max_new_tokens, self.eos = max_new_tokens, list(eos_ids)
 

@@ -109,8 +109,19 @@ def is_cached(name: str) -> bool:
     return (model_path(name) / MARKER).is_file()
 
 
+SHIPPED_DIR = Path(__file__).parent / "drafters"
+
+
+def shipped_drafters() -> dict[str, Path]:
+    """Drafters that ship inside the package (`specpilot/hub/drafters/<name>/`, each with a model card
+    README.md): name -> folder. They are small (int4/int8 storage) and need no download."""
+    if not SHIPPED_DIR.is_dir():
+        return {}
+    return {p.name: p for p in sorted(SHIPPED_DIR.iterdir()) if (p / "config.json").is_file()}
+
+
 def _known_names() -> str:
-    return ", ".join(sorted(KNOWN_MODELS))
+    return ", ".join(sorted([*KNOWN_MODELS, *shipped_drafters()]))
 
 
 def _spec(name: str) -> ModelSpec:
@@ -197,6 +208,9 @@ def list_models() -> list[dict]:
         cached = is_cached(name)
         rows.append({"name": name, "hf_name": spec.hf_name, "known": True, "cached": cached,
                      "size_bytes": _dir_size(path) if cached else 0, "path": str(path)})
+    for name, path in shipped_drafters().items():
+        rows.append({"name": name, "hf_name": None, "known": True, "cached": True, "status": "shipped",
+                     "size_bytes": _dir_size(path), "path": str(path)})
     if models_dir().is_dir():
         for path in sorted(models_dir().iterdir()):
             if path.name.startswith(".") or path.name in KNOWN_MODELS or not path.is_dir():
@@ -211,6 +225,9 @@ def resolve_model(name_or_path: str, *, log: Callable[[str], object] = print) ->
     """Turn a known name, a model folder or a hub id ("org/name") into a local HF-layout folder."""
     if name_or_path in KNOWN_MODELS:
         return pull(name_or_path, log=log)
+    shipped = shipped_drafters()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
     path = Path(name_or_path).expanduser()
     if path.exists():
         if path.is_dir() and (path / "config.json").is_file():

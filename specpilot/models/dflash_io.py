@@ -5,6 +5,11 @@ top-level `block_size` and `dflash_config: {mask_token_id, target_layer_ids}`) a
 (`model.safetensors`) or shards listed in `model.safetensors.index.json`. Tensor names are the module names of
 `DFlashDrafter` (`layers.N.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, ...); the
 embedding and LM head are the target's and are not stored.
+
+SpecPilot's shipped drafters use a smaller *storage* (`models/weight_storage.py`): config.json then holds
+`specpilot_storage: {format: int8|int4, group_size}` and each matrix `X.weight` is stored as `X.weight_codes`
++ `X.weight_scale`; `load_dflash` dequantizes them, and `export_zlab` writes a plain z-lab folder again for tools
+that read only that format (z-lab's own `dflash` package).
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specpilot.errors import ModelFormatError
+from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.config import read_config_json
 from specpilot.models.dense import rope_inv_freq
 from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+from specpilot.models.weight_storage import FORMATS, check_format, dequantize, quantize
 
 _INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
+STORAGE_KEY = "specpilot_storage"
+_CODES, _SCALE = ".weight_codes", ".weight_scale"
+FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_dflash_config(path: str | Path) -> DFlashConfig:
@@ -53,15 +62,15 @@ def load_dflash(
     cfg = read_dflash_config(path)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    state: dict[str, torch.Tensor] = {}
+    raw: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as fh:
                 for name in fh.keys():
-                    t = fh.get_tensor(name)
-                    state[name] = t if dtype is None else t.to(dtype)
+                    raw[name] = fh.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for missing/truncated files
             raise ModelFormatError(f"cannot read DFlash weights {f}: {e}") from None
+    state = _dequantized(raw, read_storage(path), dtype)
     params = dict(drafter.named_parameters())
     missing = params.keys() - state.keys()
     unexpected = {n for n in state.keys() - params.keys() if not n.endswith(_IGNORED_SUFFIXES)}
@@ -82,15 +91,66 @@ def load_dflash(
     return drafter.eval()
 
 
-def save_dflash(drafter: DFlashDrafter, path: str | Path, *, max_shard_bytes: int = 4 << 30) -> None:
-    """Write `drafter` as a z-lab DFlash checkpoint (config.json + safetensors, sharded above `max_shard_bytes`)."""
+def read_storage(path: str | Path) -> dict | None:
+    """The checkpoint's low-precision storage spec ({format, group_size}), or None for plain float weights."""
+    spec = read_config_json(Path(path), "a DFlash checkpoint folder").get(STORAGE_KEY)
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("format") not in FORMATS or not isinstance(spec.get("group_size"), int):
+        raise ModelFormatError(f"{path}: config.json has a bad {STORAGE_KEY} {spec!r}")
+    return spec
+
+
+def _dequantized(raw: dict[str, torch.Tensor], storage: dict | None, dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith(_SCALE):
+            continue
+        if name.endswith(_CODES):
+            if storage is None:
+                raise ModelFormatError(f"{name} is quantized but config.json has no {STORAGE_KEY}")
+            base = name[: -len(_CODES)]
+            if base + _SCALE not in raw:
+                raise ModelFormatError(f"{name} has no {base + _SCALE}")
+            out[base + ".weight"] = dequantize(t, raw[base + _SCALE], storage["format"],
+                                               dtype if dtype is not None else torch.bfloat16)
+        else:
+            out[name] = t if dtype is None else t.to(dtype)
+    return out
+
+
+def save_dflash(drafter: DFlashDrafter, path: str | Path, *, max_shard_bytes: int = 4 << 30, storage: str | None = None,
+                group_size: int = 64) -> None:
+    """Write `drafter` as a z-lab DFlash checkpoint (config.json + safetensors, sharded above `max_shard_bytes`).
+
+    `storage`: None keeps the parameters' dtype; "float32"/"bfloat16"/"float16" casts; "int8"/"int4" stores every
+    matrix quantized (groups of `group_size` inputs; norms stay bfloat16), readable by `load_dflash` only."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {n: p.detach().contiguous().cpu() for n, p in drafter.named_parameters()}
-    dtypes = {t.dtype for t in state.values()}
     cfg = drafter.config.to_hf_dict()
-    if len(dtypes) == 1:
-        cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    cfg.pop(STORAGE_KEY, None)  # a loaded quantized checkpoint's spec: only the storage chosen here applies
+    if storage in FORMATS:
+        check_format(storage, group_size)
+        packed: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            if t.dim() == 2 and name.endswith(".weight"):
+                codes, scale = quantize(t, storage, group_size)
+                packed[name[: -len(".weight")] + _CODES] = codes
+                packed[name[: -len(".weight")] + _SCALE] = scale
+            else:
+                packed[name] = t.to(torch.bfloat16)
+        state = packed
+        cfg[STORAGE_KEY] = {"format": storage, "group_size": int(group_size)}
+        cfg["dtype"] = "bfloat16"
+    else:
+        if storage is not None:
+            if storage not in FLOAT_STORAGE:
+                raise ConfigError(f"storage must be one of {sorted(FLOAT_STORAGE) + sorted(FORMATS)}, got {storage!r}")
+            state = {n: t.to(FLOAT_STORAGE[storage]) for n, t in state.items()}
+        dtypes = {t.dtype for t in state.values()}
+        if len(dtypes) == 1:
+            cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -114,3 +174,11 @@ def save_dflash(drafter: DFlashDrafter, path: str | Path, *, max_shard_bytes: in
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def export_zlab(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
+    """Rewrite any checkpoint `load_dflash` reads (quantized storage included) as a plain z-lab folder in `dtype`:
+    what z-lab's `dflash` package loads. The weights are those SpecPilot computes with, so both run one drafter."""
+    drafter = load_dflash(src, dtype=FLOAT_STORAGE[dtype])
+    save_dflash(drafter, dst)
+    return Path(dst)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 __all__ = ["add_train_parser", "cmd_train_drafter"]
 
-RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume")
+RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
+                 "fit_steps_to_time")
 CONFIG_FILE = "train_config.json"
 
 
@@ -57,6 +58,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--target-layers", type=int, default=None,
                    help="number of target layers to condition on (default: as many as draft layers)")
     m.add_argument("--target-layer-ids", default=None, help="explicit comma list of target layer ids")
+    m.add_argument("--draft-intermediate-size", type=int, default=None,
+                   help="MLP width of the draft layers (default: the target's; smaller = a smaller drafter)")
     m.add_argument("--mask-token-id", type=int, default=None, help="default: a special token unused in chat data")
     m.add_argument("--init", choices=("target", "random"), default="target",
                    help="initialise draft layers from evenly spaced target layers, or randomly")
@@ -72,6 +75,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--val-max-new-tokens", type=int, default=128)
     t.add_argument("--time-limit-s", type=float, default=None, help="stop and checkpoint before this wall time")
+    t.add_argument("--fit-steps-to-time", action="store_true",
+                   help="with --time-limit-s: cut --steps to what fits in this command, so the LR schedule ends in it")
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="target dtype (default: bfloat16 on CUDA, float32 elsewhere)")
@@ -166,6 +171,7 @@ def cmd_train_drafter(args) -> int:
         drafter = dt.build_drafter_for(target, num_layers=s.draft_layers, block_size=s.block_size,
                                        mask_token_id=s.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
                                        num_target_features=s.target_layers, init=s.init, seed=s.seed,
+                                       intermediate_size=getattr(s, "draft_intermediate_size", None),
                                        avoid_ids={t for q in seqs for t in q.prompt_ids + q.response_ids})
         trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg)
         c = drafter.config
@@ -175,7 +181,7 @@ def cmd_train_drafter(args) -> int:
     if trainer.mask_in_data:
         err.print(f"[yellow]warning: the mask token occurs {trainer.mask_in_data} times in the training sequences")
     loop = dt.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
-                         deadline=deadline)
+                         deadline=deadline, fit_steps_to_deadline=bool(getattr(s, "fit_steps_to_time", False)))
     val_prompts = [q.prompt_ids for q in val_seqs[: s.val_tau_prompts]]
     summary = dt.run_training(trainer, out, loop=loop, val_prompts=val_prompts, val_sequences=val_seqs,
                               log=err.print, progress=not s.no_progress and sys.stderr.isatty(), best_tau=best_tau)

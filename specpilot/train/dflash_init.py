@@ -61,10 +61,14 @@ def spread_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 
 def new_drafter_config(target_cfg, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int,
                        target_layer_ids: tuple[int, ...] | None = None,
-                       num_target_features: int | None = None) -> DFlashConfig:
+                       num_target_features: int | None = None, intermediate_size: int | None = None) -> DFlashConfig:
     """A DFlash config shaped like the target (hidden size, heads, head dim, MLP width, RoPE), with `num_layers`
     full-attention draft layers conditioned on `target_layer_ids` (default: `num_target_features` layers, by
-    default as many as draft layers as in z-lab's checkpoints, spread by `spread_layer_ids`)."""
+    default as many as draft layers as in z-lab's checkpoints, spread by `spread_layer_ids`). A smaller
+    `intermediate_size` than the target's makes a smaller drafter (shipped drafters must be small)."""
+    I = target_cfg.intermediate_size if intermediate_size is None else int(intermediate_size)
+    if I <= 0:
+        raise ConfigError(f"intermediate size must be > 0, got {I}")
     L = target_cfg.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = spread_layer_ids(L, num_target_features or num_layers)
@@ -73,7 +77,7 @@ def new_drafter_config(target_cfg, *, num_layers: int = 2, block_size: int = 16,
         raise ConfigError(f"target layer ids {bad} outside the target's {L} layers")
     return DFlashConfig(
         hidden_size=target_cfg.hidden_size,
-        intermediate_size=target_cfg.intermediate_size,
+        intermediate_size=I,
         num_hidden_layers=num_layers,
         num_attention_heads=target_cfg.num_attention_heads,
         num_key_value_heads=target_cfg.num_key_value_heads,
@@ -91,12 +95,26 @@ def new_drafter_config(target_cfg, *, num_layers: int = 2, block_size: int = 16,
     )
 
 
+def mlp_neurons(mlp, n: int) -> torch.Tensor:
+    """Indices (ascending) of the `n` MLP neurons of a target layer to keep in a narrower draft MLP: the largest
+    |gate row| * |up row| * |down column|, a cheap proxy for how much each neuron can write to the residual."""
+    total = mlp.gate_proj.weight.shape[0]
+    if n > total:
+        raise ConfigError(f"a draft MLP of {n} neurons cannot start from a target layer of {total}")
+    if n == total:
+        return torch.arange(total, device=mlp.gate_proj.weight.device)
+    score = (mlp.gate_proj.weight.float().norm(dim=1) * mlp.up_proj.weight.float().norm(dim=1)
+             * mlp.down_proj.weight.float().norm(dim=0))
+    return score.topk(n).indices.sort().values
+
+
 @torch.no_grad()
 def init_from_target(drafter: DFlashDrafter, target) -> tuple[int, ...]:
     """Copy draft layer i from target layer round((i + 1) * L / n) - 1 (evenly spaced, the last one being the
     target's last layer): q/k/v/o, MLP and both layer norms. q/k norms are copied from a Qwen3 target and set to
     ones otherwise; qkv biases (Qwen2) are dropped (the draft layers have none). `fc` starts as the mean of
-    the conditioning layers' states. -> the target layers copied."""
+    the conditioning layers' states. A narrower draft MLP keeps the target neurons `mlp_neurons` picks.
+    -> the target layers copied."""
     n, L = drafter.config.num_hidden_layers, target.config.num_hidden_layers
     src = tuple(max(0, round((i + 1) * L / n) - 1) for i in range(n))
     for d_layer, t_idx in zip(drafter.layers, src):
@@ -109,8 +127,10 @@ def init_from_target(drafter: DFlashDrafter, target) -> tuple[int, ...]:
         for name in ("q_norm", "k_norm"):
             tn = getattr(ta, name)
             getattr(da, name).weight.copy_(tn.weight if tn is not None else torch.ones_like(getattr(da, name).weight))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(d_layer.mlp, name).weight.copy_(getattr(t_layer.mlp, name).weight)
+        keep = mlp_neurons(t_layer.mlp, d_layer.mlp.gate_proj.weight.shape[0])
+        d_layer.mlp.gate_proj.weight.copy_(t_layer.mlp.gate_proj.weight[keep])
+        d_layer.mlp.up_proj.weight.copy_(t_layer.mlp.up_proj.weight[keep])
+        d_layer.mlp.down_proj.weight.copy_(t_layer.mlp.down_proj.weight[:, keep])
         d_layer.input_layernorm.weight.copy_(t_layer.input_layernorm.weight)
         d_layer.post_attention_layernorm.weight.copy_(t_layer.post_attention_layernorm.weight)
     drafter.norm.weight.copy_(target.model.norm.weight)
@@ -123,14 +143,15 @@ def init_from_target(drafter: DFlashDrafter, target) -> tuple[int, ...]:
 
 def build_drafter_for(target, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int | None = None,
                       tokenizer=None, target_layer_ids=None, num_target_features=None, init: str = "target",
-                      seed: int = 0, avoid_ids=()) -> DFlashDrafter:
+                      seed: int = 0, avoid_ids=(), intermediate_size: int | None = None) -> DFlashDrafter:
     """A new fp32 drafter for `target` on its device (`init`: "target" copies target layers, "random" does not)."""
     if init not in ("target", "random"):
         raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
     if mask_token_id is None:
         mask_token_id = choose_mask_token_id(target, tokenizer, avoid_ids)
     cfg = new_drafter_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
-                             target_layer_ids=target_layer_ids, num_target_features=num_target_features)
+                             target_layer_ids=target_layer_ids, num_target_features=num_target_features,
+                             intermediate_size=intermediate_size)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).to(device=target.lm_head.weight.device, dtype=torch.float32)
     if init == "target":

@@ -379,6 +379,8 @@ class LoopConfig:
     val_max_new_tokens: int = 128
     deadline: float | None = None  # time.monotonic() seconds: stop and checkpoint before it
     log_every: int = 10
+    fit_steps_to_deadline: bool = False  # shorten the run (and its LR schedule) to end at the deadline
+    fit_after: int = 20  # steps timed before fitting
 
 
 def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, val_prompts: list[list[int]],
@@ -429,6 +431,25 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         save_s = time.monotonic() - t0
         return path
 
+    start_step = trainer.step
+
+    def fit_steps():
+        """Once `fit_after` steps are timed, cut cfg.steps to what fits before the deadline, so the cosine decay
+        completes in this command (the LR schedule reads cfg.steps, and checkpoints save it: resume agrees)."""
+        typical = sorted(step_times)[len(step_times) // 2]
+        n_val = lambda k: (k // loop.val_every) if loop.val_every else 0  # noqa: E731
+        n_save = lambda k: (k // loop.save_every) if loop.save_every else 0  # noqa: E731
+        left = loop.deadline - time.monotonic() - 2 * save_s - val_s - 10.0
+        fit = trainer.step
+        while fit < cfg.steps:
+            k = fit + 1 - trainer.step
+            if k * typical + n_val(k) * val_s + n_save(k) * save_s > left:
+                break
+            fit += 1
+        if fit < cfg.steps:
+            log(f"time limit: the run is cut from {cfg.steps} to {fit} steps ({typical * 1e3:.0f} ms per step)")
+            cfg.steps = max(fit, trainer.step + 1)
+
     bar = None
     if progress:
         from rich.console import Console
@@ -449,6 +470,10 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
                     break
             last = trainer.train_step()
             step_times = (step_times + [last.step_s])[-50:]
+            if loop.fit_steps_to_deadline and loop.deadline is not None and trainer.step == start_step + loop.fit_after:
+                fit_steps()
+                if bar is not None:
+                    bar.update(task, total=cfg.steps)
             rec = {"kind": "train", **asdict(last)}
             write(rec)
             if bar is not None:

@@ -1,0 +1,7 @@
+# Source on the GPU machine (device tool): installs the carried wheels (.whl/) and points SpecPilot at the carried
+# datasets (.data/datasets). Converted models live in /tmp/models (see BENCHMARKS.md, "device procedure").
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH=/tmp/site:$PWD SPECPILOT_DATASETS=$PWD/.data/datasets PYTHONUNBUFFERED=1
+export SPECPILOT_CACHE=/tmp/specpilot-cache
+mkdir -p /tmp/runs /tmp/ship
