@@ -484,6 +484,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
                     f"{last.step_s * 1e3:.0f} ms")
             if loop.val_every and trainer.step % loop.val_every == 0 and trainer.step < cfg.steps:
                 validate()
+                if loop.fit_steps_to_deadline and loop.deadline is not None and trainer.step > start_step + loop.fit_after:
+                    fit_steps()  # now with the measured validation time
             if loop.save_every and trainer.step % loop.save_every == 0 and trainer.step < cfg.steps:
                 save()
     finally:
