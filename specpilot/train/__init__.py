@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["add_train_parser", "cmd_train_drafter"]
 
 RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
-                 "fit_steps_to_time")
+                 "fit_steps_to_time", "regen_budget_s")
 CONFIG_FILE = "train_config.json"
 
 
@@ -51,6 +51,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--val-tau-prompts", type=int, default=8, help="validation prompts decoded by the engine for tau")
     g.add_argument("--regen-max-new-tokens", type=int, default=512)
     g.add_argument("--regen-batch-size", type=int, default=64)
+    g.add_argument("--regen-budget-s", type=float, default=None,
+                   help="stop regenerating after this many seconds and train on what is done (default: all)")
     g.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens kept per sequence")
     m = p.add_argument_group("drafter")
     m.add_argument("--block-size", type=int, default=16)
@@ -146,10 +148,18 @@ def cmd_train_drafter(args) -> int:
     err.print(f"prompts: {len(train_p)} train, {len(val_p)} validation")
     max_prompt = max(16, s.max_seq_len - min(s.regen_max_new_tokens, s.max_seq_len // 2))
     regen_deadline = None if deadline is None else deadline - 15.0
-    seqs, pending = regenerate(target, tok, train_p + val_p, out / "regen", max_new_tokens=s.regen_max_new_tokens,
+    budget = getattr(s, "regen_budget_s", None)
+    if budget:
+        regen_deadline = min(regen_deadline or float("inf"), t_start + budget)
+    seqs, pending = [], 0
+    for part in (val_p, train_p):  # validation first: a time-limited regeneration must not leave it empty
+        got, left = regenerate(target, tok, part, out / "regen", max_new_tokens=s.regen_max_new_tokens,
                                batch_size=s.regen_batch_size, max_prompt_tokens=max_prompt, target_name=str(s.target),
                                deadline=regen_deadline, log=err.print)
-    if pending:
+        seqs, pending = seqs + got, pending + left
+    if pending and budget:
+        err.print(f"[yellow]--regen-budget-s: training on the {len(seqs)} sequences regenerated, {pending} left out")
+    elif pending:
         err.print(f"[yellow]time limit: {pending} responses still to regenerate; run again with --resume")
         return result(done=False, stage="regenerate", pending=pending, regenerated=len(seqs), steps=0)
     val_ids = {p.id for p in val_p}
