@@ -5,7 +5,7 @@
 # Needs /tmp/models/q15 and /tmp/models/q05 (converted GGUFs) and the carried .whl/ and .data/.
 set -u
 source scripts/gpu_env.sh || exit 1
-LIMIT=${LIMIT:-500}
+LIMIT=${LIMIT:-480}
 COMMON="--device cuda --dtype bfloat16 --data sharegpt=0.7,mbpp=0.3 --num-prompts ${PROMPTS:-6000} --val-prompts 32
  --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280 --block-size 16
  --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 4000 --batch-size 16 --anchors-per-seq 32

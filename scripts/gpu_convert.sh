@@ -1,0 +1,21 @@
+#!/bin/bash
+# After the staging calls (GGUF pieces appended to /tmp/m/q15.gguf and /tmp/m/q05.gguf): check the sha256 of both
+# and convert them to HF folders in /tmp/models/{q15,q05}; then a short GPU smoke run of train-drafter.
+set -u
+source scripts/gpu_env.sh || exit 1
+echo "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  /tmp/m/q15.gguf" > /tmp/m/sums
+echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/m/q05.gguf" >> /tmp/m/sums
+sha256sum -c /tmp/m/sums || exit 1
+python3 -c "
+from pathlib import Path
+from specpilot.hub import convert_gguf
+for m in ('q15', 'q05'):
+    convert_gguf(Path(f'/tmp/m/{m}.gguf'), Path(f'/tmp/models/{m}'))
+    print(m, 'converted', flush=True)
+" || exit 1
+rm -f /tmp/m/*.gguf
+[ "${SMOKE:-1}" = 1 ] && timeout 120 python3 -m specpilot.cli train-drafter --target /tmp/models/q05 --out /tmp/runs/smoke \
+  --device cuda --num-prompts 64 --val-prompts 4 --val-tau-prompts 2 --regen-max-new-tokens 64 --regen-batch-size 32 \
+  --max-seq-len 512 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 30 --batch-size 16 \
+  --anchors-per-seq 32 --val-every 15 --save-every 0 --time-limit-s 100 --no-progress 2>&1 | tail -12
+nvidia-smi --query-gpu=memory.used --format=csv
