@@ -105,25 +105,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
-        out = grouped_attention(q, keys, values, mask)
+        # GQA via enable_gqa: folding the query heads into the query length instead was measured slower on the H200
+        # (cuDNN attention already handles GQA with a mask; BENCHMARKS.md, 2026-11-30)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-    """Masked attention of q [B, H, T, D] over keys/values [B, Hkv, S, D] with H = g * Hkv (GQA).
-
-    The g query heads that share a KV head are folded into the query length ([B, Hkv, g*T, D], the mask tiled to
-    match) so one plain SDPA call reads each KV head once. Why: with a mask, `enable_gqa` leaves only PyTorch's
-    math backend, which first expands K/V g-fold: at decode (T small, S large) that copy is most of the work."""
-    B, H, T, D = q.shape
-    Hkv = keys.shape[1]
-    if H == Hkv:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    g = H // Hkv
-    qf = q.reshape(B, Hkv, g * T, D)  # rows ordered (head in group, token): heads h = kv * g + j
-    mf = None if mask is None else mask.repeat(1, 1, g, 1)  # [B, 1, T, S] -> [B, 1, g*T, S], same order
-    out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mf)
-    return out.reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
