@@ -2,7 +2,8 @@
 """GPU parity check of the engine's fast paths: eager vs CUDA-graphed vs compiled+graphed, AR vs speculative.
 
 On a random-weight model (fp32, so every path must give identical greedy tokens), checks that AR eager ==
-AR graphed == AR compiled, and that speculative decoding (self drafter, random drafter, n-gram) equals AR. Then
+AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
+batched regeneration (eager and graphed) equals batch-1 AR. Then
 times a graphed and a compiled AR step at a real shape in bf16. Last stdout line: one JSON object.
 """
 
@@ -48,6 +49,16 @@ def main() -> int:
                         sum(o.num_target_forwards for o in outs), 3), "setup_and_run_s": round(time.time() - t0, 1)}
         print(name, result[name], flush=True)
         if not all(same):
+            problems.append(name)
+    from specpilot.engine.batch import generate_batch
+
+    for graphs in (False, True):  # batched regeneration (train-drafter): eager and graphed both equal batch-1 AR
+        t0 = time.time()
+        outs = generate_batch(target, prompts, 48, eos_ids=(), batch_size=len(prompts), cuda_graphs=graphs)
+        name = f"batch_{'graphed' if graphs else 'eager'}"
+        result[name] = {"equal": outs == ref, "setup_and_run_s": round(time.time() - t0, 1)}
+        print(name, result[name], flush=True)
+        if outs != ref:
             problems.append(name)
     result["problems"] = problems
     print(json.dumps(result))

@@ -114,6 +114,29 @@ def _systems(args, cfg, target, tok, spec, ar):
     return {n: systems[n] for n in names}
 
 
+def _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol):
+    """Measure the low-precision scorer's margin noise against a float32 copy of it on the first prompt of each
+    benchmark (prompt + our AR output) -> (noise, tolerance = max(tol, 2 * noise)); evaluator/forcing.py says why."""
+    import torch
+
+    from specpilot.evaluator.forcing import noise_tolerance, scorer_noise, transformers_scorer
+    from specpilot.hub import resolve_model
+
+    reference = transformers_scorer(resolve_model(args.target), torch.float32, cfg.device)
+    seqs = []
+    for prompts in sets.values():
+        ids = tok.encode_chat(prompts[0].messages)
+        seqs.append(ids + ar.generate(ids).output_ids)
+    noise = scorer_noise(scorer, reference, seqs)
+    del reference
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    tol = noise_tolerance(noise, tol)
+    err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 on {len(seqs)} sequences "
+              f"-> tolerance {tol:.4f}")
+    return noise, tol
+
+
 def _bench_meta(args, cfg, t0: float, partial: bool = False) -> dict:
     drafter = args.drafter if cfg.drafter_kind in ("model", "dflash") else cfg.drafter_kind
     meta = {"target": args.target, "drafter": drafter, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
@@ -149,6 +172,9 @@ def cmd_bench(args) -> int:
     systems = _systems(args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
     tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    noise = None
+    if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
+        noise, tol = _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol)
     limits = {s: args.baseline_prompts for s in ("hf-ar", "stock") if args.baseline_prompts}
     reports, records = [], {}
     with Progress(console=err, transient=True) as bar:
@@ -161,7 +187,8 @@ def cmd_bench(args) -> int:
             records[name] = recs
             if len(reports) < len(sets):  # a run killed later keeps the benchmarks already done
                 write_results(Path(args.out), summarize(reports, _bench_meta(args, cfg, t0, partial=True)), records)
-    summary = summarize(reports, _bench_meta(args, cfg, t0))
+    summary = summarize(reports, {**_bench_meta(args, cfg, t0), "forcing_tolerance": round(tol, 5),
+                                  "scorer_noise": None if noise is None else round(noise, 5)})
     write_results(Path(args.out), summary, records)
     drafter_desc = summary["drafter"]
     table = Table("benchmark", "system", "prompts", "tok/s", "vs our AR", "tau", "accept by position", "forcing",
@@ -201,6 +228,9 @@ def cmd_force(args) -> int:
     target, _ = load_target(args.target, cfg)
     scorer = _scorer(args, target, cfg)
     tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    noise = None
+    if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
+        noise, tol = _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol)
     verdicts = [force(scorer, p, o, tol) for p, o in records]
     for i, v in enumerate(verdicts):
         for m in v.failures:

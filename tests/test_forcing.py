@@ -83,3 +83,18 @@ def test_bf16_scorer_tolerates_one_ulp_ties_only():
     fp32 = scorer_with(20.125, 20.0)
     fp32.dtype = torch.float32
     assert not force(fp32, prompt, out, tolerance=0.05).passed  # no precision slack for an fp32 scorer
+
+
+def test_scorer_noise_is_zero_against_itself_and_positive_in_bf16(tiny_model_dir):
+    from specpilot.evaluator.forcing import noise_tolerance, scorer_noise, specpilot_scorer
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("qwen3")
+    ref = specpilot_scorer(load_model(path))
+    low = specpilot_scorer(load_model(path, dtype=torch.bfloat16))
+    seqs = [[1, 5, 9, 2, 7, 3, 3, 8], [4, 4, 1]]
+    assert scorer_noise(ref, ref, seqs) == 0.0
+    noise = scorer_noise(low, ref, seqs)
+    assert 0.0 < noise < 1.0
+    assert noise_tolerance(noise, 0.0) == 2 * noise
+    assert noise_tolerance(0.0, 0.1) == 0.1

@@ -9,6 +9,12 @@ precision at that logit (a bf16 scorer cannot tell apart logits one bf16 step ap
 step is 0.125, and two correct bf16 implementations of one model do land one step apart — measured on the H200).
 
 The stock scorer is independent of the candidate: by default transformers' own implementation of the target.
+
+For a low-precision scorer the tolerance is *measured*, not guessed (`scorer_noise`): the largest error of the
+scorer's own top-1/top-2 margin against a float32 run of the same implementation, over the deployment's own
+sequences. Two correct low-precision implementations can each be off by that much, in opposite directions, so
+`noise_tolerance` allows twice it. (One ulp was not enough: on the H200 our bf16 AR and transformers' bf16 met
+2 ulps apart on MT-Bench; BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -69,6 +75,27 @@ def force(logits_fn: LogitsFn, prompt_ids: list[int], output_ids: list[int], tol
     allowed = torch.clamp(slack, min=tolerance)  # per position
     failures = [m for m in mismatches if m.margin > float(allowed[m.index])]
     return ForcingVerdict(not failures, len(output_ids), tolerance, mismatches, failures)
+
+
+@torch.inference_mode()
+def scorer_noise(scorer: LogitsFn, reference: LogitsFn, sequences: list[list[int]]) -> float:
+    """Largest |margin error| of `scorer` against `reference` (the same model in float32) over the positions of
+    `sequences`: for each position, the scorer's top-2 tokens, their logit difference under each."""
+    worst = 0.0
+    for ids in sequences:
+        if len(ids) < 2:
+            continue
+        a, b = scorer(ids).float(), reference(ids).float()
+        top2 = a.topk(2, dim=-1).indices
+        ma, mb = a.gather(-1, top2), b.to(a.device).gather(-1, top2)
+        err = ((ma[:, 0] - ma[:, 1]) - (mb[:, 0] - mb[:, 1])).abs().max()
+        worst = max(worst, float(err))
+    return worst
+
+
+def noise_tolerance(noise: float, tolerance: float = DEFAULT_TOLERANCE) -> float:
+    """The forcing tolerance for a low-precision scorer whose measured margin noise is `noise`."""
+    return max(tolerance, 2.0 * noise)
 
 
 def merge(verdicts: list[ForcingVerdict]) -> dict:
