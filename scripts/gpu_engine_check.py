@@ -50,6 +50,24 @@ def main() -> int:
         print(name, result[name], flush=True)
         if not all(same):
             problems.append(name)
+    from specpilot.models.dflash import DFlashDrafter
+    from specpilot.train.dflash_init import new_drafter_config
+
+    torch.manual_seed(2)  # a random DFlash drafter: graphed (static) draft steps must draft what eager ones do
+    net = DFlashDrafter(new_drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=5)).cuda().eval()
+    taus = {}
+    for graphs in (False, True):
+        c = base.with_(drafter_kind="dflash", num_draft_tokens=7, cuda_graphs=graphs)
+        outs = [Engine(target, c, build_drafter(c, net, target)).generate(p) for p in prompts]
+        name = f"spec_dflash_{'graphed' if graphs else 'eager'}"
+        taus[graphs] = [o.tau for o in outs]
+        result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref)), "tau": taus[graphs]}
+        print(name, result[name], flush=True)
+        if not result[name]["equal"]:
+            problems.append(name)
+    if taus[False] != taus[True]:
+        problems.append("dflash_graphed_drafts_differ")
+
     from specpilot.engine.batch import generate_batch
 
     for graphs in (False, True):  # batched regeneration (train-drafter): eager and graphed both equal batch-1 AR

@@ -68,3 +68,55 @@ def test_stock_dflash_package_agrees_with_our_engine(setup, tiny_model_dir):
     p = list(range(3, 14))
     a, b = ours.generate(p), stock.generate(p)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 20
+
+
+def test_static_draft_step_equals_eager(setup):
+    """The static-shape draft step (what is captured as a CUDA graph on a GPU: context padded to a block, the
+    whole cache attended) drafts exactly what the eager step drafts, for every count of new context rows."""
+    from specpilot.drafters.dflash import DFlashBlockDrafter
+    from specpilot.models.dflash_io import load_dflash
+
+    target, path = setup
+    net = load_dflash(path)
+    B = net.block_size
+    eager = DFlashBlockDrafter(net, target, 64)
+    static = DFlashBlockDrafter(net, target, 64, static=True)
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(60, net.fc.in_features, generator=g)
+    ids = torch.randint(0, 90, (60,), generator=g).tolist()
+    committed = 8  # the prompt; its first step runs eagerly in both
+    for d in (eager, static):
+        d.observe(feats[: committed - 1])
+    steps = [(committed, eager.propose(ids[:committed], B - 1), static.propose(ids[:committed], B - 1))]
+    for c in [1, 3, B, 2, 1, B - 1, 4, 1]:  # new context rows per step (the engine: accepted drafts + 1)
+        for d in (eager, static):
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        steps.append((committed, eager.propose(ids[:committed], B - 1), static.propose(ids[:committed], B - 1)))
+    for n, a, b in steps:
+        assert a.token_ids.tolist() == b.token_ids.tolist(), n
+    assert static.fed == eager.fed == committed - 1
+    # a shortened block (the last step of a generation) runs eagerly and still agrees
+    for d in (eager, static):
+        d.observe(feats[committed - 1: committed])
+    assert eager.propose(ids[: committed + 1], 2).token_ids.tolist() == \
+        static.propose(ids[: committed + 1], 2).token_ids.tolist()
+
+
+def test_static_draft_step_is_used(setup, monkeypatch):
+    """Not a silent fallback: after the first step, full blocks go through the static step."""
+    from specpilot.drafters.dflash import DFlashBlockDrafter
+    from specpilot.models.dflash_io import load_dflash
+
+    target, path = setup
+    net = load_dflash(path)
+    d = DFlashBlockDrafter(net, target, 64, static=True)
+    calls = []
+    orig = d._static_step
+    monkeypatch.setattr(d, "_static_step", lambda: calls.append(1) or orig())
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=net.block_size - 1, max_new_tokens=20, max_seq_len=64,
+                       ignore_eos=True)
+    res = Engine(target, cfg, d).generate(list(range(1, 9)))
+    want = Engine(target, cfg.with_(drafter_kind="none")).generate(list(range(1, 9)))
+    assert res.output_ids == want.output_ids
+    assert len(calls) >= 2

@@ -6,6 +6,13 @@ position order; this drafter buffers them until the next `propose()`, writes the
 once (slot p = position p, so rejected drafts need no rollback), and drafts [anchor, mask, ...] in one pass, the
 anchor being the last committed token. Drafts are greedy; under sampling they count as point masses, which keeps
 verification lossless.
+
+Static steps (`static=True`, and as a CUDA graph with `cuda_graphs=True` on a GPU): after the first step, a step
+feeds at most block_size new context positions, so the context is padded to block_size rows and the block attends
+over the whole draft cache (static shapes). Padding rows are written at positions >= the anchor, which the
+draft mask hides (it shows only slots below the anchor) and which real context overwrites before any later
+anchor passes them. Why: eagerly the draft pass is host-bound (~12 ms of a 15 ms step on the H200, BENCHMARKS.md).
+The first step (the whole prompt) and shortened blocks (the last step of a generation) run eagerly.
 """
 
 from __future__ import annotations
@@ -13,20 +20,70 @@ from __future__ import annotations
 import torch
 
 from specpilot.drafters.base import Draft
-from specpilot.models.dflash import DFlashDrafter, context_features, draft_block, target_capture_layers
+from specpilot.models.dflash import DFlashDrafter, _target_io, context_features, draft_block, target_capture_layers
 
 
 class DFlashBlockDrafter:
     name = "dflash"
 
-    def __init__(self, network: DFlashDrafter, target, max_seq_len: int):
+    def __init__(self, network: DFlashDrafter, target, max_seq_len: int, *, static: bool = False,
+                 cuda_graphs: bool = False):
         self.network, self.target = network, target
         self.num_target_layers = target.config.num_hidden_layers
         self.layer_ids = tuple(network.config.target_layer_ids)
         self.target_layers = target_capture_layers(self.layer_ids, self.num_target_layers)
         self.cache = network.new_cache(1, max_seq_len + network.block_size)
         self.device = network.fc.weight.device
+        self.graph = None
+        self.static = static or (cuda_graphs and self.device.type == "cuda")
+        if self.static:
+            self._init_static(max_seq_len)
+            if cuda_graphs and self.device.type == "cuda":
+                self._capture()
         self.reset()
+
+    # -- the static step: fixed-size buffers in, drafts out (the same code is eager, or captured) --
+
+    def _init_static(self, max_seq_len: int) -> None:
+        B, dev = self.network.block_size, self.device
+        self.base = torch.arange(B, device=dev)
+        self.anchor = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.masks = torch.full((1, B - 1), self.network.mask_token_id, dtype=torch.long, device=dev)
+        self.ctx = torch.zeros(1, B, self.network.fc.in_features, dtype=self.network.fc.weight.dtype, device=dev)
+        self.pos_ctx = (max_seq_len + self.base)[None].clone()  # the spare tail slots: harmless before first use
+        self.pos_blk = (max_seq_len + self.base)[None].clone()
+        self.drafts = None
+
+    def _static_step(self) -> torch.Tensor:
+        embed_w, lm_head = _target_io(self.target)
+        ids = torch.cat((self.anchor, self.masks), dim=1)
+        hidden = self.network(self.network.embed(ids, embed_w), self.network.project_context(self.ctx), self.pos_ctx,
+                              self.pos_blk, self.cache, kv_len=None)
+        return self.network.compute_logits(hidden[:, 1:], lm_head).argmax(dim=-1)[0]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._static_step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.drafts = self._static_step()
+
+    def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        c = ctx.shape[0]
+        self.anchor.fill_(anchor_id)
+        self.ctx[0, :c].copy_(ctx)
+        # rows [0, c): the new context at fed..anchor-1; rows [c, B): padding at anchor..anchor+B-c-1
+        self.pos_ctx.copy_(torch.where(self.base < c, self.base + self.fed, self.base - c + anchor_pos)[None])
+        self.pos_blk.copy_((self.base + anchor_pos)[None])
+        if self.graph is not None:
+            self.graph.replay()
+            return self.drafts.clone()
+        return self._static_step()
 
     def reset(self) -> None:
         self.fed = 0  # context positions [0, fed) are in the draft cache
@@ -46,7 +103,11 @@ class DFlashBlockDrafter:
         if self.fed + ctx.shape[0] != anchor_pos:
             raise RuntimeError(f"DFlash context out of step: {self.fed} fed + {ctx.shape[0]} new != {anchor_pos}")
         k = min(num_tokens, self.network.block_size - 1)
-        tokens = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
-                             cache=self.cache, num_tokens=k)
+        if self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size \
+                and k == self.network.block_size - 1:
+            tokens = self._propose_static(context_ids[-1], ctx, anchor_pos)
+        else:
+            tokens = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
+                                 cache=self.cache, num_tokens=k)
         self.fed, self.pending = anchor_pos, []
         return Draft(tokens.to(torch.long))

@@ -58,7 +58,7 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
             raise ConfigError("drafter 'dflash' needs a DFlash checkpoint (--drafter PATH)")
         network = drafter_model if not isinstance(drafter_model, (str, bytes)) else load_dflash(
             resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
-        return DFlashBlockDrafter(network, target, config.max_seq_len)
+        return DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")
     if isinstance(drafter_model, str):
