@@ -16,7 +16,7 @@ SHIP = {"q15": "dflash-qwen2.5-coder-1.5b", "q05": "dflash-qwen2.5-coder-0.5b"}
 out = {}
 for m, name in SHIP.items():
     run = Path(f"/tmp/runs/{m}")
-    if not (run / "checkpoint").exists() or not Path(f"/tmp/ship/{name}").exists():
+    if not (run / "best").exists() or not Path(f"/tmp/ship/{name}").exists():
         continue
     target = load_model(f"/tmp/models/{m}", dtype=torch.bfloat16, device="cuda")
     cfg = json.loads((run / "train_config.json").read_text())
@@ -25,7 +25,7 @@ for m, name in SHIP.items():
     recs = read_cache(run / "regen")
     val = [recs[p.id]["prompt_ids"] for p in val_p if recs.get(p.id, {}).get("response_ids")][:16]
     out[m] = {}
-    for label, path in (("trained", run / "checkpoint"), ("shipped_int4", Path(f"/tmp/ship/{name}"))):
+    for label, path in (("trained", run / "best"), ("shipped_int4", Path(f"/tmp/ship/{name}"))):
         d = load_dflash(path, dtype=torch.float32, device="cuda")
         out[m][label] = round(validate_tau(target, d, val, max_new_tokens=128)["tau"], 4)
     print(m, out[m], flush=True)

@@ -332,6 +332,26 @@ def test_validation_path_runs(target, overfit_seq, tmp_path):
     assert s2["steps"] == 0 and s2["stopped_by"] == "time_limit" and Path(s2["checkpoint"]).exists()
 
 
+def test_best_checkpoint_without_decoding_follows_teacher_forced_acceptance(target, overfit_seq, tmp_path):
+    tr = _trainer(target, overfit_seq, steps=6)
+    summary = dt.run_training(tr, tmp_path, loop=dt.LoopConfig(val_every=2, save_every=0), val_prompts=[],
+                              val_sequences=[overfit_seq], progress=False)
+    vals = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines() if '"val"' in x]
+    assert vals and all("val_tau" not in r for r in vals)
+    best = max(1 + r["val_accept_len"] for r in vals)
+    assert summary["best_val_tau"] == best and (tmp_path / "best" / "config.json").exists()
+    assert [r.get("best", False) for r in vals][0] is True
+
+
+def test_fit_steps_to_deadline_cuts_the_schedule(target, overfit_seq, tmp_path):
+    tr = _trainer(target, overfit_seq, steps=10_000)
+    loop = dt.LoopConfig(save_every=0, val_every=0, deadline=time.monotonic() + 27, fit_steps_to_deadline=True,
+                         fit_after=3)
+    summary = dt.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False)
+    assert 3 <= tr.cfg.steps < 10_000  # the LR schedule (which reads cfg.steps) now ends inside the deadline
+    assert summary["steps"] <= tr.cfg.steps
+
+
 # --- the command --------------------------------------------------------------------------------------------
 
 
