@@ -264,16 +264,17 @@ def cmd_profile(args) -> int:
     decode_per_step = sum(r.decode_s for r in spec_res) / steps
     tau = sum(r.num_output_tokens for r in spec_res) / sum(r.num_target_forwards for r in spec_res)
     K = cfg.num_draft_tokens
-    model_drafter = cfg.drafter_kind == "model"
+    model_drafter, dflash = cfg.drafter_kind == "model", cfg.drafter_kind == "dflash"
     profile = StepProfile(
         draft_s=stage["draft"], verify_s=stage["verify"], accept_s=stage["accept"],
         other_s=max(decode_per_step - stage["draft"] - stage["verify"] - stage["accept"], 0.0),
-        tau=tau, num_draft_tokens=K, drafter_passes=K if model_drafter else 0,
+        tau=tau, num_draft_tokens=K, drafter_passes=K if model_drafter else int(dflash),
         context_len=int(sum(len(r.prompt_ids) + r.num_output_tokens / 2 for r in spec_res) / len(spec_res)),
         drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
     )
-    drafter_cfg = spec.drafter.runner.model.config if model_drafter else None
+    drafter_cfg = (spec.drafter.runner.model.config if model_drafter
+                   else spec.drafter.network.config if dflash else None)
     report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
     out.print(report.table())
     print(json.dumps({"profile": profile.__dict__, **report.to_dict()}, default=list))

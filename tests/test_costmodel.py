@@ -233,3 +233,28 @@ def test_measure_ceilings_without_cuda_raises_a_clear_error(monkeypatch):
         load_or_measure()
     with pytest.raises(CudaUnavailableError, match="'cpu'"):
         measure_ceilings("cpu")
+
+
+def test_dflash_draft_pass_cost_and_analysis():
+    from specpilot.costmodel.shapes import dflash_pass_cost
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
+                           intermediate_size=2048)
+    c1, c4 = dflash_pass_cost(d, target, 600, 1), dflash_pass_cost(d, target, 600, 4)
+    H = target.hidden_size
+    layer = 2 * H * H + 2 * H * 256 + 3 * H * 2048  # q, o, k, v (2 KV heads x 128) and the narrow MLP
+    lm_head = target.vocab_size * H
+    fc = 3 * H * H
+    # weights: the draft layers, the fc, the (shared) LM head and the block's embedding rows, read once in bf16
+    assert c1.weight_bytes == pytest.approx(2 * (2 * layer + lm_head + fc + 16 * H), rel=0.01)
+    assert c4.weight_bytes == c1.weight_bytes  # more context rows read no more weights ...
+    assert c4.flops > c1.flops and c4.kv_bytes > c1.kv_bytes  # ... but project and write more context
+    assert c1.num_tokens == 16 and c1.num_kernels > c1.num_linear_kernels > 2 * 7
+    prof = _profile(draft_s=3e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15)
+    rep = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash")
+    assert rep.stages["draft"].floor_s == pytest.approx(pass_floor_s(dflash_pass_cost(d, target, 600, 3), FAKE_HW))
+    assert 0 < rep.stages["draft"].floor_s < rep.stages["draft"].predicted_s
+    with pytest.raises(ConfigError, match="DFlashConfig"):
+        analyze(target, None, prof, FAKE_HW, drafter_kind="dflash")

@@ -6,6 +6,7 @@ Public API (others code against exactly these names):
             save_ceilings(hw, path=None) / load_ceilings(path) / ceilings_path(name)
             CudaUnavailableError (a ConfigError)                    raised where CUDA is not available
   shapes    forward_cost(cfg, num_tokens, context_len, dtype_bytes=2) -> PassCost    bytes, FLOPs, kernels
+            dflash_pass_cost(dflash_cfg, target_cfg, context_len, new_context) -> PassCost    one DFlash draft
             param_count(cfg), synthetic_config(name), SYNTHETIC_NAMES
   gaps      pass_floor_s(cost, hw)  physical bound;  pass_predicted_s(cost, hw, graphed=True)  calibrated estimate
             StepProfile (measured stage times, passed in), analyze(...) -> CostReport (.to_dict(), .table())
@@ -32,10 +33,12 @@ from specpilot.costmodel.hardware import (
     measure_ceilings,
     save_ceilings,
 )
-from specpilot.costmodel.shapes import SYNTHETIC_NAMES, PassCost, forward_cost, param_count, synthetic_config
+from specpilot.costmodel.shapes import (
+    SYNTHETIC_NAMES, PassCost, dflash_pass_cost, forward_cost, param_count, synthetic_config,
+)
 
 __all__ = [
     "SYNTHETIC_NAMES", "CostReport", "CudaUnavailableError", "GapRow", "HardwareCeilings", "PassCost",
-    "StageCost", "StepProfile", "analyze", "ceilings_path", "forward_cost", "load_ceilings", "load_or_measure",
+    "StageCost", "StepProfile", "analyze", "ceilings_path", "dflash_pass_cost", "forward_cost", "load_ceilings", "load_or_measure",
     "measure_ceilings", "param_count", "pass_floor_s", "pass_predicted_s", "save_ceilings", "synthetic_config",
 ]

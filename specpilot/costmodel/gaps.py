@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, forward_cost, param_count
+from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, param_count
 from specpilot.errors import ConfigError
 from specpilot.models.config import ModelConfig
 
-DrafterKind = Literal["model", "ngram", "none"]
+DrafterKind = Literal["model", "ngram", "dflash", "none"]
 STAGES = ("draft", "verify", "accept", "other")
 
 
@@ -164,18 +164,22 @@ def _ms(seconds: float) -> str:
 # --- analysis -----------------------------------------------------------------------------------------------
 
 
-def _draft_passes(drafter_cfg: ModelConfig | None, profile: StepProfile, kind: str) -> list[PassCost]:
+def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: ModelConfig) -> list[PassCost]:
     if kind in ("ngram", "none"):
         return []  # host-side lookup or no drafting: no device passes, floor 0
+    if kind == "dflash":  # one block pass; the context grows by the tokens committed last step (~tau)
+        if drafter_cfg is None:
+            raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
+        return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)))]
     if kind != "model":
-        raise ConfigError(f"drafter_kind must be 'model', 'ngram' or 'none', not {kind!r}")
+        raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
         raise ConfigError("drafter_kind 'model' needs the drafter's ModelConfig")
     return [forward_cost(drafter_cfg, t, profile.context_len) for t in profile.pass_tokens()]
 
 
 def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed) -> dict[str, StageCost]:
-    drafts = _draft_passes(drafter_cfg, profile, kind)
+    drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len)
     return {
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),

@@ -128,6 +128,41 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     )
 
 
+# --- a DFlash draft pass -------------------------------------------------------------------------------------
+
+# Per draft layer, the context path on top of a dense layer's kernels: k/v projections, k RMSNorm, RoPE of k,
+# the cache write (2); per pass: fc + hidden_norm (1 + 8) and the mask (~6).
+_DFLASH_CTX_KERNELS = 2 + _NORM_KERNELS + 5 + 2
+_DFLASH_HEAD_KERNELS = 1 + _NORM_KERNELS + 6
+
+
+def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_context: int,
+                     dtype_bytes: int = 2) -> PassCost:
+    """One DFlash draft pass (models/dflash.py): the block (block_size tokens: anchor + masks) through the draft
+    layers, attending over the draft cache's `context_len` slots; `new_context` target feature rows projected
+    (fc), turned into K/V and written; the block's hidden states through the target's LM head."""
+    B = dcfg.block_size
+    dense = ModelConfig(model_type="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=dcfg.hidden_size,
+                        intermediate_size=dcfg.intermediate_size, num_hidden_layers=dcfg.num_hidden_layers,
+                        num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
+                        head_dim=dcfg.head_dim, qk_norm=True)
+    base = forward_cost(dense, B, context_len, dtype_bytes)
+    feat = len(dcfg.target_layer_ids) * dcfg.hidden_size
+    fc = feat * dcfg.hidden_size
+    kv_proj = dcfg.num_hidden_layers * 2 * dcfg.hidden_size * dcfg.num_key_value_heads * dcfg.head_dim
+    kv_write = new_context * 2 * dcfg.num_hidden_layers * dcfg.num_key_value_heads * dcfg.head_dim * dtype_bytes
+    return PassCost(
+        num_tokens=B,
+        context_len=context_len,
+        weight_bytes=base.weight_bytes + fc * dtype_bytes,
+        kv_bytes=base.kv_bytes + kv_write,
+        activation_bytes=base.activation_bytes + new_context * feat * dtype_bytes,
+        flops=base.flops + 2.0 * (fc + kv_proj) * new_context,
+        num_kernels=base.num_kernels + dcfg.num_hidden_layers * _DFLASH_CTX_KERNELS + _DFLASH_HEAD_KERNELS,
+        num_linear_kernels=base.num_linear_kernels + 1 + 2 * dcfg.num_hidden_layers,
+    )
+
+
 # --- well-known shapes --------------------------------------------------------------------------------------
 
 _QWEN_VOCAB = 151936

@@ -89,12 +89,14 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
     k, model = cfg.num_draft_tokens, cfg.drafter_kind == "model"
     return StepProfile(draft_s=stage_s.get("draft", 0.0), verify_s=stage_s.get("verify", 0.0),
                        accept_s=stage_s.get("accept", 0.0), other_s=stage_s.get("commit", 0.0), tau=max(tau, 1e-6),
-                       num_draft_tokens=k, drafter_passes=k if model else 0, context_len=context_len,
+                       num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
+                       context_len=context_len,
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None)
 
 
 def cost_model_hooks(target_cfg, drafter_cfg, device: str):
-    """(profile_fn, ceiling_fn, note) from the target's and drafter's ModelConfig (drafter_cfg None: no AR drafter).
+    """(profile_fn, ceiling_fn, note) from the target's config and the drafter's (a ModelConfig for a small AR
+    drafter, a DFlashConfig for DFlash; None: no model drafter).
     On CUDA: the cost model's gap table and tokens/s ceiling (tau / step floor). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap) and no ceiling."""
     from specpilot.costmodel import GapRow, analyze, load_or_measure
 
@@ -112,11 +114,12 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
         return stage_times, None, f"no cost-model ceilings ({e}); diagnosis ranks measured stage times"
 
     def report(cfg, stage_s, tau, context_len):
-        if cfg.drafter_kind not in ("model", "ngram") or (cfg.drafter_kind == "model" and drafter_cfg is None):
-            return None  # the cost model has no shapes for this drafter (e.g. DFlash) yet
+        if cfg.drafter_kind in ("model", "dflash") and drafter_cfg is None:
+            return None  # the drafter's shapes are unknown
         prof = _step_profile(cfg, stage_s, tau, context_len)
-        return None if prof is None else analyze(target_cfg, drafter_cfg if cfg.drafter_kind == "model" else None,
-                                                 prof, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
+        keep = cfg.drafter_kind in ("model", "dflash")
+        return None if prof is None else analyze(target_cfg, drafter_cfg if keep else None, prof, hw,
+                                                 drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
 
     def profile_fn(cfg, stats):
         return report(cfg, stats.get("stage_s"), stats.get("tau", 1.0), stats.get("context_len", 0))
@@ -227,8 +230,12 @@ def cmd_optimize(args) -> int:
         raise ConfigError("dev and held-out prompts must be non-empty, different prompt sets")
     err.print(f"loading target {s['target']} ({cfg.dtype}, {cfg.device})")
     target, tok = load_target(s["target"], cfg)
-    drafter_cfg = None
-    if s["drafter"] and cfg.drafter_kind != "dflash":  # a small AR drafter: the cost model knows its shapes
+    drafter_cfg = None  # the cost model's view of the drafter: a ModelConfig (small AR) or a DFlashConfig
+    if s["drafter"] and cfg.drafter_kind == "dflash":
+        from specpilot.models.dflash_io import read_dflash_config
+
+        drafter_cfg = read_dflash_config(resolve_model(s["drafter"]))
+    elif s["drafter"]:
         from specpilot.models.config import ModelConfig
 
         drafter_cfg = ModelConfig.from_folder(resolve_model(s["drafter"]))
