@@ -446,3 +446,20 @@ def test_cli_optimize_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys)
     base = mem.finished_trials(summary["run"])[0]
     assert base.verdict == "baseline" and base.figures["dev"]["median"] > 0  # real engine, forcing passed
     assert mem.rounds(summary["run"])[0]["gaps"][0]["measured_s"] is not None  # CPU: measured stage times
+
+
+def test_cpu_runs_default_to_the_short_main_job_and_flags_win(tmp_path):
+    from specpilot import deployments as dep
+    from specpilot.cli import build_parser
+    from specpilot.loop import DEFAULTS, _settings
+
+    s = _settings(build_parser().parse_args(["optimize"]))
+    assert {k: s[k] for k in dep.OPTIMIZE_CPU} == dep.OPTIMIZE_CPU
+    s = _settings(build_parser().parse_args(["optimize", "--rounds", "3", "--num-prompts", "2"]))
+    assert s["rounds"] == 3 and s["num_prompts"] == 2 and s["trials"] == dep.OPTIMIZE_CPU["trials"]
+    s = _settings(build_parser().parse_args(["optimize", "--device", "cuda"]))
+    assert s["rounds"] == DEFAULTS["rounds"] and s["trials"] == DEFAULTS["trials"]
+    f = tmp_path / "d.yaml"
+    f.write_text("device: cuda\nrounds: 5\n")
+    s = _settings(build_parser().parse_args(["optimize", "--deployment", str(f)]))
+    assert s["rounds"] == 5 and s["trials"] == DEFAULTS["trials"]

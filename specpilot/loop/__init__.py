@@ -169,7 +169,12 @@ def add_optimize_parser(subparsers):
 
 
 def _settings(args) -> dict:
+    """DEFAULTS, then on a CPU the short run of deployments.OPTIMIZE_CPU (what the README's main job runs),
+    then the deployment file, then flags."""
+    from specpilot import deployments as dep
+
     s = dict(DEFAULTS)
+    given: dict = {}
     if getattr(args, "deployment", None):
         import yaml
 
@@ -180,8 +185,11 @@ def _settings(args) -> dict:
         unknown = set(loaded) - set(DEFAULTS)
         if unknown:
             raise ConfigError(f"unknown deployment keys: {sorted(unknown)}")
-        s.update(loaded)
-    s.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+        given.update(loaded)
+    given.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+    if given.get("device", s["device"]) == "cpu":
+        s.update(dep.OPTIMIZE_CPU)
+    s.update(given)
     return s
 
 
