@@ -17,6 +17,8 @@ The first step (the whole prompt) and shortened blocks (the last step of a gener
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from specpilot.drafters.base import Draft
@@ -39,7 +41,12 @@ class DFlashBlockDrafter:
         if self.static:
             self._init_static(max_seq_len)
             if cuda_graphs and self.device.type == "cuda":
-                self._capture()
+                try:
+                    self._capture()
+                except RuntimeError as e:  # the static step still runs, eagerly: slower, never wrong
+                    warnings.warn(f"DFlash draft step: CUDA graph capture failed ({e}); running it eagerly",
+                                  RuntimeWarning)
+                    self.graph = None
         self.reset()
 
     # -- the static step: fixed-size buffers in, drafts out (the same code is eager, or captured) --
