@@ -95,15 +95,9 @@ def time_median_s(fn: Callable[[], object], *, warmup: int = 2, repeats: int = R
 
 def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """Warm `fn` up on a side stream (kernels chosen, workspaces allocated), then capture it into a graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    from specpilot.engine.graphs import capture
+
+    g, _ = capture(fn)
     torch.cuda.synchronize()
     return g
 

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from specpilot.drafters.base import Draft
+from specpilot.engine.graphs import capture
 from specpilot.models.dflash import DFlashDrafter, _target_io, context_features, draft_block, target_capture_layers
 
 
@@ -70,15 +71,7 @@ class DFlashBlockDrafter:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._static_step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.drafts = self._static_step()
+        self.graph, self.drafts = capture(self._static_step)
 
     def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
         c = ctx.shape[0]

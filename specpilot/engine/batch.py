@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specpilot.engine.graphs import capture
 from specpilot.errors import ConfigError
 
 
@@ -43,15 +44,7 @@ class _GraphedStep:
         def run():
             return model.logits(model(self.tok, self.pos, cache, kv_len=None))[:, 0].argmax(-1)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.next = run()
+        self.graph, self.next = capture(run)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.tok.copy_(tok[:, None])

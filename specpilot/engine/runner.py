@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.engine.graphs import capture
 from specpilot.models import DenseLM, KVCache
 
 
@@ -50,15 +51,8 @@ class ModelRunner:
         for T in buckets:
             ids = torch.zeros(1, T, dtype=torch.long, device=self.device)
             pos = torch.arange(T, device=self.device)[None].clone()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):  # warm-up outside the graph: compiled, kernels chosen, workspaces allocated
-                    self._fwd(ids, pos)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                logits, feats = self._fwd(ids, pos)
+            # 3 warm-ups: torch.compile (when on) recompiles once more before its code settles
+            g, (logits, feats) = capture(lambda: self._fwd(ids, pos), warmup=3, pool=pool)
             self.graphs[T] = (g, ids, pos, logits, feats)
 
     @torch.inference_mode()

@@ -1,0 +1,25 @@
+"""Capturing a CUDA graph, the one way every graphed path here does it.
+
+`capture(fn)` runs `fn` a few times on a side stream first (lazy compilation, cuBLAS/cuDNN kernel choice and
+workspace allocation must not happen inside the capture), then records one call into a graph. It returns the
+graph and what the recorded call returned: static tensors that every `graph.replay()` refills.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
