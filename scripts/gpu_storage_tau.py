@@ -9,7 +9,7 @@ import torch
 from specpilot.models import load_model
 from specpilot.models.dflash_io import load_dflash
 from specpilot.train.data import build_prompt_splits
-from specpilot.train.dflash_trainer import validate_tau
+from specpilot.train.loop import validate_tau
 from specpilot.train.regenerate import read_cache
 
 SHIP = {"q15": "dflash-qwen2.5-coder-1.5b", "q05": "dflash-qwen2.5-coder-0.5b"}

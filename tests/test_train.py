@@ -21,6 +21,7 @@ from specpilot.models import load_model
 from specpilot.models.dflash import DFlashConfig, DFlashDrafter
 from specpilot.train import data as td
 from specpilot.train import dflash_trainer as dt
+from specpilot.train import loop as tl
 from specpilot.train.regenerate import Sequence, read_cache, regenerate
 
 
@@ -280,11 +281,11 @@ def test_overfit_one_sequence_raises_engine_tau(target, overfit_seq):
     """Trained on one sequence the target wrote, the drafter drafts exactly what the target says there."""
     tr = _trainer(target, overfit_seq, steps=40)
     prompt = overfit_seq.prompt_ids
-    before = dt.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
+    before = tl.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
     first = tr.train_step()
     while tr.step < tr.cfg.steps:
         last = tr.train_step()
-    after = dt.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
+    after = tl.validate_tau(target, tr.drafter, [prompt], max_new_tokens=40, ignore_eos=True)
     # measured: loss 4.57 -> 3.37 (the frozen random LM head's small logits bound it), tau 1.03 -> 5.71 of 8
     assert last.loss < 0.85 * first.loss, (first.loss, last.loss)
     assert last.accept_len > 1.5 and first.accept_len < 0.5
@@ -310,8 +311,8 @@ def test_resume_gives_the_same_next_steps(target, overfit_seq, tmp_path):
 
 def test_validation_path_runs(target, overfit_seq, tmp_path):
     tr = _trainer(target, overfit_seq, steps=4)
-    loop = dt.LoopConfig(val_every=2, save_every=3, val_max_new_tokens=12)
-    summary = dt.run_training(tr, tmp_path, loop=loop, val_prompts=[overfit_seq.prompt_ids, [5, 6, 7]],
+    loop = tl.LoopConfig(val_every=2, save_every=3, val_max_new_tokens=12)
+    summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[overfit_seq.prompt_ids, [5, 6, 7]],
                               val_sequences=[overfit_seq], progress=False)
     assert summary["steps"] == 4 and summary["stopped_by"] == "steps"
     recs = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -327,14 +328,14 @@ def test_validation_path_runs(target, overfit_seq, tmp_path):
     assert len(res.output_ids) > 0
     # a deadline too close to allow a step: no step, a checkpoint all the same
     tr2 = _trainer(target, overfit_seq, steps=4)
-    s2 = dt.run_training(tr2, tmp_path / "b", loop=dt.LoopConfig(deadline=time.monotonic() + 1), val_prompts=[],
+    s2 = tl.run_training(tr2, tmp_path / "b", loop=tl.LoopConfig(deadline=time.monotonic() + 1), val_prompts=[],
                          progress=False)
     assert s2["steps"] == 0 and s2["stopped_by"] == "time_limit" and Path(s2["checkpoint"]).exists()
 
 
 def test_best_checkpoint_without_decoding_follows_teacher_forced_acceptance(target, overfit_seq, tmp_path):
     tr = _trainer(target, overfit_seq, steps=6)
-    summary = dt.run_training(tr, tmp_path, loop=dt.LoopConfig(val_every=2, save_every=0), val_prompts=[],
+    summary = tl.run_training(tr, tmp_path, loop=tl.LoopConfig(val_every=2, save_every=0), val_prompts=[],
                               val_sequences=[overfit_seq], progress=False)
     vals = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines() if '"val"' in x]
     assert vals and all("val_tau" not in r for r in vals)
@@ -345,9 +346,9 @@ def test_best_checkpoint_without_decoding_follows_teacher_forced_acceptance(targ
 
 def test_fit_steps_to_deadline_cuts_the_schedule(target, overfit_seq, tmp_path):
     tr = _trainer(target, overfit_seq, steps=10_000)
-    loop = dt.LoopConfig(save_every=0, val_every=0, deadline=time.monotonic() + 27, fit_steps_to_deadline=True,
+    loop = tl.LoopConfig(save_every=0, val_every=0, deadline=time.monotonic() + 27, fit_steps_to_deadline=True,
                          fit_after=3)
-    summary = dt.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False)
+    summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False)
     assert 3 <= tr.cfg.steps < 10_000  # the LR schedule (which reads cfg.steps) now ends inside the deadline
     assert summary["steps"] <= tr.cfg.steps
 

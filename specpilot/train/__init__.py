@@ -115,6 +115,7 @@ def cmd_train_drafter(args) -> int:
     from specpilot.models import load_model
     from specpilot.tokenizer import Tokenizer
     from specpilot.train import dflash_trainer as dt
+    from specpilot.train import loop as tl
     from specpilot.train.data import build_prompt_splits
     from specpilot.train.regenerate import regenerate
 
@@ -190,10 +191,10 @@ def cmd_train_drafter(args) -> int:
                   f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, init {s.init}")
     if trainer.mask_in_data:
         err.print(f"[yellow]warning: the mask token occurs {trainer.mask_in_data} times in the training sequences")
-    loop = dt.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
+    loop = tl.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
                          deadline=deadline, fit_steps_to_deadline=bool(getattr(s, "fit_steps_to_time", False)))
     val_prompts = [q.prompt_ids for q in val_seqs[: s.val_tau_prompts]]
-    summary = dt.run_training(trainer, out, loop=loop, val_prompts=val_prompts, val_sequences=val_seqs,
+    summary = tl.run_training(trainer, out, loop=loop, val_prompts=val_prompts, val_sequences=val_seqs,
                               log=err.print, progress=not s.no_progress and sys.stderr.isatty(), best_tau=best_tau)
     done = summary["steps"] >= cfg.steps
     return result(done=done, stage="train", **summary)
