@@ -122,7 +122,10 @@ def test_registry_applies_and_filters(tmp_path):
     assert "compile" not in [m.name for m in applicable(gpu, no_graphs)]
     assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config.with_(drafter_kind="none"))] == \
         ["fused_projections"]  # speculative mechanisms need a drafter; a weight layout does not
-    assert {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(cpu_ngram.config)} == {2, 3, 6, 8}
+    assert {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(cpu_ngram.config, cpu_ngram)} == {2, 3, 6, 8}
+    dflash = Deployment("t", "d", cpu_ngram.config.with_(drafter_kind="dflash", num_draft_tokens=15), "cpu")
+    assert 15 not in {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(dflash.config, dflash)}
+    assert {2, 8} <= {d["num_draft_tokens"] for d in REGISTRY["block_size"].candidates(dflash.config, dflash)}
     with pytest.raises(ConfigError):
         Mechanism("bogus", ("draft",), {"no_such_field": [1]})
     with pytest.raises(ConfigError):

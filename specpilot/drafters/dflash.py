@@ -12,7 +12,9 @@ feeds at most block_size new context positions, so the context is padded to bloc
 over the whole draft cache (static shapes). Padding rows are written at positions >= the anchor, which the
 draft mask hides (it shows only slots below the anchor) and which real context overwrites before any later
 anchor passes them. Why: eagerly the draft pass is host-bound (~12 ms of a 15 ms step on the H200, BENCHMARKS.md).
-The first step (the whole prompt) and shortened blocks (the last step of a generation) run eagerly.
+The first step (the whole prompt) runs eagerly. Asked for fewer than block_size - 1 tokens, the static step drafts the
+whole block and returns its first tokens (the eager step, like z-lab's loop, drafts a shorter block instead: the
+block's attention is non-causal, so the two can differ; both are verified, so outputs cannot).
 """
 
 from __future__ import annotations
@@ -103,9 +105,8 @@ class DFlashBlockDrafter:
         if self.fed + ctx.shape[0] != anchor_pos:
             raise RuntimeError(f"DFlash context out of step: {self.fed} fed + {ctx.shape[0]} new != {anchor_pos}")
         k = min(num_tokens, self.network.block_size - 1)
-        if self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size \
-                and k == self.network.block_size - 1:
-            tokens = self._propose_static(context_ids[-1], ctx, anchor_pos)
+        if self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
+            tokens = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
         else:
             tokens = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
                                  cache=self.cache, num_tokens=k)

@@ -135,8 +135,10 @@ def _speculative(dep: Deployment, cfg: EngineConfig) -> bool:
 # --- what the engine has now --------------------------------------------------------------------------------
 
 register(Mechanism(
-    "block_size", ("verify", "draft"), {"num_draft_tokens": [2, 3, 4, 6, 8]}, _speculative,
-    "tokens drafted per step: more raises tau but costs drafter passes and a wider verify pass"))
+    "block_size", ("verify", "draft"), {"num_draft_tokens": [2, 3, 4, 6, 8, 15]}, _speculative,
+    "tokens drafted per step: more raises tau but costs drafter passes and a wider verify pass",
+    # 15 (a whole 16-token block) is for block drafters, which draft it in one pass; AR drafters pay per token
+    lambda dep, delta: delta["num_draft_tokens"] <= 8 or dep.config.drafter_kind == "dflash"))
 register(Mechanism(
     "drafter_kind", ("draft",), {"drafter_kind": ["model", "dflash", "ngram"]},
     lambda dep, cfg: dep.drafter is not None and cfg.drafter_kind != "none",
