@@ -119,19 +119,15 @@ def _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol):
     benchmark (prompt + our AR output) -> (noise, tolerance = max(tol, 2 * noise)); evaluator/forcing.py says why."""
     import torch
 
-    from specpilot.evaluator.forcing import noise_tolerance, scorer_noise, transformers_scorer
+    from specpilot.evaluator.forcing import calibrated_tolerance, transformers_scorer
     from specpilot.hub import resolve_model
 
-    reference = transformers_scorer(resolve_model(args.target), torch.float32, cfg.device)
     seqs = []
     for prompts in sets.values():
         ids = tok.encode_chat(prompts[0].messages)
         seqs.append(ids + ar.generate(ids).output_ids)
-    noise = scorer_noise(scorer, reference, seqs)
-    del reference
-    if cfg.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    tol = noise_tolerance(noise, tol)
+    noise, tol = calibrated_tolerance(
+        scorer, lambda: transformers_scorer(resolve_model(args.target), torch.float32, cfg.device), seqs, tol)
     err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 on {len(seqs)} sequences "
               f"-> tolerance {tol:.4f}")
     return noise, tol
@@ -228,9 +224,6 @@ def cmd_force(args) -> int:
     target, _ = load_target(args.target, cfg)
     scorer = _scorer(args, target, cfg)
     tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
-    noise = None
-    if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
-        noise, tol = _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol)
     verdicts = [force(scorer, p, o, tol) for p, o in records]
     for i, v in enumerate(verdicts):
         for m in v.failures:

@@ -98,3 +98,21 @@ def test_scorer_noise_is_zero_against_itself_and_positive_in_bf16(tiny_model_dir
     assert 0.0 < noise < 1.0
     assert noise_tolerance(noise, 0.0) == 2 * noise
     assert noise_tolerance(0.0, 0.1) == 0.1
+
+
+def test_calibrated_tolerance_only_for_low_precision(tiny_model_dir):
+    from specpilot.evaluator.forcing import calibrated_tolerance, specpilot_scorer
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("qwen3")
+    built = []
+
+    def reference():
+        built.append(1)
+        return specpilot_scorer(load_model(path))
+
+    fp32 = specpilot_scorer(load_model(path))
+    assert calibrated_tolerance(fp32, reference, [[1, 2, 3]], 0.1) == (None, 0.1) and not built
+    noise, tol = calibrated_tolerance(specpilot_scorer(load_model(path, dtype=torch.bfloat16)), reference,
+                                      [[1, 5, 9, 2, 7, 3]], 0.0)
+    assert built and noise > 0 and tol == 2 * noise

@@ -98,6 +98,21 @@ def noise_tolerance(noise: float, tolerance: float = DEFAULT_TOLERANCE) -> float
     return max(tolerance, 2.0 * noise)
 
 
+def calibrated_tolerance(scorer: LogitsFn, reference: Callable[[], LogitsFn], sequences: list[list[int]],
+                         tolerance: float = DEFAULT_TOLERANCE) -> tuple[float | None, float]:
+    """(noise, tolerance) for `scorer`: a float32 scorer needs no calibration (noise None, `tolerance` as given);
+    a low-precision one is measured against `reference()` (the same model in float32, built only here and dropped
+    after) on `sequences`, and gets `noise_tolerance(noise, tolerance)`."""
+    if getattr(scorer, "dtype", torch.float32) == torch.float32:
+        return None, tolerance
+    ref = reference()
+    noise = scorer_noise(scorer, ref, sequences)
+    del ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return noise, noise_tolerance(noise, tolerance)
+
+
 def merge(verdicts: list[ForcingVerdict]) -> dict:
     """Summary over many prompts: passed only if every one passed."""
     return {

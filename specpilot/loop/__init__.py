@@ -209,7 +209,9 @@ def cmd_optimize(args) -> int:
 
     from specpilot import deployments as dep_defaults
     from specpilot.engine import DTYPE, load_target
-    from specpilot.evaluator.forcing import DEFAULT_TOLERANCE, specpilot_scorer, transformers_scorer
+    from specpilot.evaluator.forcing import (
+        DEFAULT_TOLERANCE, calibrated_tolerance, specpilot_scorer, transformers_scorer,
+    )
     from specpilot.hub import cache_dir, resolve_model
     from specpilot.loop.agent import AgentExplorer
     from specpilot.loop.gate import Gate
@@ -256,8 +258,15 @@ def cmd_optimize(args) -> int:
     deployment = Deployment(s["target"], s["drafter"], cfg, device_name)
     profile_fn, ceiling_fn, note = cost_model_hooks(target.config, drafter_cfg, cfg.device)
     err.print(f"[dim]{note}[/dim]")
-    gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=ceiling_fn, device=cfg.device,
-                tolerance=DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"])
+    tolerance = DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"]
+    if s["tolerance"] is None and s["stock"] == "transformers":  # low precision: a measured tolerance (forcing.py)
+        noise, tolerance = calibrated_tolerance(
+            scorer, lambda: transformers_scorer(resolve_model(s["target"]), torch.float32, cfg.device), dev + held,
+            tolerance)
+        if noise is not None:
+            err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 -> tolerance "
+                      f"{tolerance:.4f}")
+    gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=ceiling_fn, device=cfg.device, tolerance=tolerance)
     memory = Memory(s["memory"] or cache_dir() / "loop" / "memory.sqlite")
     extra = []
     if s["agent_command"]:
