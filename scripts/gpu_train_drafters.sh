@@ -6,10 +6,10 @@
 set -u
 source scripts/gpu_env.sh || exit 1
 LIMIT=${LIMIT:-480}
-COMMON="--device cuda --dtype bfloat16 --data sharegpt=0.7,mbpp=0.3 --num-prompts ${PROMPTS:-6000} --val-prompts 32
+COMMON="--device cuda --dtype bfloat16 --data sharegpt=0.7,mbpp=0.3 --num-prompts ${PROMPTS:-12000} --val-prompts 32
  --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280 --block-size 16
  --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 4000 --batch-size 16 --anchors-per-seq 32
- --lr 6e-4 --warmup-steps 50 --val-every 200 --save-every 0 --time-limit-s $LIMIT --fit-steps-to-time --no-progress --regen-budget-s ${REGEN_S:-170}"
+ --lr 6e-4 --warmup-steps 50 --val-every 200 --save-every 0 --time-limit-s $LIMIT --fit-steps-to-time --no-progress --regen-budget-s ${REGEN_S:-150}"
 for m in q15 q05; do
   python3 -m specpilot.cli train-drafter --target /tmp/models/$m --out /tmp/runs/$m $COMMON > /tmp/runs/$m.log 2>&1 &
 done
