@@ -88,7 +88,8 @@ class RunResult:
             "heldout_speedup_vs_round0": round(held, 4) if held else None,
             "round0_tokens_per_s": round(self.baseline.median, 3), "best_tokens_per_s": round(self.best.median, 3),
             "trials": {"tried": len(tried), "accepted": len(tried) - len(rejected), "rejected": len(rejected),
-                       "reasons": dict(Counter(t.reason.split(":", 1)[0] for t in rejected))},
+                       "reasons": dict(Counter(t.reason.split(":", 1)[0] for t in rejected)),
+                       "to_best": self.trials_to_best},  # memory transfer is judged on this count
         }
 
 
