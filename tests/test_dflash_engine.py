@@ -55,12 +55,19 @@ def test_dflash_needs_a_checkpoint(setup):
         build_drafter(EngineConfig(drafter_kind="dflash"), None, setup[0])
 
 
-def test_stock_dflash_package_agrees_with_our_engine(setup, tiny_model_dir):
-    """The stock system for DFlash is z-lab's own loop on the same checkpoint: same greedy tokens (its per-step stats need CUDA, so on CPU only the tokens are compared)."""
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_stock_dflash_package_agrees_with_our_engine(setup, tiny_model_dir, tmp_path, storage):
+    """The stock system for DFlash is z-lab's own loop on the same checkpoint: same greedy tokens (its per-step
+    stats need CUDA, so on CPU only the tokens are compared). A checkpoint in SpecPilot's int8 storage reaches
+    z-lab's loop as a float export of exactly the weights our engine dequantizes."""
     pytest.importorskip("dflash", reason="z-lab's dflash package not installed")
     from specpilot.evaluator.stock import DFlashStockSystem
+    from specpilot.models.dflash_io import load_dflash
 
     target, path = setup
+    if storage is not None:
+        save_dflash(load_dflash(path), tmp_path / storage, storage=storage, group_size=16)
+        path = tmp_path / storage
     cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=4, max_new_tokens=20, max_seq_len=128, ignore_eos=True)
     ours = Engine(target, cfg, build_drafter(cfg, str(path), target))
     stock = DFlashStockSystem(tiny_model_dir("qwen3"), path, dtype=torch.float32, device="cpu", max_new_tokens=20,
