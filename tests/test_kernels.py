@@ -50,3 +50,40 @@ def test_skinny_linear_dispatch_keeps_numbers(tiny_model_dir):
         a = plain.logits(plain(ids, pos, plain.new_cache(1, 8), kv_len=5))
         b = fast.logits(fast(ids, pos, fast.new_cache(1, 8), kv_len=5))
     assert (a - b).abs().max().item() < 1e-4
+
+
+# --- decode attention (split-KV, positional mask) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(1, 4, 2, 1, 40, 16), (2, 4, 1, 5, 70, 32), (1, 6, 2, 16, 33, 16),
+                                           (2, 2, 2, 3, 64, 64)])
+def test_decode_attention_matches_reference(B, H, Hkv, T, S, D):
+    from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    # per row its own positions: consecutive tokens ending anywhere in the pool (some rows short: early exits)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1  # a row that sees only the first T slots: most slices exit at once
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    want = decode_attention_reference(q, k, v, positions)
+    for split, block in ((16, 16), (32, 16), (64, 32)):
+        got = decode_attention(q, k, v, positions, split_s=split, block_s=block)
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max().item() < 1e-4, (split, block)
+
+
+def test_decode_attention_reads_strided_queries_and_rejects_bad_shapes():
+    from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 3, 4, 16, generator=g).transpose(1, 2)  # [1, 4 heads, 3 tokens, 16], not contiguous
+    k, v = torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)
+    pos = torch.tensor([[10, 11, 12]])
+    got = decode_attention(q, k, v, pos, split_s=16, block_s=16)
+    assert (got - decode_attention_reference(q, k, v, pos)).abs().max().item() < 1e-4
+    with pytest.raises(ValueError):
+        decode_attention(torch.randn(1, 4, 17, 16), k, v, torch.zeros(1, 17, dtype=torch.long))  # T > 16
+    with pytest.raises(ValueError):
+        decode_attention(torch.randn(1, 3, 1, 16), k, v, pos[:, :1])  # 3 heads over 2 KV heads

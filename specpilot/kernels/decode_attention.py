@@ -1,0 +1,133 @@
+"""Attention for decode and verification steps (T <= 16 new tokens) over the KV pool, split along the keys.
+
+Why: the step's queries are few, so SDPA with a boolean mask keeps only a handful of thread blocks busy per layer
+and reads the whole pool even where the causal mask hides it. Measured on the H200: 0.08 ms per layer for
+B 1, T 1 over a 4096-slot pool (28 layers: ~2.3 ms, three times the 1.5B step's bandwidth floor; BENCHMARKS.md).
+Here each program takes one KV head, all the query heads that share it (GQA: K/V are read once for the group)
+and all T tokens, over one slice of the keys ("split-KV", as in flash-decoding); slices entirely above the
+largest query position exit at once, so the work follows the real context length although the pool's shape is
+static (CUDA graphs). A small PyTorch combine merges the slices' partial softmaxes.
+
+Mask: key slot j is visible to a query at position p iff j <= p (slot p = position p, models/cache.py), the
+DenseLM's positional causal mask, computed in the kernel from `positions` instead of read from a mask tensor.
+
+`decode_attention_reference` is the plain-PyTorch twin the tests compare against (TRITON_INTERPRET=1 runs the
+kernel on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path only
+    triton = None
+
+MAX_T = 16
+
+
+def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D], positions [B, T] -> [B, H, T, D] (fp32 math, q's dtype out)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = H // Hkv
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    scores = (q.float() @ kf.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    visible = torch.arange(S, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return (scores.softmax(-1) @ vf).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
+                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
+                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
+                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+        r = tl.arange(0, BLOCK_R)  # row r = (query head j in the group, token t) = (r // T, r % T)
+        valid = r < G * T
+        j = r // T
+        t = r % T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + (hk * G + j)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + b * sp_b + t, mask=valid, other=-1)
+        max_pos = tl.max(pos, axis=0)
+        start = pid_s * SPLIT_S
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        if start <= max_pos:  # a slice wholly above every query position holds nothing visible
+            for s0 in range(start, start + SPLIT_S, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                in_pool = s < S
+                kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
+                             mask=in_pool[:, None], other=0.0).to(tl.float32)
+                scores = tl.dot(q, tl.trans(kb)) * scale  # [BLOCK_R, BLOCK_S]
+                seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
+                scores = tl.where(seen, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+                p = tl.exp(scores - m_use[:, None])
+                alpha = tl.exp(m_i - m_use)
+                vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
+                             mask=in_pool[:, None], other=0.0).to(tl.float32)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p, vb)
+                m_i = m_new
+        part = (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R
+        tl.store(m_ptr + part + r, m_i)
+        tl.store(l_ptr + part + r, l_i)
+        tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     scale: float | None = None, *, split_s: int = 256, block_s: int = 64) -> torch.Tensor:
+    """Masked (key slot <= query position) attention of q [B, H, T, D] over k/v [B, Hkv, S, D] -> [B, H, T, D].
+
+    T <= MAX_T, H a multiple of Hkv, D a power of two >= 16; `split_s` keys per program (a multiple of
+    `block_s`). Static shapes only, no host sync: safe inside CUDA graphs."""
+    if triton is None:
+        raise RuntimeError("decode_attention needs triton")
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if T > MAX_T or H % Hkv or D < 16 or D & (D - 1) or split_s % block_s or k.shape != v.shape:
+        raise ValueError(f"decode_attention: unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, split {split_s}/{block_s}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode_attention needs unit stride along head_dim")
+    G = H // Hkv
+    rows = max(16, _pow2(G * T))
+    splits = triton.cdiv(S, split_s)
+    pos = positions.to(torch.int32).contiguous()
+    o = torch.empty(B * Hkv * splits * rows, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B * Hkv * splits * rows, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _split_kernel[(B * Hkv, splits)](
+        q, k, v, pos, o, m, l,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), pos.stride(0),
+        Hkv, S, T, G, split_s, splits, D ** -0.5 if scale is None else scale,
+        D=D, BLOCK_R=rows, BLOCK_S=block_s,
+    )
+    # combine the slices: softmax over all keys = sum_s w_s * acc_s / sum_s w_s * l_s with w_s = exp(m_s - max m)
+    m = m.view(B, Hkv, splits, rows)
+    w = torch.exp(m - m.amax(dim=2, keepdim=True))  # every real row sees slot 0, so each max is finite
+    num = (o.view(B, Hkv, splits, rows, D) * w[..., None]).sum(dim=2)
+    den = (l.view(B, Hkv, splits, rows) * w).sum(dim=2)
+    out = (num[:, :, : G * T] / den[:, :, : G * T, None]).view(B, Hkv, G, T, D)
+    return out.reshape(B, H, T, D).to(q.dtype)
