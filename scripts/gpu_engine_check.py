@@ -50,6 +50,17 @@ def main() -> int:
         print(name, result[name], flush=True)
         if not all(same):
             problems.append(name)
+    import copy
+
+    fast = copy.deepcopy(target).use_attention_kernel()  # the split-KV attention kernel: same greedy tokens
+    for name, c in (("ar_attention_kernel", base), ("spec_ngram_attention_kernel", base.with_(drafter_kind="ngram"))):
+        outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
+        result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
+        print(name, result[name], flush=True)
+        if not result[name]["equal"]:
+            problems.append(name)
+    del fast
+
     from specpilot.models.dflash import DFlashDrafter
     from specpilot.train.dflash_init import new_drafter_config
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """AR decode-step time vs the bytes/bandwidth floor at real shapes with random weights (bf16, H200).
 
-For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, at T=1 and T=16 after a 512-token prefill;
+For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
+the split-KV attention kernel, at T=1 and T=16 after a 512-token prefill into a 4096-slot pool
+(`--no-compile` skips the compiled variants);
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
@@ -24,7 +26,10 @@ def median_ms(fn, repeats=100) -> float:
     return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
 
-def main(shapes) -> int:
+POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
+
+
+def main(shapes, flags=()) -> int:
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
     for name in shapes:
@@ -32,19 +37,24 @@ def main(shapes) -> int:
         model = random_model(cfg)
         model.fuse_projections()
         res = {}
-        for compiled in (False, True):
+        variants = [(False, False), (False, True), (True, False), (True, True)]  # (compiled, attention kernel)
+        if "--no-compile" in flags:
+            variants = [v for v in variants if not v[0]]
+        for compiled, kernel in variants:
+            model.use_attention_kernel(kernel)
             t0 = time.time()
-            runner = ModelRunner(model.eval(), model.new_cache(1, 1024), buckets=(1, 16), cuda_graphs=True, compile=compiled)
+            runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 16), cuda_graphs=True,
+                                 compile=compiled)
             setup = time.time() - t0
             runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
             for T in (1, 16):
                 ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
                 ms = median_ms(lambda: runner.step(ids, 512))
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
-                key = f"{'compiled' if compiled else 'graphed'}_T{T}"
+                key = f"{'compiled' if compiled else 'graphed'}{'_attnkernel' if kernel else ''}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
-            res[f"{'compiled' if compiled else 'graphed'}_setup_s"] = round(setup, 1)
+            res[f"{'compiled' if compiled else 'graphed'}{'_attnkernel' if kernel else ''}_setup_s"] = round(setup, 1)
             del runner
             torch.cuda.empty_cache()
         out["shapes"][name] = res
@@ -55,4 +65,5 @@ def main(shapes) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["qwen2.5-1.5b", "qwen3-8b"]))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(main(args or ["qwen2.5-1.5b", "qwen3-8b"], [a for a in sys.argv[1:] if a.startswith("--")]))

@@ -87,3 +87,26 @@ def test_decode_attention_reads_strided_queries_and_rejects_bad_shapes():
         decode_attention(torch.randn(1, 4, 17, 16), k, v, torch.zeros(1, 17, dtype=torch.long))  # T > 16
     with pytest.raises(ValueError):
         decode_attention(torch.randn(1, 3, 1, 16), k, v, pos[:, :1])  # 3 heads over 2 KV heads
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_with_attention_kernel_matches_sdpa_and_greedy_is_unchanged(tiny_model_dir, family):
+    """The kernel replaces SDPA only for <= 16-token steps under the positional mask; prefill keeps SDPA."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import Engine, build_drafter
+    from specpilot.models import load_model
+
+    path = tiny_model_dir(family)
+    ref, fast = load_model(path), load_model(path).use_attention_kernel()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pos = torch.arange(10)[None]
+    for model in (ref, fast):
+        cache = model.new_cache(1, 48)
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)  # prefill (SDPA in both)
+        model.out = model(ids[:, 6:], pos[:, 6:], cache, kv_len=None)  # a 4-token step over the whole pool
+    assert (fast.out - ref.out).abs().max().item() < 1e-4
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
+    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)  # multi-token verify steps
+    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert spec.num_target_forwards < len(spec.output_ids) or max(spec.drafted_lengths) > 0

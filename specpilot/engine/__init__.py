@@ -28,11 +28,13 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 
 
 def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
-    """Run-time layout choices that keep the numbers: fused projections, the Triton GEMV."""
+    """Run-time layout choices that keep the numbers: fused projections, the Triton GEMV and attention kernels."""
     if config.fused_projections:
         model.fuse_projections()
     if config.gemv_kernel:
         model.use_gemv_kernel()
+    if config.attention_kernel:
+        model.use_attention_kernel()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

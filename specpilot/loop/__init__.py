@@ -51,7 +51,7 @@ class EngineMeasure:
     model with the config's layout, or a DFlash checkpoint); loading stays outside the timed region.
     """
 
-    LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel")
+    LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel", "attention_kernel")
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
         self.load_target, self.drafter, self.tokenizer = load_target, drafter, tokenizer

@@ -161,6 +161,11 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda,
     "few-token projections through the Triton split-K GEMV instead of cuBLAS"))
 register(Mechanism(
+    "attention_kernel", ("verify", "draft"), {"attention_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "few-token steps attend through the split-KV Triton kernel (GQA group per program, early exit above the "
+    "context) instead of SDPA with a mask over the whole pool"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))

@@ -105,6 +105,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
+        if mask is None:  # the positional mask, applied inside the split-KV kernel (DenseLM.use_attention_kernel)
+            from specpilot.kernels.decode_attention import decode_attention
+
+            out = decode_attention(q, keys, values, positions)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         # GQA via enable_gqa: folding the query heads into the query length instead was measured slower on the H200
         # (cuDNN attention already handles GQA with a mask; BENCHMARKS.md, 2026-11-30)
         out = F.scaled_dot_product_attention(
@@ -188,6 +193,12 @@ class DenseLM(nn.Module):
                     child.force_kernel = force
         return self
 
+    def use_attention_kernel(self, on: bool = True) -> "DenseLM":
+        """Steps of at most 16 tokens under the positional causal mask attend through the split-KV Triton kernel
+        (kernels/decode_attention.py) instead of SDPA with a mask tensor; prefill and custom masks keep SDPA."""
+        self.attention_kernel = on
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
@@ -208,10 +219,13 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        if attn_mask is None:
-            key_pos = torch.arange(S, device=input_ids.device)
-            attn_mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        mask = attn_mask[:, None]  # [B, 1, T, S]
+        if attn_mask is None and getattr(self, "attention_kernel", False) and input_ids.shape[1] <= 16:
+            mask = None  # positional: the attention kernel applies it from `positions`
+        else:
+            if attn_mask is None:
+                key_pos = torch.arange(S, device=input_ids.device)
+                attn_mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            mask = attn_mask[:, None]  # [B, 1, T, S]
         captured = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, positions, cache, kv_len, mask)
