@@ -110,3 +110,15 @@ def test_model_with_attention_kernel_matches_sdpa_and_greedy_is_unchanged(tiny_m
     spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)  # multi-token verify steps
     assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
     assert spec.num_target_forwards < len(spec.output_ids) or max(spec.drafted_lengths) > 0
+
+
+def test_decode_attention_bf16_accumulates_in_fp32():
+    from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 2, 32, generator=g).bfloat16()
+    k, v = torch.randn(1, 2, 50, 32, generator=g).bfloat16(), torch.randn(1, 2, 50, 32, generator=g).bfloat16()
+    pos = torch.tensor([[30, 31]])
+    got = decode_attention(q, k, v, pos, split_s=32, block_s=16)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - decode_attention_reference(q, k, v, pos).float()).abs().max().item() < 2e-2
