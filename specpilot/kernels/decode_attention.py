@@ -18,6 +18,7 @@ kernel on CPU).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -49,7 +50,11 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
                       H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
-                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        # operands stay in the model's dtype (bf16: tensor cores, exact products), accumulation is fp32; PREC
+        # "ieee" keeps fp32 models exact instead of TF32. UPCAST (the CPU interpreter only, whose dot mishandles
+        # bf16) computes in fp32.
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // H_KV
@@ -60,7 +65,9 @@ if triton is not None:
         t = r % T
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + (hk * G + j)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+                    mask=valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         pos = tl.load(pos_ptr + b * sp_b + t, mask=valid, other=-1)
         max_pos = tl.max(pos, axis=0)
         start = pid_s * SPLIT_S
@@ -72,8 +79,10 @@ if triton is not None:
                 s = s0 + tl.arange(0, BLOCK_S)
                 in_pool = s < S
                 kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
-                             mask=in_pool[:, None], other=0.0).to(tl.float32)
-                scores = tl.dot(q, tl.trans(kb)) * scale  # [BLOCK_R, BLOCK_S]
+                             mask=in_pool[:, None], other=0.0)
+                if UPCAST:
+                    kb = kb.to(tl.float32)
+                scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
                 seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
                 scores = tl.where(seen, scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -81,9 +90,11 @@ if triton is not None:
                 p = tl.exp(scores - m_use[:, None])
                 alpha = tl.exp(m_i - m_use)
                 vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
-                             mask=in_pool[:, None], other=0.0).to(tl.float32)
+                             mask=in_pool[:, None], other=0.0)
+                if UPCAST:
+                    vb = vb.to(tl.float32)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p, vb)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
                 m_i = m_new
         part = (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R
         tl.store(m_ptr + part + r, m_i)
@@ -154,7 +165,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), pos.stride(0),
         Hkv, S, T, G, split_s, splits, D ** -0.5 if scale is None else scale,
-        D=D, BLOCK_R=rows, BLOCK_S=block_s,
+        D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
     )
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     _combine_kernel[(B * Hkv,)](o, m, l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, T, G, splits,
