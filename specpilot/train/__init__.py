@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["add_train_parser", "cmd_train_drafter"]
 
 RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
-                 "fit_steps_to_time", "regen_budget_s")
+                 "fit_steps_to_time", "regen_budget_s", "attention_kernel")
 CONFIG_FILE = "train_config.json"
 
 
@@ -79,6 +79,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--time-limit-s", type=float, default=None, help="stop and checkpoint before this wall time")
     t.add_argument("--fit-steps-to-time", action="store_true",
                    help="with --time-limit-s: cut --steps to what fits in this command, so the LR schedule ends in it")
+    t.add_argument("--attention-kernel", action="store_true",
+                   help="decode steps (regeneration, validation) attend through the split-KV Triton kernel")
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="target dtype (default: bfloat16 on CUDA, float32 elsewhere)")
@@ -142,6 +144,8 @@ def cmd_train_drafter(args) -> int:
     path = resolve_model(s.target, log=lambda m: err.print(f"[dim]{m}[/dim]"))
     err.print(f"loading target {s.target} ({dtype_name}, {device})")
     target = load_model(path, dtype=dtype, device=device)
+    if getattr(s, "attention_kernel", False):
+        target.use_attention_kernel()  # only <= 16-token positional steps: the training passes keep SDPA
     tok = Tokenizer.from_folder(path)
 
     train_p, val_p = build_prompt_splits(s.data, s.num_prompts, s.val_prompts, seed=s.seed, dataset_dir=s.dataset_dir,
