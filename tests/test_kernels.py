@@ -122,3 +122,21 @@ def test_decode_attention_bf16_accumulates_in_fp32():
     got = decode_attention(q, k, v, pos, split_s=32, block_s=16)
     assert got.dtype == torch.bfloat16
     assert (got.float() - decode_attention_reference(q, k, v, pos).float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 48, 96), (3, 64, 300), (8, 40, 1030)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_direct_matches_reference_in_the_input_dtype(M, N, K, bias):
+    from specpilot.kernels.gemv import gemv_direct
+
+    g = torch.Generator().manual_seed(M + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    got = gemv_direct(x, w, b)
+    assert got.dtype == x.dtype and got.shape == (M, N)
+    want = gemv_reference(x, w, b)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    gb = gemv_direct(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
+    assert gb.dtype == torch.bfloat16
+    ref = gemv_reference(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).float()
+    assert ((gb.float() - ref).norm() / ref.norm()).item() < 1e-2
