@@ -2,14 +2,16 @@
 # Benchmark a trained DFlash drafter on the GPU: our AR, z-lab's dflash package (stock, same checkpoint) and
 # SpecPilot on the five benchmarks, 20 prompts each, 256 new tokens, greedy, bs 1, with token forcing.
 # Usage: scripts/gpu_bench_dflash.sh q15|q05 [num_prompts] [benchmarks]
-# The graphed steps attend over the whole KV pool (MAX_SEQ slots, default 2048): with SDPA that costs ~0.1 ms per
+# The graphed steps attend over the whole KV pool (MAX_SEQ slots; default 2048, 4096 with Spec-Bench): with SDPA that costs ~0.1 ms per
 # layer at 4096 slots on the H200; ATTN=1 uses the split-KV attention kernel, which skips the unused slots.
 set -u
 source scripts/gpu_env.sh || exit 1
 m=$1
+benches=${3:-humaneval,mbpp,gsm8k,mt_bench,spec_bench}
+case $benches in *spec_bench*) pool=4096 ;; *) pool=2048 ;; esac  # Spec-Bench has long (RAG, summary) prompts
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
 python3 -m specpilot.cli bench --target /tmp/models/$m --drafter /tmp/ship/${NAME[$m]} --drafter-kind dflash \
-  --num-draft-tokens 15 --systems ar,stock,specpilot --benchmarks ${3:-humaneval,mbpp,gsm8k,mt_bench,spec_bench} \
-  --num-prompts ${2:-20} --max-new-tokens 256 --max-seq-len ${MAX_SEQ:-2048} --device cuda --dtype bfloat16 \
+  --num-draft-tokens 15 --systems ar,stock,specpilot --benchmarks $benches \
+  --num-prompts ${2:-20} --max-new-tokens 256 --max-seq-len ${MAX_SEQ:-$pool} --device cuda --dtype bfloat16 \
   ${ATTN:+--attention-kernel} \
   --out $OUT/bench_dflash_$m.json 2>&1 | grep -v "^\s*$" | tail -60
