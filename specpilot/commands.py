@@ -178,7 +178,11 @@ def cmd_bench(args) -> int:
         for name, prompts in sets.items():
             bar.update(task, description=name)
             rep, recs = run_benchmark(name, prompts, lambda p: tok.encode_chat(p.messages), systems, scorer,
-                                      tolerance=tol, limits=limits, progress=lambda: bar.advance(task))
+                                      tolerance=tol, limits=limits, progress=lambda: bar.advance(task),
+                                      max_prompt_tokens=cfg.max_seq_len - cfg.num_draft_tokens - 2)
+            if rep["skipped_long_prompts"]:
+                err.print(f"[yellow]{name}: {rep['skipped_long_prompts']} prompts longer than the KV pool "
+                          f"(--max-seq-len {cfg.max_seq_len}) left out")
             reports.append(rep)
             records[name] = recs
             if len(reports) < len(sets):  # a run killed later keeps the benchmarks already done

@@ -116,3 +116,31 @@ def test_calibrated_tolerance_only_for_low_precision(tiny_model_dir):
     noise, tol = calibrated_tolerance(specpilot_scorer(load_model(path, dtype=torch.bfloat16)), reference,
                                       [[1, 5, 9, 2, 7, 3]], 0.0)
     assert built and noise > 0 and tol == 2 * noise
+
+
+def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
+    from specpilot.engine.result import GenerationResult
+    from specpilot.errors import DatasetError
+    from specpilot.evaluator.bench import run_benchmark
+    from specpilot.evaluator.datasets import Prompt
+
+    prompts = [Prompt(f"x/{n}", "x", "x", ({"role": "user", "content": "a" * n},)) for n in (3, 50, 5)]
+    seen = []
+
+    def gen(ids):
+        seen.append(len(ids))
+        return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
+
+    def scorer(ids):  # stock argmax is always token 1 or 2 as the candidate wrote them
+        logits = torch.zeros(len(ids), 4)
+        for i, t in enumerate(ids[1:] + [2]):
+            logits[i, t if t in (1, 2) else 1] = 5.0
+        return logits
+
+    rep, recs = run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
+                              {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1, max_prompt_tokens=10)
+    assert rep["skipped_long_prompts"] == 1 and rep["num_prompts"] == 2 and [r["id"] for r in recs] == ["x/3", "x/5"]
+    assert 50 not in seen
+    with pytest.raises(DatasetError, match="max-seq-len"):
+        run_benchmark("x", prompts[1:2], lambda p: [7] * 50, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
+                      max_prompt_tokens=10)

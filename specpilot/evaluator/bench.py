@@ -50,9 +50,20 @@ def run_benchmark(
     tolerance: float,
     limits: dict[str, int] | None = None,
     progress=None,
+    max_prompt_tokens: int | None = None,
 ) -> tuple[dict, list[dict]]:
     limits = limits or {}
     encoded = [encode(p) for p in prompts]
+    skipped = 0
+    if max_prompt_tokens is not None:  # a prompt the KV pool cannot hold is left out (and counted), not fatal
+        kept = [(p, ids) for p, ids in zip(prompts, encoded) if len(ids) <= max_prompt_tokens]
+        skipped = len(prompts) - len(kept)
+        if not kept:
+            from specpilot.errors import DatasetError
+
+            raise DatasetError(f"{name}: all {len(prompts)} prompts exceed {max_prompt_tokens} tokens "
+                               "(raise --max-seq-len)")
+        prompts, encoded = [p for p, _ in kept], [ids for _, ids in kept]
     for gen in systems.values():
         # warm-up on a real prompt at full length: first-call allocations, graph capture and the peers' own
         # compilation (transformers compiles static-cache decoding on first use) stay out of the numbers
@@ -77,7 +88,7 @@ def run_benchmark(
         if progress:
             progress()
     ar_out = [r.output_ids for r in results["ar"]]
-    report = {"benchmark": name, "num_prompts": len(prompts), "systems": {}}
+    report = {"benchmark": name, "num_prompts": len(prompts), "skipped_long_prompts": skipped, "systems": {}}
     for s, rs in results.items():
         n = len(rs)
         entry = {
