@@ -329,3 +329,15 @@ def test_real_smollm2_tokenizer_and_generation():
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
     assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_models_list_command_shows_every_known_model(tmp_path, monkeypatch, capsys):
+    from specpilot.cli import main
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"):
+        assert name in out
+    assert "not pulled" in out
