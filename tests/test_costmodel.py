@@ -258,3 +258,25 @@ def test_dflash_draft_pass_cost_and_analysis():
     assert 0 < rep.stages["draft"].floor_s < rep.stages["draft"].predicted_s
     with pytest.raises(ConfigError, match="DFlashConfig"):
         analyze(target, None, prof, FAKE_HW, drafter_kind="dflash")
+
+
+def test_measured_sdpa_latency_enters_predictions_not_floors():
+    hw = dataclasses.replace(FAKE_HW, sdpa_fixed_s=20e-6, sdpa_per_key_s=15e-9)
+    cfg = synthetic_config("qwen2.5-1.5b")
+    span, pool = forward_cost(cfg, 5, 600), forward_cost(cfg, 5, 600, pool_len=4096)
+    assert span.attn_keys == 605 and pool.attn_keys == 4096 and span.num_layers == 28
+    assert pass_floor_s(pool, hw) == pass_floor_s(span, hw)  # the physics does not change with the pool
+    extra = pass_predicted_s(pool, hw) - pass_predicted_s(span, FAKE_HW)
+    assert extra == pytest.approx(28 * (20e-6 + 15e-9 * 4096))
+    assert pass_predicted_s(pool, hw) > pass_predicted_s(span, hw) > pass_predicted_s(span, FAKE_HW)
+    assert FAKE_HW.sdpa_s(4096) == 0.0  # not measured: no term
+    # the analysis threads the pool through every pass of the step
+    rep_pool = analyze(cfg, None, _profile(drafter_passes=0, kv_pool_len=4096), hw, drafter_kind="ngram")
+    rep_span = analyze(cfg, None, _profile(drafter_passes=0), hw, drafter_kind="ngram")
+    assert rep_pool.stages["verify"].predicted_s > rep_span.stages["verify"].predicted_s
+    assert rep_pool.stages["verify"].floor_s == rep_span.stages["verify"].floor_s
+    # old cached ceilings (without the SDPA fields) are re-measured rather than trusted
+    old = FAKE_HW.to_dict()
+    del old["sdpa_fixed_s"], old["sdpa_per_key_s"]
+    with pytest.raises(ValueError):
+        HardwareCeilings.from_dict(old)

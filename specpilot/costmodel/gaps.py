@@ -51,7 +51,9 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True)
         overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
     else:
         overhead_s = cost.num_kernels * hw.launch_s
-    return max(memory_s, compute_s) + overhead_s
+    # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
+    attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys) if cost.num_tokens <= 16 else 0.0
+    return max(memory_s, compute_s) + overhead_s + attention_s
 
 
 # --- what the engine measured -------------------------------------------------------------------------------
@@ -70,6 +72,7 @@ class StepProfile:
     drafter_passes: int  # drafter forward passes per step (0 for n-gram / none)
     context_len: int  # mean tokens in the KV cache when a step starts
     drafter_pass_tokens: tuple[int, ...] | None = None  # tokens of each drafter pass; None: 1 token per pass
+    kv_pool_len: int | None = None  # graphed steps with SDPA attend over this whole pool; None: the context only
     acceptance_by_position: tuple[float, ...] | None = None  # P(draft i accepted), i = 0..K-1
     ar_step_s: float | None = None  # optional: measured plain autoregressive step on the same setup
 
@@ -170,17 +173,19 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
     if kind == "dflash":  # one block pass; the context grows by the tokens committed last step (~tau)
         if drafter_cfg is None:
             raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
-        return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)))]
+        return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)),
+                                 pool_len=profile.kv_pool_len)]
     if kind != "model":
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
         raise ConfigError("drafter_kind 'model' needs the drafter's ModelConfig")
-    return [forward_cost(drafter_cfg, t, profile.context_len) for t in profile.pass_tokens()]
+    return [forward_cost(drafter_cfg, t, profile.context_len, pool_len=profile.kv_pool_len)
+            for t in profile.pass_tokens()]
 
 
 def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
-    verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len)
+    verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len)
     return {
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
                            sum(pass_predicted_s(c, hw, graphed) for c in drafts)),
@@ -200,7 +205,7 @@ def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: S
             hw: HardwareCeilings, *, drafter_kind: DrafterKind = "model", graphed: bool = True) -> CostReport:
     """Compare a measured step with its roofline floor and calibrated prediction (see module docstring)."""
     stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed)
-    ar = forward_cost(target_cfg, 1, profile.context_len)
+    ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len)
     ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed)
     step = profile.step_s
     step_floor = sum(s.floor_s for s in stages.values())

@@ -1,6 +1,6 @@
 """Measured hardware ceilings of one GPU: the numbers every floor and prediction in the cost model divides by.
 
-`measure_ceilings(device)` runs five micro-benchmarks (well under 30 s on an H200) and `load_or_measure(device)`
+`measure_ceilings(device)` runs six micro-benchmarks (well under 30 s on an H200) and `load_or_measure(device)`
 caches the result as JSON at ``cache_dir()/hardware/<sanitized GPU name>.json``.
 
 Invariants:
@@ -51,6 +51,16 @@ class HardwareCeilings:
     graph_kernel_s: float  # per tiny kernel inside a replayed CUDA graph
     gemv_bytes_per_s: float  # weight bytes per second of a CUDA-graphed chain of bf16 GEMVs (M=1)
     measured_at: str  # ISO-8601 local time
+    # masked SDPA at decode, per layer, graphed: ~ sdpa_fixed_s + sdpa_per_key_s * keys (fitted on two pool sizes).
+    # Latency-bound (a few thread blocks per layer), so bytes / bandwidth badly under-predicts it. None: not measured.
+    sdpa_fixed_s: float | None = None
+    sdpa_per_key_s: float | None = None
+
+    def sdpa_s(self, keys: int) -> float:
+        """Predicted time of one masked decode-attention call over `keys` key slots (0 if not measured)."""
+        if self.sdpa_fixed_s is None or self.sdpa_per_key_s is None:
+            return 0.0
+        return self.sdpa_fixed_s + self.sdpa_per_key_s * keys
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +191,33 @@ def _gemv_bytes_per_s(dev: torch.device) -> float:
     return sum(w.numel() * w.element_size() for w in weights) / seconds
 
 
+SDPA_LAYERS = 28  # one graphed chain, distinct K/V per call (like a model's layers)
+SDPA_HEADS, SDPA_KV_HEADS, SDPA_HEAD_DIM = 12, 2, 128  # the 1.5B's attention
+SDPA_KEYS = (1024, 4096)
+
+
+def _sdpa_layer_s(dev: torch.device, keys: int) -> float:
+    """One masked SDPA call at decode (T = 1, half the keys visible), graphed, per layer."""
+    q = torch.randn(1, SDPA_HEADS, 1, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    kv = [torch.randn(2, 1, SDPA_KV_HEADS, keys, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+          for _ in range(SDPA_LAYERS)]
+    mask = (torch.arange(keys, device=dev) <= keys // 2)[None, None, None, :]
+
+    def chain():
+        for k, v in kv:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    graph = _capture(chain)
+    return time_median_s(graph.replay) / SDPA_LAYERS
+
+
+def _sdpa_fit(dev: torch.device) -> tuple[float, float]:
+    (k0, k1) = SDPA_KEYS
+    t0, t1 = _sdpa_layer_s(dev, k0), _sdpa_layer_s(dev, k1)
+    per_key = max(0.0, (t1 - t0) / (k1 - k0))
+    return max(0.0, t0 - per_key * k0), per_key
+
+
 def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
     """Measure the ceilings of `device` (a CUDA device); raises CudaUnavailableError elsewhere."""
     dev = _require_cuda(device)
@@ -194,6 +231,7 @@ def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
             graph_kernel_s=_graph_kernel_s(dev),
             gemv_bytes_per_s=_gemv_bytes_per_s(dev),
             measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **dict(zip(("sdpa_fixed_s", "sdpa_per_key_s"), _sdpa_fit(dev))),
         )
         torch.cuda.empty_cache()
     return hw

@@ -45,6 +45,8 @@ class PassCost:
     flops: float  # 2 * linear params * T + attention 4 * T * span * heads * head_dim per layer
     num_kernels: int  # estimated kernels of one pass of our implementation (see module docstring)
     num_linear_kernels: int  # of which GEMM/GEMV launches (7 per layer + LM head)
+    num_layers: int = 0  # attention calls in the pass
+    attn_keys: int = 0  # key slots each attention call covers: context + T, or the whole pool when graphed
 
     @property
     def total_bytes(self) -> float:
@@ -111,8 +113,10 @@ def kernels_per_layer(cfg: ModelConfig) -> int:
     return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0)
 
 
-def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2) -> PassCost:
-    """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`."""
+def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
+                 pool_len: int | None = None) -> PassCost:
+    """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
+    `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -125,6 +129,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         flops=_flops(cfg, num_tokens, context_len),
         num_kernels=cfg.num_hidden_layers * kernels_per_layer(cfg) + _HEAD_KERNELS,
         num_linear_kernels=cfg.num_hidden_layers * _LINEARS_PER_LAYER + 1,
+        num_layers=cfg.num_hidden_layers,
+        attn_keys=pool_len if pool_len else context_len + num_tokens,
     )
 
 
@@ -137,7 +143,7 @@ _DFLASH_HEAD_KERNELS = 1 + _NORM_KERNELS + 6
 
 
 def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_context: int,
-                     dtype_bytes: int = 2) -> PassCost:
+                     dtype_bytes: int = 2, pool_len: int | None = None) -> PassCost:
     """One DFlash draft pass (models/dflash.py): the block (block_size tokens: anchor + masks) through the draft
     layers, attending over the draft cache's `context_len` slots; `new_context` target feature rows projected
     (fc), turned into K/V and written; the block's hidden states through the target's LM head."""
@@ -146,7 +152,7 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
                         intermediate_size=dcfg.intermediate_size, num_hidden_layers=dcfg.num_hidden_layers,
                         num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
                         head_dim=dcfg.head_dim, qk_norm=True)
-    base = forward_cost(dense, B, context_len, dtype_bytes)
+    base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None)
     feat = len(dcfg.target_layer_ids) * dcfg.hidden_size
     fc = feat * dcfg.hidden_size
     kv_proj = dcfg.num_hidden_layers * 2 * dcfg.hidden_size * dcfg.num_key_value_heads * dcfg.head_dim
@@ -160,6 +166,8 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         flops=base.flops + 2.0 * (fc + kv_proj) * new_context,
         num_kernels=base.num_kernels + dcfg.num_hidden_layers * _DFLASH_CTX_KERNELS + _DFLASH_HEAD_KERNELS,
         num_linear_kernels=base.num_linear_kernels + 1 + 2 * dcfg.num_hidden_layers,
+        num_layers=base.num_layers,
+        attn_keys=base.attn_keys,
     )
 
 

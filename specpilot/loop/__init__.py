@@ -91,7 +91,8 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        accept_s=stage_s.get("accept", 0.0), other_s=stage_s.get("commit", 0.0), tau=max(tau, 1e-6),
                        num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
                        context_len=context_len,
-                       drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None)
+                       drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
+                       kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None)
 
 
 def cost_model_hooks(target_cfg, drafter_cfg, device: str):
