@@ -28,7 +28,6 @@ except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 MAX_M = 8
-DIRECT_ONLY = False  # tests: force the single-pass kernel whatever N is
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,7 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: need x [M<={MAX_M}, K] with unit stride and contiguous weight [N, K]; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    if N >= 8 * num_sms or DIRECT_ONLY:  # enough output tiles to fill the GPU without splitting K
+    if N >= 8 * num_sms:  # enough output tiles to fill the GPU without splitting K
         return gemv_direct(x, weight, bias)
     bm, bn, bk, split = _blocks(M, N, K, num_sms)
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32)

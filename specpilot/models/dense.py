@@ -106,9 +106,7 @@ class Attention(nn.Module):
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
         if mask is None:  # the positional mask, applied inside the split-KV kernel (DenseLM.use_attention_kernel)
-            from specpilot.kernels.decode_attention import decode_attention
-
-            out = decode_attention(q, keys, values, positions)
+            out = self.decode_attention(q, keys, values, positions)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         # GQA via enable_gqa: folding the query heads into the query length instead was measured slower on the H200
         # (cuDNN attention already handles GQA with a mask; BENCHMARKS.md, 2026-11-30)
@@ -170,6 +168,7 @@ class DenseLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DenseBody(cfg)
+        self.attention_kernel = False  # use_attention_kernel() switches few-token steps to the split-KV kernel
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -196,7 +195,11 @@ class DenseLM(nn.Module):
     def use_attention_kernel(self, on: bool = True) -> "DenseLM":
         """Steps of at most 16 tokens under the positional causal mask attend through the split-KV Triton kernel
         (kernels/decode_attention.py) instead of SDPA with a mask tensor; prefill and custom masks keep SDPA."""
+        from specpilot.kernels.decode_attention import decode_attention  # resolved once, not per layer call
+
         self.attention_kernel = on
+        for layer in self.model.layers:
+            layer.self_attn.decode_attention = decode_attention if on else None
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
@@ -219,7 +222,7 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        if attn_mask is None and getattr(self, "attention_kernel", False) and input_ids.shape[1] <= 16:
+        if attn_mask is None and self.attention_kernel and input_ids.shape[1] <= 16:
             mask = None  # positional: the attention kernel applies it from `positions`
         else:
             if attn_mask is None:
