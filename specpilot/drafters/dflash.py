@@ -19,12 +19,10 @@ block's attention is non-causal, so the two can differ; both are verified, so ou
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from specpilot.drafters.base import Draft
-from specpilot.engine.graphs import capture
+from specpilot.engine.graphs import capture, or_eager
 from specpilot.models.dflash import DFlashDrafter, _target_io, context_features, draft_block, target_capture_layers
 
 
@@ -44,12 +42,7 @@ class DFlashBlockDrafter:
         if self.static:
             self._init_static(max_seq_len)
             if cuda_graphs and self.device.type == "cuda":
-                try:
-                    self._capture()
-                except RuntimeError as e:  # the static step still runs, eagerly: slower, never wrong
-                    warnings.warn(f"DFlash draft step: CUDA graph capture failed ({e}); running it eagerly",
-                                  RuntimeWarning)
-                    self.graph = None
+                self.graph, self.drafts = or_eager(self._capture, "DFlash draft step") or (None, None)
         self.reset()
 
     # -- the static step: fixed-size buffers in, drafts out (the same code is eager, or captured) --
@@ -72,8 +65,8 @@ class DFlashBlockDrafter:
         return self.network.compute_logits(hidden[:, 1:], lm_head).argmax(dim=-1)[0]
 
     @torch.inference_mode()
-    def _capture(self) -> None:
-        self.graph, self.drafts = capture(self._static_step)
+    def _capture(self):
+        return capture(self._static_step)
 
     def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
         c = ctx.shape[0]

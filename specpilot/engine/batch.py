@@ -23,12 +23,11 @@ capture write their junk K/V, since no row ever reaches it.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, Sequence
 
 import torch
 
-from specpilot.engine.graphs import capture
+from specpilot.engine.graphs import capture, or_eager
 from specpilot.errors import ConfigError
 
 
@@ -53,15 +52,6 @@ class _GraphedStep:
         return self.next.clone()
 
 
-def _graphed_or_none(model, cache):
-    """A graphed step, or None (the eager step) with a warning if capture fails: slower, never wrong."""
-    try:
-        return _GraphedStep(model, cache)
-    except RuntimeError as e:  # capture errors surface as RuntimeError (CUDA / cuBLAS / allocator)
-        warnings.warn(f"batched decode: CUDA graph capture failed ({e}); decoding eagerly", RuntimeWarning)
-        return None
-
-
 @torch.inference_mode()
 def _generate_chunk(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], compact: bool,
                     deadline: float | None, graphs: bool = True) -> list[list[int]] | None:
@@ -81,7 +71,8 @@ def _generate_chunk(model, prompts: list[list[int]], max_new_tokens: int, eos: s
     rows = list(range(B))  # batch row r -> prompt index rows[r]
     pos = lengths.clone()  # next position of each row (where its newest token goes)
     done = [False] * B
-    step_fn = _graphed_or_none(model, cache) if graphs and device.type == "cuda" else None
+    graphed = graphs and device.type == "cuda"
+    step_fn = or_eager(lambda: _GraphedStep(model, cache), "batched decode") if graphed else None
     for step in range(max_new_tokens):
         toks = tok.tolist()  # the step's one host sync
         for r, i in enumerate(rows):
@@ -101,7 +92,8 @@ def _generate_chunk(model, prompts: list[list[int]], max_new_tokens: int, eos: s
             rows = [rows[r] for r in running]
             tok, pos = tok[keep], pos[keep]
             if step_fn is not None:
-                step_fn = _graphed_or_none(model, cache)  # a new batch size: capture again
+                # a new batch size: capture again
+                step_fn = or_eager(lambda: _GraphedStep(model, cache), "batched decode")
         if step_fn is not None:
             tok = step_fn(tok, pos)
         else:

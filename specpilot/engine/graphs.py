@@ -7,9 +7,12 @@ graph and what the recorded call returned: static tensors that every `graph.repl
 
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -23,3 +26,13 @@ def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[to
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def or_eager(build: Callable[[], T], what: str) -> T | None:
+    """`build()` (something that captures a graph), or None with a warning when capture fails: the caller then
+    runs the same step eagerly — slower, never wrong."""
+    try:
+        return build()
+    except RuntimeError as e:  # capture errors surface as RuntimeError (CUDA / cuBLAS / allocator)
+        warnings.warn(f"{what}: CUDA graph capture failed ({e}); running it eagerly", RuntimeWarning)
+        return None
