@@ -414,3 +414,40 @@ def test_cli_train_drafter_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert 3 in seen and mask not in seen  # never a token of the data (chat-role tokens are in it)
     r2 = run("--steps", "5", "--resume")  # the saved settings win: 3 steps, already done
     assert r2["steps"] == 3
+
+
+def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
+    """Two --regen-shard processes (here one after the other) fill one cache; the training run uses all of it."""
+    import argparse
+
+    from specpilot.train import add_train_parser, cmd_train_drafter
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    _tiny_tokenizer(model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
+                               for i in range(60)))
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    regen = tmp_path / "regen"
+    base = ["train-drafter", "--target", str(model), "--prompts", str(prompts), "--num-prompts", "8",
+            "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6", "--regen-batch-size", "4",
+            "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "2", "--max-seq-len", "64",
+            "--val-every", "0", "--save-every", "0", "--val-max-new-tokens", "4", "--no-progress",
+            "--regen-dir", str(regen), "--steps", "1"]
+
+    def run(*extra):
+        assert cmd_train_drafter(parser.parse_args([*base, *extra])) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    helper = run("--out", str(tmp_path / "helper"), "--regen-shard", "1/2", "--regen-only")
+    assert helper["stage"] == "regenerate" and helper["done"] is True
+    half = read_cache(regen)
+    assert 2 <= len(half) <= 5  # training prompts 1, 3, 5, 7 (some may be skipped as empty), no validation ones
+    main = run("--out", str(tmp_path / "main"), "--regen-shard", "0/2")
+    assert main["done"] is True and main["steps"] == 1
+    assert len(read_cache(regen)) >= len(half) + 4  # shard 0's training prompts and the validation ones
+    assert len({p.name.split("-")[1] for p in regen.glob("shard-*.jsonl")}) == 1  # one process id here
+    with pytest.raises(ConfigError, match="K/N"):
+        cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "x"), "--regen-shard", "2/2"]))

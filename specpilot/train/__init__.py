@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["add_train_parser", "cmd_train_drafter"]
 
 RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
-                 "fit_steps_to_time", "regen_budget_s", "attention_kernel")
+                 "fit_steps_to_time", "regen_budget_s", "attention_kernel", "regen_dir", "regen_shard", "regen_only")
 CONFIG_FILE = "train_config.json"
 
 
@@ -53,6 +53,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--regen-batch-size", type=int, default=64)
     g.add_argument("--regen-budget-s", type=float, default=None,
                    help="stop regenerating after this many seconds and train on what is done (default: all)")
+    g.add_argument("--regen-dir", default=None, help="regeneration cache folder (default OUT/regen); processes "
+                   "sharing one (--regen-shard) split the work")
+    g.add_argument("--regen-shard", default=None, metavar="K/N",
+                   help="regenerate only training prompts K, K+N, ... (validation ones only for K = 0), then train on "
+                   "every prompt found in the cache: N processes (one per GPU) make the data N times as fast")
+    g.add_argument("--regen-only", action="store_true", help="stop after regenerating (a helper of --regen-shard)")
     g.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens kept per sequence")
     m = p.add_argument_group("drafter")
     m.add_argument("--block-size", type=int, default=16)
@@ -108,6 +114,21 @@ def _settings(args, out: Path, err) -> dict:
     return {**saved, **{k: now[k] for k in RUNTIME_FLAGS if k in now}}
 
 
+def _parse_shard(text: str | None) -> tuple[int, int]:
+    """'K/N' -> (K, N) with 0 <= K < N; None -> (0, 1)."""
+    from specpilot.errors import ConfigError
+
+    if not text:
+        return 0, 1
+    try:
+        k, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ConfigError(f"--regen-shard must look like K/N (e.g. 1/2), got {text!r}") from None
+    if not 0 <= k < n:
+        raise ConfigError(f"--regen-shard K/N needs 0 <= K < N, got {text!r}")
+    return k, n
+
+
 def cmd_train_drafter(args) -> int:
     import torch
     from rich.console import Console
@@ -156,13 +177,25 @@ def cmd_train_drafter(args) -> int:
     budget = getattr(s, "regen_budget_s", None)
     if budget:
         regen_deadline = min(regen_deadline or float("inf"), t_start + budget)
+    regen_dir = Path(getattr(s, "regen_dir", None) or out / "regen")
+    shard_k, shard_n = _parse_shard(getattr(s, "regen_shard", None))
+    mine = [p for p in (val_p if shard_k == 0 else [])] + train_p[shard_k::shard_n]
+
+    def regen(prompts, until):
+        return regenerate(target, tok, prompts, regen_dir, max_new_tokens=s.regen_max_new_tokens,
+                          batch_size=s.regen_batch_size, max_prompt_tokens=max_prompt, target_name=str(s.target),
+                          deadline=until, log=err.print)
+
+    if shard_n > 1:
+        got, left = regen(mine, regen_deadline)  # validation (shard 0) first, as below
+        err.print(f"regeneration shard {shard_k}/{shard_n}: {len(got)} done, {left} left")
+    if getattr(s, "regen_only", False):
+        return result(done=True, stage="regenerate", shard=f"{shard_k}/{shard_n}")
     seqs, pending = [], 0
     for part in (val_p, train_p):  # validation first: a time-limited regeneration must not leave it empty
-        got, left = regenerate(target, tok, part, out / "regen", max_new_tokens=s.regen_max_new_tokens,
-                               batch_size=s.regen_batch_size, max_prompt_tokens=max_prompt, target_name=str(s.target),
-                               deadline=regen_deadline, log=err.print)
+        got, left = regen(part, regen_deadline if shard_n == 1 else time.monotonic())  # shards: the cache only
         seqs, pending = seqs + got, pending + left
-    if pending and budget:
+    if pending and (budget or shard_n > 1):
         err.print(f"[yellow]--regen-budget-s: training on the {len(seqs)} sequences regenerated, {pending} left out")
     elif pending:
         err.print(f"[yellow]time limit: {pending} responses still to regenerate; run again with --resume")

@@ -54,9 +54,10 @@ def read_cache(folder: str | Path) -> dict[str, dict]:
 
 def _write_shard(folder: Path, records: list[dict]) -> Path:
     n = len(list(folder.glob("shard-*.jsonl")))
-    while (folder / f"shard-{n:05d}.jsonl").exists():
+    pid = os.getpid()  # processes sharing the folder (--regen-shard) never pick the same name
+    while (folder / f"shard-{pid}-{n:05d}.jsonl").exists():
         n += 1
-    path = folder / f"shard-{n:05d}.jsonl"
+    path = folder / f"shard-{pid}-{n:05d}.jsonl"
     tmp = folder / f".{path.name}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         for rec in records:

@@ -1,0 +1,17 @@
+#!/bin/bash
+# Watch scripts/gpu_pipeline.sh for up to $1 seconds (it returns early once the pipeline is done), print where each
+# lane stands, and pack what exists into $OUT: ship.tgz (drafters), results.tgz (bench JSON, optimize reports,
+# lane logs), train_logs.tgz (training logs and results).
+set -u
+R=/tmp/results
+end=$(( $(date +%s) + ${1:-60} ))
+while [ "$(date +%s)" -lt $end ] && [ ! -e $R/DONE ]; do sleep 5; done
+for f in $R/lane0.log $R/lane1.log /tmp/runs/q15.log /tmp/runs/q15-helper.log /tmp/runs/q05.log; do
+  [ -e $f ] && { echo "== $f"; grep -v "^\s*$" $f | tail -${TAIL:-8}; }
+done
+nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+[ -d /tmp/ship ] && tar czf $OUT/ship.tgz -C /tmp ship
+tar czf $OUT/results.tgz -C /tmp results 2>/dev/null
+(cd /tmp/runs && tar czf $OUT/train_logs.tgz $(ls -d *.log */log.jsonl */result.json */train_config.json 2>/dev/null))
+ls -la $OUT
+[ -e $R/DONE ] && echo "PIPELINE DONE"
