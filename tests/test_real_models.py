@@ -112,3 +112,21 @@ def test_cli_force_passes_ar_output_and_fails_a_changed_one(smollm, tmp_path, ca
     assert "position 3" in captured and json.loads(captured.strip().splitlines()[-1])["forcing_passed"] is False
     (tmp_path / "broken.jsonl").write_text("{not json\n")
     assert main(["force", "--target", str(path), "--input", str(tmp_path / "broken.jsonl")]) == 2
+
+
+def test_shipped_dflash_drafter_is_lossless_and_accepts_tokens():
+    """The shipped 0.5B drafter, loaded by name: greedy speculative output equals AR token for token, and the
+    drafter is a trained one (it gets drafted tokens accepted: a broken load or wrong target layers would give
+    tau ~1)."""
+    path = resolve_model("qwen2.5-coder-0.5b")
+    target, tok = load_model(path), Tokenizer.from_folder(path)
+    ids = tok.encode_chat(QUESTION)
+    base = EngineConfig(drafter_kind="none", max_new_tokens=48, ignore_eos=True)
+    ar = Engine(target, base).generate(ids)
+    cfg = base.with_(drafter_kind="dflash", num_draft_tokens=15)
+    from specpilot.models.dflash_io import load_dflash
+
+    drafter = load_dflash(resolve_model("dflash-qwen2.5-coder-0.5b"))
+    out = Engine(target, cfg, build_drafter(cfg, drafter, target)).generate(ids)
+    assert out.output_ids == ar.output_ids
+    assert out.num_output_tokens / out.num_target_forwards > 1.2
