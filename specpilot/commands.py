@@ -89,7 +89,7 @@ def _systems(args, cfg, target, tok, spec, ar):
     """name -> generate(prompt_ids) for each system asked for."""
     from specpilot.engine import DTYPE
     from specpilot.evaluator.bench import SYSTEMS
-    from specpilot.evaluator.stock import HFSystem
+    from specpilot.evaluator.stock import HFSystem, stock_system
     from specpilot.hub import resolve_model
 
     names = [n for n in args.systems.split(",") if n]
@@ -103,14 +103,10 @@ def _systems(args, cfg, target, tok, spec, ar):
     for n in names:
         if n == "hf-ar":
             systems[n] = HFSystem(resolve_model(args.target), **hf).generate
-        elif n == "stock" and cfg.drafter_kind == "dflash":
-            from specpilot.evaluator.stock import DFlashStockSystem
-
-            systems[n] = DFlashStockSystem(resolve_model(args.target), resolve_model(args.drafter), **hf).generate
-        elif n == "stock" and cfg.drafter_kind == "model":
-            systems[n] = HFSystem(resolve_model(args.target), assistant_path=resolve_model(args.drafter), **hf).generate
         elif n == "stock":
-            systems[n] = HFSystem(resolve_model(args.target), prompt_lookup=cfg.num_draft_tokens, **hf).generate
+            drafter = resolve_model(args.drafter) if cfg.drafter_kind in ("model", "dflash") else None
+            systems[n] = stock_system(resolve_model(args.target), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
+                                      **hf)[0]
     return {n: systems[n] for n in names}
 
 

@@ -391,6 +391,33 @@ def test_driver_measures_the_worktree_engine(tiny_model_dir):
 # --- report and CLI ------------------------------------------------------------------------------------------------
 
 
+def test_yardsticks_are_timed_once_remembered_and_stated_per_round(tmp_path):
+    calls = []
+
+    def ar():
+        calls.append("ar")
+        return {"tokens_per_s": 50.0, "label": "our AR"}
+
+    def broken():
+        raise ImportError("no stock package")
+
+    path = tmp_path / "m.sqlite"
+    mem = Memory(path)
+    with pytest.raises(Killed):
+        run(mem, FakeMeasure(fail_after=4), yardsticks={"ar": ar, "stock": broken})
+    run_id = mem._q("SELECT max(id) FROM runs")[0][0]
+    assert set(mem.yardsticks(run_id)) == {"ar"}  # the broken one is skipped, not fatal
+    res = run(Memory(path), FakeMeasure(), resume_run=run_id, yardsticks={"ar": ar})
+    assert calls == ["ar"], "a yardstick measured before the kill was measured again"
+    base = res.baseline.median
+    assert res.versus("ar") == pytest.approx(res.best.chain * base / 50.0)
+    summary = res.summary()
+    assert summary["ar_tokens_per_s"] == 50.0 and summary["speedup_vs_ar"] == pytest.approx(res.versus("ar"), 1e-3)
+    assert "speedup_vs_stock" not in summary
+    text = write_report(Memory(path), run_id, tmp_path / "out")["report"].read_text()
+    assert f"vs our AR (50.000 tok/s, timed next to round 0): round 0 x{base / 50:.3f}" in text
+
+
 def test_report_and_config_file_roundtrip(tmp_path):
     mem = Memory(tmp_path / "m.sqlite")
     res = run(mem, FakeMeasure(antagonistic), budget=Budget(rounds=2))
@@ -444,6 +471,9 @@ def test_cli_optimize_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys)
     assert cmd_optimize(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["rounds"] == 1 and summary["trials"]["tried"] >= 1
+    assert summary["ar_tokens_per_s"] > 0 and summary["stock_tokens_per_s"] > 0  # prompt lookup, transformers'
+    assert summary["speedup_vs_ar"] > 0 and summary["speedup_vs_stock"] > 0
+    assert "vs our AR" in Path(summary["report"]).read_text()
     assert summary["trials"]["tried"] == summary["trials"]["accepted"] + summary["trials"]["rejected"]
     assert Path(summary["report"]).is_file() and Path(summary["config_file"]).is_file()
     mem = Memory(tmp_path / "m.sqlite")

@@ -109,3 +109,14 @@ class DFlashStockSystem:
         reason = "eos" if new and new[-1] in self.eos else "length"
         forwards = len(out.acceptance_lengths) if stats else 0  # 0 = not reported (CPU)
         return GenerationResult(list(prompt_ids), new, reason, num_target_forwards=forwards, decode_s=elapsed)
+
+
+def stock_system(target_path, drafter_path, drafter_kind: str, num_draft_tokens: int, **hf):
+    """The released speculative system for a deployment -> (generate, label): z-lab's `dflash` loop for a DFlash
+    drafter, transformers' assisted generation for a small AR drafter, its prompt lookup for n-gram drafting.
+    `hf`: dtype, device, max_new_tokens, eos_ids. Raises ConfigError when the stock package is missing."""
+    if drafter_kind == "dflash":
+        return DFlashStockSystem(target_path, drafter_path, **hf).generate, "z-lab dflash"
+    if drafter_kind == "model":
+        return HFSystem(target_path, assistant_path=drafter_path, **hf).generate, "transformers assisted generation"
+    return HFSystem(target_path, prompt_lookup=num_draft_tokens, **hf).generate, "transformers prompt lookup"

@@ -15,6 +15,7 @@ them imports the loop.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -132,6 +133,38 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
     return profile_fn, ceiling_fn, f"cost model on {hw.name}"
 
 
+def _yardsticks(s: dict, cfg, measure, dev, target) -> dict:
+    """name -> () -> {"tokens_per_s", "label"}: our AR through the loop's own measure (same harness, same repeats),
+    and the stock speculative system for this drafter (its released code, one repeat: it is slow and only a
+    reference)."""
+    from specpilot.engine import DTYPE
+    from specpilot.hub import resolve_model
+
+    def ar():
+        m = measure(cfg.with_(drafter_kind="none"), dev, s["repeats"])
+        return {"tokens_per_s": statistics.median(m.samples), "label": "our AR", "samples": m.samples}
+
+    def stock():
+        import torch
+
+        from specpilot.evaluator.stock import stock_system
+
+        drafter = resolve_model(s["drafter"]) if cfg.drafter_kind in ("model", "dflash") else None
+        gen, label = stock_system(resolve_model(s["target"]), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
+                                  dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
+                                  eos_ids=target.config.eos_token_ids)
+        sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else None
+        r = time_engine(gen, dev, 1, sync)
+        return {"tokens_per_s": statistics.median(r["samples"]), "label": f"stock ({label})"}
+
+    known = {"ar": ar, "stock": stock}
+    names = [n for n in str(s.get("yardsticks") or "").split(",") if n]
+    unknown = set(names) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown yardsticks {sorted(unknown)}; choose from ar, stock")
+    return {n: known[n] for n in names}
+
+
 # --- CLI ------------------------------------------------------------------------------------------------------
 
 DEFAULTS = dict(target=None, drafter=None, drafter_kind="model", device="cpu", dtype="float32", max_new_tokens=None,
@@ -139,7 +172,7 @@ DEFAULTS = dict(target=None, drafter=None, drafter_kind="model", device="cpu", d
                 heldout_prompts_file=None, field="prompt", num_prompts=3, heldout_num_prompts=None, dataset_dir=None,
                 rounds=3, trials=40, wall_s=3600.0, directions=3, repeats=3, workers=2, memory=None, resume=None,
                 agent_command=None, agent_repo=None, ray=False, tolerance=None, stock="transformers",
-                out="results/optimize")
+                yardsticks="ar,stock", out="results/optimize")
 
 
 def add_optimize_parser(subparsers):
@@ -165,6 +198,8 @@ def add_optimize_parser(subparsers):
     a("--agent-repo", help="git repo the agent's worktrees come from (default: the one holding this package)")
     a("--ray", action="store_true", default=None, help="run explorer proposals as Ray tasks (needs ray)")
     a("--tolerance", type=float), a("--stock", choices=("transformers", "specpilot"))
+    a("--yardsticks", help="systems timed once next to round 0 that every round is stated against: a comma list "
+      "of ar (our AR), stock (the released speculative system for this drafter); '' for none (default ar,stock)")
     a("--out", help="report folder (default results/optimize)")
     return p
 
@@ -279,7 +314,8 @@ def cmd_optimize(args) -> int:
     measure = EngineMeasure(lambda c: load_target(s["target"], c)[0], s["drafter"], tok, loaded=(cfg, target))
     result = optimize(deployment, budget, memory, measure, profile_fn, dev=dev,
                       gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
-                      progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+                      progress=lambda msg: err.print(f"[dim]{msg}[/dim]"),
+                      yardsticks=_yardsticks(s, cfg, measure, dev, target))
     paths = write_report(memory, result.run_id, s["out"], title=f"{s['target']} + {s['drafter'] or 'ngram'}")
     summary = result.summary()
     err.print(f"[bold]run {result.run_id}: x{result.speedup:.3f} vs round 0 after {result.rounds} rounds "

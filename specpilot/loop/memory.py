@@ -10,6 +10,8 @@ Tables
   trials       one gated candidate: run, round, key (unique per run), mechanism, config, delta, figures, verdict,
                reason rejected, status, adopted (it became the run's best), created
   rounds       the diagnosis of each round (gap rows or the fixed ordering used) and a note
+  yardsticks   per run: systems measured once next to round 0 on the dev prompts (our AR, the stock system),
+               tokens/s and details, so that every round's best can be stated against them
   validated    per run and mechanism: the delta that was adopted and its gain (ok=1), or ok=0 when the mechanism
                was explored and nothing it proposed passed the gate
 
@@ -36,6 +38,8 @@ CREATE TABLE IF NOT EXISTS trials (id INTEGER PRIMARY KEY AUTOINCREMENT, run INT
     mechanism TEXT, config TEXT, delta TEXT, figures TEXT, verdict TEXT, reason TEXT, status TEXT,
     adopted INTEGER DEFAULT 0, created REAL, UNIQUE(run, key));
 CREATE TABLE IF NOT EXISTS rounds (run INTEGER, round INTEGER, gaps TEXT, note TEXT, PRIMARY KEY(run, round));
+CREATE TABLE IF NOT EXISTS yardsticks (run INTEGER, name TEXT, tokens_per_s REAL, detail TEXT,
+    PRIMARY KEY(run, name));
 CREATE TABLE IF NOT EXISTS validated (id INTEGER PRIMARY KEY AUTOINCREMENT, run INTEGER, deployment TEXT,
     mechanism TEXT, delta TEXT, gain REAL, ok INTEGER, created REAL, UNIQUE(run, mechanism, delta));
 """
@@ -179,6 +183,17 @@ class Memory:
     def rounds(self, run: int) -> list[dict]:
         rows = self._q("SELECT round, gaps, note FROM rounds WHERE run=? ORDER BY round", (run,))
         return [{"round": r, "gaps": json.loads(g), "note": n} for r, g, n in rows]
+
+    # --- yardsticks ----------------------------------------------------------------------------------------------
+
+    def record_yardstick(self, run: int, name: str, tokens_per_s: float, detail: dict | None = None) -> None:
+        self._q("INSERT OR REPLACE INTO yardsticks VALUES (?,?,?,?)",
+                (run, name, tokens_per_s, json.dumps(detail or {})))
+
+    def yardsticks(self, run: int) -> dict[str, dict]:
+        """name -> {"tokens_per_s", **detail} of the systems measured next to round 0."""
+        rows = self._q("SELECT name, tokens_per_s, detail FROM yardsticks WHERE run=? ORDER BY name", (run,))
+        return {n: {"tokens_per_s": t, **json.loads(d)} for n, t, d in rows}
 
     # --- what worked --------------------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
   report.md       summary, each round's diagnosis, every trial with its figures and verdict (and why rejected)
   speedup.png     the best config's dev speedup over round 0 (the starting config) per round, as a product of
-                  paired gains; every trial as a dot; the cost model's ceiling where one was measured
+                  paired gains; every trial as a dot; the cost model's ceiling where one was measured; our AR and
+                  the stock system (the run's yardsticks, timed next to round 0) as lines
   gaps.png        the last diagnosed gap table as a waterfall (seconds per step by stage)
   best_config.yaml  EngineConfig fields of the best config: `specpilot bench --config best_config.yaml`
   *.patch         the diff of each accepted agent trial (v1 does not apply it)
@@ -41,7 +42,8 @@ def best_by_round(trials: list[Trial]) -> list[tuple[int, float]]:
     return out
 
 
-def _plots(trials: list[Trial], rounds: list[dict], base: Trial, out: Path) -> tuple[dict, list[str]]:
+def _plots(trials: list[Trial], rounds: list[dict], base: Trial, out: Path,
+           yardsticks: dict | None = None) -> tuple[dict, list[str]]:
     try:
         import matplotlib
 
@@ -64,6 +66,9 @@ def _plots(trials: list[Trial], rounds: list[dict], base: Trial, out: Path) -> t
     else:
         notes.append("no cost-model ceiling was available (e.g. CPU): none plotted")
     ax.axhline(1.0, color="black", lw=0.5)
+    for (name, y), color in zip(sorted((yardsticks or {}).items()), ("tab:purple", "tab:brown", "tab:olive")):
+        if y.get("tokens_per_s") and base.median:
+            ax.axhline(y["tokens_per_s"] / base.median, color=color, ls=":", label=f"{y.get('label', name)}")
     ax.set_xticks(sorted({t.round for t in trials}))
     ax.set(xlabel="round", ylabel="dev tokens/s vs round 0", title="speedup per round (vs the starting config)")
     ax.legend(fontsize=8)
@@ -102,7 +107,8 @@ def write_report(memory: Memory, run: int, out_dir: str | Path, *, title: str = 
     best = memory.best_trial(run) or base
     base_cfg, best_cfg = EngineConfig.from_dict(base.config), EngineConfig.from_dict(best.config)
     paths = {"config": write_config(best_cfg, out / "best_config.yaml")}
-    plots, notes = _plots(trials, rounds, base, out)
+    ys = memory.yardsticks(run)
+    plots, notes = _plots(trials, rounds, base, out, ys)
     paths.update(plots)
     lines = [f"# Optimization run {run}{': ' + title if title else ''}", "",
              f"- best config: `{json.dumps(config_delta(base_cfg, best_cfg))}` (changes from round 0), file "
@@ -113,6 +119,12 @@ def write_report(memory: Memory, run: int, out_dir: str | Path, *, title: str = 
              f"best {best.median:.3f}",
              f"- trials: {sum(t.round > 0 for t in trials)} gated, "
              f"{sum(t.round > 0 and t.passed for t in trials)} accepted", ""]
+    for name, y in sorted(ys.items()):
+        vs = [f"round {r} x{c * base.median / y['tokens_per_s']:.3f}" for r, c in best_by_round(trials)]
+        lines.append(f"- vs {y.get('label', name)} ({y['tokens_per_s']:.3f} tok/s, timed next to round 0): "
+                     + ", ".join(vs))
+    if not ys:
+        notes.append("no yardstick (our AR, stock) was measured for this run")
     lines += [f"- note: {n}" for n in notes] + [""]
     for name in ("speedup_png", "gaps_png"):
         if name in paths:

@@ -15,6 +15,10 @@ speedups over round 0 are products of such paired gains. Each later round
   remember   adopted deltas (and later, mechanisms that never won) go to memory for other deployments.
 The run stops at the round, trial or wall-clock budget, or when no direction is left.
 
+Yardsticks: right after round 0, each given system (the CLI gives our AR and the stock system) is timed once on
+the dev prompts and remembered with the run; a round's best is then stated against each as
+chain x round-0 tokens/s / yardstick tokens/s — the paired-gain yardstick anchored where both were measured together.
+
 Resume: every decision is a function of finished trials, so `resume_run=id` replays the run; a trial whose key is
 in memory is read back instead of measured, and the loop continues where the killed run stopped.
 """
@@ -39,6 +43,7 @@ from specpilot.loop.registry import REGISTRY, Deployment, Mechanism, applicable,
 FIXED_ORDER = ("verify", "draft", "other", "accept")  # no profile: the usual order of step time on a GPU
 PSEUDO = ("baseline", "combine", "transfer")  # trial kinds that are not registry mechanisms
 ProfileFn = Callable[[EngineConfig, dict], object]  # (config, dev stats) -> CostReport | [GapRow-like] | None
+Yardstick = Callable[[], dict]  # () -> {"tokens_per_s": float, ...details}: one reference system timed on the dev set
 
 
 class GateFailure(SpecPilotError):
@@ -62,6 +67,14 @@ class RunResult:
     trials: list[Trial]
     rounds: int
     stopped: str
+    yardsticks: dict = None  # name -> {"tokens_per_s", ...}: systems timed next to round 0
+
+    def versus(self, name: str, chain: float | None = None) -> float | None:
+        """Speedup of the best config (or of `chain`) over yardstick `name`, in the paired-gain yardstick."""
+        y = (self.yardsticks or {}).get(name, {}).get("tokens_per_s")
+        if not y:
+            return None
+        return (self.best.chain if chain is None else chain) * self.baseline.median / y
 
     @property
     def best_config(self) -> EngineConfig:
@@ -90,6 +103,8 @@ class RunResult:
             "trials": {"tried": len(tried), "accepted": len(tried) - len(rejected), "rejected": len(rejected),
                        "reasons": dict(Counter(t.reason.split(":", 1)[0] for t in rejected)),
                        "to_best": self.trials_to_best},  # memory transfer is judged on this count
+            **{f"{n}_tokens_per_s": round(y["tokens_per_s"], 3) for n, y in (self.yardsticks or {}).items()},
+            **{f"speedup_vs_{n}": round(self.versus(n), 4) for n in (self.yardsticks or {}) if self.versus(n)},
         }
 
 
@@ -149,7 +164,8 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
              profile_fn: ProfileFn | None = None, *, dev: list[list[int]], gate: Gate,
              registry: dict[str, Mechanism] | None = None, extra: Sequence[Callable[[View], Explorer]] = (),
              resume_run: int | None = None, use_ray: bool = False, skip_failed: bool = True,
-             progress: Callable[[str], None] | None = None) -> RunResult:
+             progress: Callable[[str], None] | None = None,
+             yardsticks: dict[str, Yardstick] | None = None) -> RunResult:
     reg = REGISTRY if registry is None else registry
     say = progress or (lambda msg: None)
     if resume_run is not None:
@@ -205,6 +221,17 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
         memory.set_run_status(run, "failed")
         raise GateFailure(f"the starting config fails the gate: {base.reason}")
     memory.adopt(base.id)
+    known = memory.yardsticks(run)
+    for name, fn in (yardsticks or {}).items():
+        if name in known:  # resumed: measured before the kill
+            continue
+        try:
+            y = fn()
+        except Exception as e:  # a missing stock package must not stop the search: the report says so
+            say(f"yardstick {name}: not measured ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        memory.record_yardstick(run, name, float(y["tokens_per_s"]), {k: v for k, v in y.items() if k != "tokens_per_s"})
+        say(f"yardstick {name}: {y['tokens_per_s']:.3f} tok/s (round 0: {base.median:.3f})")
     best, tried, won = base, {json.dumps(base.config, sort_keys=True)}, {}
     rounds_done, stopped = 0, "round budget spent"
     for rnd in range(1, budget.rounds + 1):
@@ -249,7 +276,7 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
         if not ok and mech not in PSEUDO:
             memory.validate(run, deployment, mech, {}, 0.0, ok=False)
     memory.set_run_status(run, "finished")
-    return RunResult(run, base, best, memory.finished_trials(run), rounds_done, stopped)
+    return RunResult(run, base, best, memory.finished_trials(run), rounds_done, stopped, memory.yardsticks(run))
 
 
 def _integrate(winners: list[Trial], best_cfg: EngineConfig, rnd: int, run_trial) -> tuple[Trial, list[Trial]]:
