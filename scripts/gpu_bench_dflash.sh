@@ -3,7 +3,7 @@
 # SpecPilot on the five benchmarks, 20 prompts each, 256 new tokens, greedy, bs 1, with token forcing.
 # Usage: scripts/gpu_bench_dflash.sh q15|q05 [num_prompts] [benchmarks]
 # The graphed steps attend over the whole KV pool (MAX_SEQ slots; default 2048, 4096 with Spec-Bench): with SDPA that costs ~0.1 ms per
-# layer at 4096 slots on the H200; ATTN=1 uses the split-KV attention kernel, which skips the unused slots.
+# layer at 4096 slots on the H200; the split-KV attention kernel (default on CUDA since session 8) skips the unused slots.
 set -u
 source scripts/gpu_env.sh || exit 1
 m=$1

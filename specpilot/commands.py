@@ -265,7 +265,7 @@ def cmd_profile(args) -> int:
         context_len=int(sum(len(r.prompt_ids) + r.num_output_tokens / 2 for r in spec_res) / len(spec_res)),
         drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
-        kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,
+        kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,  # SDPA reads the pool
     )
     drafter_cfg = (spec.drafter.runner.model.config if model_drafter
                    else spec.drafter.network.config if dflash else None)

@@ -52,7 +52,8 @@ class EngineConfig:
     compile: bool = False  # torch.compile each graphed step first (fuses small kernels; costs compile time once)
     fused_projections: bool = True  # one qkv GEMM and one gate+up GEMM per layer (same numbers, fewer kernels)
     gemv_kernel: bool = False  # few-token projections through our Triton GEMV instead of cuBLAS (CUDA only)
-    attention_kernel: bool = False  # steps of <= 16 tokens attend through the split-KV Triton kernel (CUDA only)
+    attention_kernel: bool = True  # CUDA: steps of <= 16 tokens attend through the split-KV Triton kernel (x1.15-
+    # x1.28 on whole H200 runs, BENCHMARKS.md session 8) instead of masked SDPA over the whole pool; ignored elsewhere
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):

@@ -33,7 +33,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.fuse_projections()
     if config.gemv_kernel:
         model.use_gemv_kernel()
-    if config.attention_kernel:
+    if config.attention_kernel and str(config.device).startswith("cuda"):  # a Triton kernel: GPU only
         model.use_attention_kernel()
 
 
