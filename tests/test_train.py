@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import shutil
 import time
 from pathlib import Path
@@ -344,6 +345,49 @@ def test_best_checkpoint_without_decoding_follows_teacher_forced_acceptance(targ
     assert [r.get("best", False) for r in vals][0] is True
 
 
+def test_length_buckets_cut_padding_and_cover_every_item():
+    g = torch.Generator().manual_seed(0)  # like the H200 data: 50-1280 tokens, mean ~330, a long tail
+    lengths = [min(1280, 50 + int(x)) for x in torch.empty(1000).exponential_(1 / 280, generator=g)]
+    padded = lambda bs: sum(len(b) * max(lengths[i] for i in b) for b in bs)  # noqa: E731
+    for epoch in (0, 1):
+        bucketed = dt.epoch_batches(lengths, 16, 32, 0, epoch)
+        random_ = dt.epoch_batches(lengths, 16, 1, 0, epoch)  # one batch per window: random batches
+        real = sum(lengths)  # tokens without padding
+        assert padded(bucketed) < 1.15 * real < 0.5 * padded(random_), (padded(bucketed), padded(random_), real)
+        assert len(bucketed) == 63 and all(len(b) == 16 for b in bucketed)  # 1000 = 62 * 16 + 8: 8 filled up
+        flat = [i for b in bucketed for i in b]
+        assert set(flat) == set(range(1000)) and len(flat) == 1008
+    assert dt.epoch_batches(lengths, 16, 32, 0, 0) != dt.epoch_batches(lengths, 16, 32, 0, 1)
+    assert dt.epoch_batches(lengths, 16, 32, 0, 0) != dt.epoch_batches(lengths, 16, 32, 1, 0)
+    assert dt.epoch_batches([5], 3, 32, 0, 0) == [[0, 0, 0]]  # fewer items than a batch
+
+
+def test_trainer_batches_are_a_function_of_seed_and_step(target):
+    seqs = [Sequence(f"s{i}", [1, 2, 3], list(range(3, 3 + 1 + (i * 7) % 40))) for i in range(37)]
+    drafter = dt.build_drafter_for(target, num_layers=1, block_size=4, init="random")
+
+    def trainer(**kw):
+        return dt.DFlashTrainer(target, drafter, seqs, dt.TrainConfig(batch_size=4, max_seq_len=64, **kw))
+
+    a, b = trainer(length_buckets=3), trainer(length_buckets=3)
+    per_epoch = 10  # ceil(37 / 4)
+    steps = [a.batch_indices(s) for s in range(3 * per_epoch)]
+    assert [b.batch_indices(s) for s in (25, 3, 14, 29, 0)] == [steps[s] for s in (25, 3, 14, 29, 0)]
+    for e in range(3):
+        assert set().union(*steps[e * per_epoch:(e + 1) * per_epoch]) == set(range(37))
+    # off: the old flat stream through the epochs' shuffles
+    off = trainer(length_buckets=0)
+    flat = [i for s in range(20) for i in off.batch_indices(s)]
+    perms = []
+    for e in range(3):
+        perm = list(range(37))
+        random.Random(f"0/epoch/{e}").shuffle(perm)
+        perms += perm
+    assert flat == perms[:80]
+    with pytest.raises(ConfigError):
+        dt.TrainConfig(length_buckets=-1)
+
+
 def test_fit_steps_to_deadline_cuts_the_schedule(target, overfit_seq, tmp_path):
     tr = _trainer(target, overfit_seq, steps=10_000)
     loop = tl.LoopConfig(save_every=0, val_every=0, deadline=time.monotonic() + 27, fit_steps_to_deadline=True,
@@ -351,6 +395,34 @@ def test_fit_steps_to_deadline_cuts_the_schedule(target, overfit_seq, tmp_path):
     summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False)
     assert 3 <= tr.cfg.steps < 10_000  # the LR schedule (which reads cfg.steps) now ends inside the deadline
     assert summary["steps"] <= tr.cfg.steps
+
+
+class _TimedTrainer:
+    """What run_training needs of a trainer, with step times as given (slow first steps, then fast) and none of
+    the work."""
+
+    def __init__(self, steps, times):
+        self.cfg, self.step, self.times = dt.TrainConfig(steps=steps), 0, times
+
+    def train_step(self):
+        self.step += 1
+        return dt.StepResult(self.step, 1.0, 1e-3, 1.0, 0.0, 0.0, self.times(self.step), 1)
+
+    def save(self, out, extra=None):
+        return Path(out) / "checkpoint"
+
+
+def test_fit_steps_refits_up_to_the_requested_steps(tmp_path):
+    """Slow early steps cut the schedule; once fast steps dominate the mean, refits raise it, never above --steps."""
+    tr = _TimedTrainer(150, lambda s: 1.0 if s <= 6 else 0.01)
+    logs = []
+    loop = tl.LoopConfig(val_every=10, save_every=0, deadline=time.monotonic() + 60, fit_steps_to_deadline=True,
+                         fit_after=5)
+    summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False, log=logs.append)
+    fits = [int(m.split(" to ")[1].split()[0]) for m in logs if m.startswith("time limit")]  # measured: 29, 81, 150
+    assert 5 < fits[0] < 60  # ~1 s per step with ~35 s left
+    assert len(fits) >= 2 and fits == sorted(fits) and fits[-1] == 150  # raised by refits, up to --steps only
+    assert tr.cfg.steps == 150 and summary["steps"] == 150 and summary["stopped_by"] == "steps"
 
 
 # --- the command --------------------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--anchors-per-seq", type=int, default=16)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--length-buckets", type=int, default=32,
+                   help="batches per length-sorted window of each epoch's shuffle, so a batch pads little; 0 = random "
+                   "batches")
     t.add_argument("--loss-gamma", type=float, default=None, help="offset weight exp(-(k-1)/gamma); default (B-1)/2")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--val-every", type=int, default=200)
@@ -207,7 +210,8 @@ def cmd_train_drafter(args) -> int:
               f"{len(val_seqs)} validation")
 
     cfg = dt.TrainConfig(steps=s.steps, batch_size=s.batch_size, anchors_per_seq=s.anchors_per_seq, lr=s.lr,
-                         warmup_steps=s.warmup_steps, loss_gamma=s.loss_gamma, max_seq_len=s.max_seq_len, seed=s.seed)
+                         warmup_steps=s.warmup_steps, loss_gamma=s.loss_gamma, max_seq_len=s.max_seq_len, seed=s.seed,
+                         length_buckets=getattr(s, "length_buckets", 0))  # runs saved without it: random batches
     ckpt = dt.checkpoint_dir(out)
     best_tau = None
     if ckpt is not None:

@@ -38,10 +38,16 @@ drafter's argmax gets right). The labels are the target's greedy tokens and the 
 Optimisation: AdamW over drafter parameters (fp32 master weights), linear warmup then cosine decay to
 `min_lr_ratio`, gradient clipping, bf16 autocast on CUDA. The batch and anchors of step s are a pure function
 of (seed, s), so a resumed run needs only the step, weights, optimizer and scheduler state to continue exactly.
+
+Batches are length-bucketed (`length_buckets`, `epoch_batches`): each epoch's shuffled sequences are sorted by
+length within windows of batch_size * length_buckets and cut into batches, which are then shuffled. A batch is
+padded to its longest sequence, and with random batches most of a step was padding (H200 data: 50-1280 tokens,
+mean ~330, batches of 16 padded to ~1000+).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -63,8 +69,8 @@ from specpilot.train.dflash_init import (
 __all__ = [  # the trainer's API, including what it re-exports from the two modules it is built on; the loop
     # that drives it (validation, checkpoints, deadlines) is train/loop.py
     "DFlashTrainer", "TrainConfig", "block_labels", "build_drafter_for", "checkpoint_dir", "choose_mask_token_id",
-    "drafter_block_hidden", "init_from_target", "new_drafter_config", "offset_weights", "resume_trainer",
-    "spread_layer_ids",
+    "drafter_block_hidden", "epoch_batches", "init_from_target", "new_drafter_config", "offset_weights",
+    "resume_trainer", "spread_layer_ids",
 ]
 
 STATE_FILE = "trainer_state.pt"
@@ -91,11 +97,14 @@ class TrainConfig:
     max_seq_len: int = 2048  # sequences are cut to this many tokens
     seed: int = 0
     amp: bool = True  # bf16 autocast on CUDA (ignored elsewhere)
+    length_buckets: int = 32  # batches per length-sorted window (epoch_batches); 0 or 1 = random batches
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.length_buckets < 0:
+            raise ConfigError(f"length_buckets must be >= 0, got {self.length_buckets}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         self.betas = tuple(self.betas)
@@ -108,6 +117,24 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     span = max(1, cfg.steps - cfg.warmup_steps)
     t = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def epoch_batches(lengths: list[int], batch_size: int, buckets: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches (item indices) of one epoch, length-bucketed: the seeded shuffle of all items is cut into
+    windows of batch_size * buckets items, each window is sorted by length and cut into batches, and the batches
+    are shuffled. Batches of similar lengths waste little on padding, and each window is a random sample so the
+    order of what is learnt stays random. A short last batch is filled from the start of the shuffled list."""
+    order = list(range(len(lengths)))
+    random.Random(f"{seed}/epoch/{epoch}").shuffle(order)
+    window = batch_size * max(1, buckets)
+    batches = []
+    for w in range(0, len(order), window):
+        part = sorted(order[w:w + window], key=lambda i: lengths[i])
+        batches += [part[b:b + batch_size] for b in range(0, len(part), batch_size)]
+    if len(batches[-1]) < batch_size:  # only the last window can end short (a window is whole batches)
+        batches[-1] += itertools.islice(itertools.cycle(order), batch_size - len(batches[-1]))
+    random.Random(f"{seed}/batches/{epoch}").shuffle(batches)
+    return batches
 
 
 @dataclass
@@ -148,6 +175,7 @@ class DFlashTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
         self._cache = None
+        self._epoch: tuple[int, list[list[int]]] | None = None  # (epoch, its batches) when length-bucketed
         self.mask_in_data = sum(ids.count(drafter.mask_token_id) for ids, _ in self.items)
 
     @staticmethod
@@ -164,6 +192,13 @@ class DFlashTrainer:
 
     def batch_indices(self, step: int) -> list[int]:
         n, N = len(self.items), self.cfg.batch_size
+        if self.cfg.length_buckets > 1:  # epoch s // batches-per-epoch, its batch s % batches-per-epoch
+            epoch, b = divmod(step, math.ceil(n / N))
+            if self._epoch is None or self._epoch[0] != epoch:
+                lengths = [len(ids) for ids, _ in self.items]
+                self._epoch = (epoch, epoch_batches(lengths, N, self.cfg.length_buckets, self.cfg.seed, epoch))
+            return list(self._epoch[1][b])
+        # random batches: one flat stream through the epochs' shuffles (a batch may straddle two epochs)
         out = []
         flat = step * N
         while len(out) < N:
@@ -322,8 +357,8 @@ def resume_trainer(target, sequences, path: str | Path, cfg: TrainConfig | None 
     """A trainer continuing exactly from a checkpoint folder (its saved TrainConfig unless `cfg` is given)."""
     device = target.lm_head.weight.device
     drafter, state = load_checkpoint(path, device)
-    if cfg is None:
-        cfg = TrainConfig(**state["train_config"])
+    if cfg is None:  # checkpoints saved before length buckets existed continue with their random batches
+        cfg = TrainConfig(**{"length_buckets": 0, **state["train_config"]})
     trainer = DFlashTrainer(target, drafter, sequences, cfg)
     trainer.load_state_dict(state)
     trainer.resumed_extra = state.get("extra") or {}

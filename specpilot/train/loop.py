@@ -89,6 +89,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     best = best_tau if best_tau is not None else float("-inf")
     last: StepResult | None = None
     save_s, val_s, step_times = 5.0, 5.0, []
+    fit_times, requested = [], None  # step times for fitting (the command's first step left out); cfg.steps asked
     stopped_by = "steps"
 
     def write(rec: dict):
@@ -129,21 +130,30 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     start_step = trainer.step
 
     def fit_steps():
-        """Once `fit_after` steps are timed, cut cfg.steps to what fits before the deadline, so the cosine decay
-        completes in this command (the LR schedule reads cfg.steps, and checkpoints save it: resume agrees)."""
-        typical = sorted(step_times)[len(step_times) // 2]
+        """Once `fit_after` steps are timed, set cfg.steps to what fits before the deadline (at most the steps
+        requested), so the cosine decay completes in this command (the LR schedule reads cfg.steps, and checkpoints
+        save it: resume agrees). Refits after validations move it either way. The mean step time, not the median:
+        the total is what must fit, and step times vary a lot with the batch's length (a median-based fit ended
+        H200 runs at 416 s of 560 s). The command's first step (warm-up) is left out of it."""
+        nonlocal requested
+        if requested is None:
+            requested = cfg.steps
+        times = fit_times or step_times
+        mean = sum(times) / len(times)
         n_val = lambda k: (k // loop.val_every) if loop.val_every else 0  # noqa: E731
         n_save = lambda k: (k // loop.save_every) if loop.save_every else 0  # noqa: E731
         left = loop.deadline - time.monotonic() - 2 * save_s - val_s - 10.0
         fit = trainer.step
-        while fit < cfg.steps:
+        while fit < requested:
             k = fit + 1 - trainer.step
-            if k * typical + n_val(k) * val_s + n_save(k) * save_s > left:
+            if k * mean + n_val(k) * val_s + n_save(k) * save_s > left:
                 break
             fit += 1
-        if fit < cfg.steps:
-            log(f"time limit: the run is cut from {cfg.steps} to {fit} steps ({typical * 1e3:.0f} ms per step)")
-            cfg.steps = max(fit, trainer.step + 1)
+        fit = max(fit, trainer.step + 1)
+        if fit != cfg.steps:
+            log(f"time limit: the run is set from {cfg.steps} to {fit} steps of {requested} requested "
+                f"({mean * 1e3:.0f} ms per step)")
+            cfg.steps = fit
 
     bar = None
     if progress:
@@ -165,6 +175,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
                     break
             last = trainer.train_step()
             step_times = (step_times + [last.step_s])[-50:]
+            if trainer.step > start_step + 1:
+                fit_times = (fit_times + [last.step_s])[-200:]
             if loop.fit_steps_to_deadline and loop.deadline is not None and trainer.step == start_step + loop.fit_after:
                 fit_steps()
                 if bar is not None:
@@ -180,7 +192,9 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
             if loop.val_every and trainer.step % loop.val_every == 0 and trainer.step < cfg.steps:
                 validate()
                 if loop.fit_steps_to_deadline and loop.deadline is not None and trainer.step > start_step + loop.fit_after:
-                    fit_steps()  # now with the measured validation time
+                    fit_steps()  # now with the measured validation time and more step times
+                    if bar is not None:
+                        bar.update(task, total=cfg.steps)
             if loop.save_every and trainer.step % loop.save_every == 0 and trainer.step < cfg.steps:
                 save()
     finally:
