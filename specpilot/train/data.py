@@ -7,6 +7,10 @@ Sources:
   JSON: :func:`iter_json_array` streams through the top-level array with ``json.JSONDecoder.raw_decode`` one
   record at a time and stops at the first incomplete one. Conversations split into parts (``ID_0``, ``ID_1``,
   ...) share a base id; the train/validation split is by base id, so no conversation straddles the two.
+* ``sharegpt_turns``: the later human turns of the same conversations, each with the conversation before it as
+  context (its human turns and the original ShareGPT answers; the oldest exchanges are dropped to keep the prompt
+  under the length limit). About twice as many prompts again as the first turns, and multi-turn chat is what a
+  deployed drafter sees. Split by the same base id, so a conversation's turns all land on one side.
 * ``mbpp``: the standard MBPP train split (task_id 601-974) for training and its validation split (511-600) for
   validation, with the benchmark's own prompt text (task + tests). The test split (11-510) and the few-shot
   prompts (1-10) are never read.
@@ -27,7 +31,7 @@ from typing import Iterator, TextIO
 
 from specpilot.errors import DatasetError
 
-SOURCES = ("sharegpt", "mbpp")
+SOURCES = ("sharegpt", "sharegpt_turns", "mbpp")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 MBPP_TRAIN_IDS = range(601, 975)  # standard MBPP train split
 MBPP_VALIDATION_IDS = range(511, 601)  # standard MBPP validation split
@@ -152,6 +156,52 @@ def _first_human_turn(rec) -> str | None:
     return None
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+def _later_turns(rec, max_chars: int) -> Iterator[tuple[int, tuple[dict, ...]]]:
+    """(k, messages) for the k-th human turn (k >= 2) of a conversation, with the exchanges before it; stops at
+    the first turn that breaks the user/assistant alternation or has no text. Oldest exchanges are dropped until
+    the prompt fits in max_chars; a last human turn longer than that on its own is skipped."""
+    msgs: list[dict] = []
+    for turn in rec.get("conversations") or () if isinstance(rec, dict) else ():
+        role = ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+        text = turn.get("value") if isinstance(turn, dict) else None
+        want = "user" if len(msgs) % 2 == 0 else "assistant"
+        if role != want or not isinstance(text, str) or not text.strip():
+            return
+        msgs.append({"role": role, "content": text.strip()})
+        k = (len(msgs) + 1) // 2
+        if role == "user" and k >= 2:
+            window = list(msgs)
+            while len(window) > 1 and sum(len(m["content"]) for m in window) > max_chars:
+                window = window[2:]  # drop the oldest user/assistant exchange
+            if sum(len(m["content"]) for m in window) <= max_chars:
+                yield k, tuple(window)
+
+
+def load_sharegpt_turns(path: str | Path | None = None, *, max_chars: int = MAX_PROMPT_CHARS,
+                        stats: ShareGPTStats | None = None) -> list[TrainPrompt]:
+    """Later human turns (the 2nd onwards) of the ShareGPT conversations with their context, ids
+    ``sharegpt/<conversation id>~t<k>``; duplicates skipped."""
+    stats = stats if stats is not None else ShareGPTStats()
+    out: list[TrainPrompt] = []
+    seen: set[int] = set()
+    with _open_sharegpt(path) as fh:
+        for i, rec in enumerate(iter_json_array(fh, stats=stats)):
+            stats.complete_records += 1
+            rid = rec.get("id") if isinstance(rec, dict) and isinstance(rec.get("id"), str) else str(i)
+            for k, msgs in _later_turns(rec, max_chars):
+                key = hash(tuple(m["content"] for m in msgs))
+                if key in seen:
+                    stats.skipped_duplicate += 1
+                    continue
+                seen.add(key)
+                out.append(TrainPrompt(f"sharegpt/{rid}~t{k}", "sharegpt_turns", msgs))
+    stats.prompts = len(out)
+    return out
+
+
 def load_sharegpt(path: str | Path | None = None, *, max_chars: int = MAX_PROMPT_CHARS,
                   stats: ShareGPTStats | None = None) -> list[TrainPrompt]:
     """First human turns of the (truncated) ShareGPT file, in file order, empty / too long / duplicate turns
@@ -224,7 +274,9 @@ def _stable_percent(key: str) -> int:
 
 
 def _base_id(prompt_id: str) -> str:
-    """ShareGPT parts of one conversation ("sharegpt/ABC_0", "sharegpt/ABC_1") share "sharegpt/ABC"."""
+    """ShareGPT parts of one conversation ("sharegpt/ABC_0", "sharegpt/ABC_1") and their later turns
+    ("sharegpt/ABC_0~t2") share "sharegpt/ABC"."""
+    prompt_id = prompt_id.split("~", 1)[0]
     head, _, tail = prompt_id.rpartition("_")
     return head if head and tail.isdigit() else prompt_id
 
@@ -312,6 +364,12 @@ def build_prompt_splits(weights: dict[str, float] | str, num_train: int, num_val
                 f"({stats.skipped_long} too long, {stats.skipped_empty} empty, {stats.skipped_duplicate} duplicate, "
                 f"{stats.skipped_no_human} without a human turn) -> {len(train)} train / {len(val)} validation")
             pools_train["sharegpt"], pools_val["sharegpt"] = train, val
+        if weights.get("sharegpt_turns", 0) > 0:
+            stats = ShareGPTStats()
+            train, val = hash_split(load_sharegpt_turns(sharegpt_path, stats=stats))
+            log(f"ShareGPT later turns: {stats.prompts} prompts with their conversation as context "
+                f"({stats.skipped_duplicate} duplicate) -> {len(train)} train / {len(val)} validation")
+            pools_train["sharegpt_turns"], pools_val["sharegpt_turns"] = train, val
         if weights.get("mbpp", 0) > 0:
             pools_train["mbpp"], pools_val["mbpp"] = load_mbpp("train", dataset_dir), load_mbpp("validation", dataset_dir)
             log(f"MBPP: {len(pools_train['mbpp'])} train (601-974) / {len(pools_val['mbpp'])} validation (511-600)")
