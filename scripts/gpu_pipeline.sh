@@ -50,16 +50,18 @@ lane1() {
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   wait
   tail -1 $R/engine_check.log
-  echo "[lane1 $(date +%T)] AR step timing"
-  timeout 240 python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b --no-compile > $R/step_timing.log 2>&1
+  echo "[lane1 $(date +%T)] AR step timing (plain and compiled, SDPA and the attention kernel)"
+  timeout 420 python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
+  echo "[lane1 $(date +%T)] cost model: predicted vs measured (1.5B + n-gram, 1.5B + 0.5B drafter)"
+  for k in ngram model; do OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   for m in q15 q05; do
     echo "[lane1 $(date +%T)] optimize $m (memory of earlier runs)"
-    OUT=$R WALL_S=$([ $m = q15 ] && echo ${W15:-420} || echo ${W05:-200}) \
+    OUT=$R WALL_S=$([ $m = q15 ] && echo ${W15:-300} || echo ${W05:-150}) \
       bash scripts/gpu_optimize.sh $m dflash ${NAME[$m]}
   done
   echo "[lane1 $(date +%T)] optimize q05 (empty memory)"
-  OUT=$R WALL_S=${W05:-200} bash scripts/gpu_optimize.sh q05-empty dflash ${NAME[q05]}
+  OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05-empty dflash ${NAME[q05]}
   if [ "${TRAIN05:-0}" = 1 ]; then
     echo "[lane1 $(date +%T)] train q05"
     python3 -m specpilot.cli train-drafter --target /tmp/models/q05 --out /tmp/runs/q05 $COMMON \
