@@ -6,7 +6,7 @@
 #   lane 0 (GPU 0): train the 1.5B drafter (ShareGPT first and later turns + MBPP, regenerating half of the data:
 #                   shard 0/2) -> int4 export -> bench it on the five benchmarks
 #   lane 1 (GPU 1): regenerate the other half (shard 1/2) while the engine's GPU parity check runs -> AR step
-#                   times vs the floor (issue 3) -> the loop (issue 5) on the shipped 1.5B drafter with its
+#                   times vs the floor and the cost model's predicted vs measured step (issue 3) -> the loop (issue 5) on the shipped 1.5B drafter with its
 #                   yardsticks (our AR, z-lab's loop), then the 0.5B from that memory and from an empty one
 #                   -> (TRAIN05=1) train the 0.5B drafter
 # Results: /tmp/results (lane logs, bench JSON, optimize folders, step timings), drafters: /tmp/ship, runs: /tmp/runs.
@@ -50,11 +50,12 @@ lane1() {
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   wait
   tail -1 $R/engine_check.log
-  echo "[lane1 $(date +%T)] AR step timing (plain and compiled, SDPA and the attention kernel)"
-  timeout 420 python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b > $R/step_timing.log 2>&1
+  echo "[lane1 $(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
+  timeout ${STEP_S:-150} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${COMPILE:---no-compile} \
+    > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[lane1 $(date +%T)] cost model: predicted vs measured (1.5B + n-gram, 1.5B + 0.5B drafter)"
-  for k in ngram model; do OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  echo "[lane1 $(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
+  for k in ${PROFILES:-ngram}; do OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   for m in q15 q05; do
     echo "[lane1 $(date +%T)] optimize $m (memory of earlier runs)"
     OUT=$R WALL_S=$([ $m = q15 ] && echo ${W15:-300} || echo ${W05:-150}) \
