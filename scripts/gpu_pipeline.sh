@@ -51,7 +51,7 @@ lane1() {
   wait
   tail -1 $R/engine_check.log
   echo "[lane1 $(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
-  timeout ${STEP_S:-150} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${COMPILE:---no-compile} \
+  timeout ${STEP_S:-150} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
   echo "[lane1 $(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
