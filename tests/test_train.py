@@ -553,3 +553,80 @@ def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
     assert len({p.name.split("-")[1] for p in regen.glob("shard-*.jsonl")}) == 1  # one process id here
     with pytest.raises(ConfigError, match="K/N"):
         cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "x"), "--regen-shard", "2/2"]))
+
+
+def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
+    """torchrun with two ranks (gloo on CPU): each rank regenerates its share, rank 0 alone writes, the ranks'
+    drafters stay equal (checked by the run itself) and the step count is rank 0's."""
+    import os
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    _tiny_tokenizer(model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
+                               for i in range(60)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "specpilot.cli", "train-drafter", "--target", str(model), "--out", str(out), "--prompts", str(prompts),
+           "--num-prompts", "8", "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6",
+           "--regen-batch-size", "4", "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "2",
+           "--max-seq-len", "64", "--steps", "4", "--val-every", "2", "--save-every", "0",
+           "--val-max-new-tokens", "4", "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["done"] is True and res["steps"] == 4 and res["ranks"] == 2
+    assert r.stdout.count('"done"') == 1  # only rank 0 reports
+    writers = {p.name.split("-")[1] for p in (out / "regen").glob("shard-*.jsonl")}
+    assert len(writers) == 2  # both ranks regenerated
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]  # rank 0's log only
+    from specpilot.models.dflash_io import load_dflash
+
+    assert load_dflash(out / "checkpoint").config.block_size == 4
+
+
+def _two_rank_worker(rank, port, results):
+    import os
+
+    import torch.distributed as tdist
+
+    from specpilot.train.distributed import Dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    d = Dist(rank, 2)
+    net = torch.nn.Linear(3, 1)
+    torch.nn.init.constant_(net.weight, float(rank))
+    net.bias.grad, net.weight.grad = torch.tensor([1.0 + rank]), torch.full((1, 3), 2.0 * rank)
+    d.average_grads(net.parameters())
+    out = {"grads": [net.bias.grad.item(), net.weight.grad[0, 0].item()]}
+    try:
+        d.check_in_sync(net)
+    except RuntimeError:
+        out["diverged"] = True
+    d.broadcast_params(net)
+    d.check_in_sync(net)  # equal now
+    out["shared"] = d.share([float(rank), 7.0])
+    results[rank] = out
+    d.close()
+
+
+def test_dist_averages_grads_and_catches_diverged_ranks():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_two_rank_worker, args=(port, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert results[rank]["grads"] == [1.5, 1.0]  # mean of (1, 2) and (0, 2)
+        assert results[rank]["diverged"] is True
+        assert results[rank]["shared"] == [0.0, 7.0]  # rank 0's values everywhere

@@ -133,8 +133,21 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
 
 
 def cmd_train_drafter(args) -> int:
-    import torch
     from rich.console import Console
+
+    from specpilot.train.distributed import from_env
+
+    t_start = time.monotonic()
+    dist = from_env(args.device)  # torchrun: one rank per GPU (train/distributed.py); else a single process
+    err = Console(stderr=True, quiet=not dist.main)
+    try:
+        return _train(args, dist, err, t_start)
+    finally:
+        dist.close()
+
+
+def _train(args, dist, err, t_start) -> int:
+    import torch
 
     from specpilot.errors import ConfigError
     from specpilot.hub import resolve_model
@@ -145,22 +158,25 @@ def cmd_train_drafter(args) -> int:
     from specpilot.train.data import build_prompt_splits
     from specpilot.train.regenerate import regenerate
 
-    err = Console(stderr=True)
-    t_start = time.monotonic()
     out = Path(args.out)
     s = argparse.Namespace(**_settings(args, out, err))
+    dist.barrier()  # every rank has read the run's state before rank 0 writes it
     deadline = t_start + s.time_limit_s if s.time_limit_s else None
-    device = torch.device(s.device)
+    device = dist.device
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     for name in ("num_prompts", "regen_max_new_tokens", "regen_batch_size", "max_seq_len", "steps"):
         if getattr(s, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(vars(s), indent=2) + "\n")
+    if dist.main:
+        (out / CONFIG_FILE).write_text(json.dumps(vars(s), indent=2) + "\n")
 
     def result(**fields) -> int:
-        rec = {**fields, "wall_s": round(time.monotonic() - t_start, 2), "out": str(out)}
+        if not dist.main:
+            return 0
+        rec = {**fields, "wall_s": round(time.monotonic() - t_start, 2), "out": str(out),
+               **({"ranks": dist.world} if dist.world > 1 else {})}
         (out / "result.json").write_text(json.dumps(rec, indent=2) + "\n")
         print(json.dumps(rec))
         return 0
@@ -182,6 +198,8 @@ def cmd_train_drafter(args) -> int:
         regen_deadline = min(regen_deadline or float("inf"), t_start + budget)
     regen_dir = Path(getattr(s, "regen_dir", None) or out / "regen")
     shard_k, shard_n = _parse_shard(getattr(s, "regen_shard", None))
+    if dist.world > 1:  # each rank regenerates its share of the prompts
+        shard_k, shard_n = dist.rank, dist.world
     mine = [p for p in (val_p if shard_k == 0 else [])] + train_p[shard_k::shard_n]
 
     def regen(prompts, until):
@@ -192,6 +210,7 @@ def cmd_train_drafter(args) -> int:
     if shard_n > 1:
         got, left = regen(mine, regen_deadline)  # validation (shard 0) first, as below
         err.print(f"regeneration shard {shard_k}/{shard_n}: {len(got)} done, {left} left")
+        dist.barrier()  # every rank's shard is in the cache
     if getattr(s, "regen_only", False):
         return result(done=True, stage="regenerate", shard=f"{shard_k}/{shard_n}")
     seqs, pending = [], 0
@@ -215,7 +234,7 @@ def cmd_train_drafter(args) -> int:
     ckpt = dt.checkpoint_dir(out)
     best_tau = None
     if ckpt is not None:
-        trainer = dt.resume_trainer(target, train_seqs, ckpt, cfg)
+        trainer = dt.resume_trainer(target, train_seqs, ckpt, cfg, dist)
         best_tau = trainer.resumed_extra.get("best_val_tau")
         err.print(f"resumed from {ckpt} at step {trainer.step}")
     else:
@@ -225,7 +244,8 @@ def cmd_train_drafter(args) -> int:
                                        num_target_features=s.target_layers, init=s.init, seed=s.seed,
                                        intermediate_size=getattr(s, "draft_intermediate_size", None),
                                        avoid_ids={t for q in seqs for t in q.prompt_ids + q.response_ids})
-        trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg)
+        dist.broadcast_params(drafter)
+        trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg, dist)
         c = drafter.config
         err.print(f"new drafter: {c.num_hidden_layers} layers, block {c.block_size}, target layers "
                   f"{list(c.target_layer_ids)}, mask token {c.mask_token_id} ({tok.decode([c.mask_token_id])!r}), "

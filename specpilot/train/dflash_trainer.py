@@ -65,6 +65,7 @@ from specpilot.train.block_loss import block_labels, block_loss, drafter_block_h
 from specpilot.train.dflash_init import (
     build_drafter_for, choose_mask_token_id, init_from_target, new_drafter_config, spread_layer_ids,
 )
+from specpilot.train.distributed import Dist
 
 __all__ = [  # the trainer's API, including what it re-exports from the two modules it is built on; the loop
     # that drives it (validation, checkpoints, deadlines) is train/loop.py
@@ -155,8 +156,9 @@ class DFlashTrainer:
 
     `sequences` are objects with `.prompt_ids` and `.response_ids` (train/regenerate.Sequence)."""
 
-    def __init__(self, target, drafter: DFlashDrafter, sequences, cfg: TrainConfig):
+    def __init__(self, target, drafter: DFlashDrafter, sequences, cfg: TrainConfig, dist: Dist | None = None):
         self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.dist = dist or Dist()  # data-parallel ranks (train/distributed.py); one process by default
         self.device = target.lm_head.weight.device
         target.eval().requires_grad_(False)
         self.drafter.train()
@@ -190,7 +192,12 @@ class DFlashTrainer:
 
     # -- data: a pure function of (seed, step) --
 
+    def global_batch(self, step: int) -> int:
+        """This rank's batch of `step` in the one stream of batches all ranks share (= step with one process)."""
+        return step * self.dist.world + self.dist.rank
+
     def batch_indices(self, step: int) -> list[int]:
+        """The batch of the stream's index `step` (with several ranks: pass `global_batch(step)`)."""
         n, N = len(self.items), self.cfg.batch_size
         if self.cfg.length_buckets > 1:  # epoch s // batches-per-epoch, its batch s % batches-per-epoch
             epoch, b = divmod(step, math.ceil(n / N))
@@ -257,12 +264,14 @@ class DFlashTrainer:
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
-        rng = random.Random(f"{self.cfg.seed}/anchors/{self.step}")
-        tokens, lengths, anchors = self.make_batch(self.batch_indices(self.step), rng)
+        g = self.global_batch(self.step)
+        rng = random.Random(f"{self.cfg.seed}/anchors/{g}")
+        tokens, lengths, anchors = self.make_batch(self.batch_indices(g), rng)
         self.drafter.train()
         loss, m = self.loss_on(tokens, lengths, anchors)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.dist.average_grads(self.drafter.parameters())
         gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -353,13 +362,14 @@ def load_checkpoint(path: str | Path, device) -> tuple[DFlashDrafter, dict]:
     return drafter, state
 
 
-def resume_trainer(target, sequences, path: str | Path, cfg: TrainConfig | None = None) -> DFlashTrainer:
+def resume_trainer(target, sequences, path: str | Path, cfg: TrainConfig | None = None,
+                   dist: Dist | None = None) -> DFlashTrainer:
     """A trainer continuing exactly from a checkpoint folder (its saved TrainConfig unless `cfg` is given)."""
     device = target.lm_head.weight.device
     drafter, state = load_checkpoint(path, device)
     if cfg is None:  # checkpoints saved before length buckets existed continue with their random batches
         cfg = TrainConfig(**{"length_buckets": 0, **state["train_config"]})
-    trainer = DFlashTrainer(target, drafter, sequences, cfg)
+    trainer = DFlashTrainer(target, drafter, sequences, cfg, dist)
     trainer.load_state_dict(state)
     trainer.resumed_extra = state.get("extra") or {}
     return trainer

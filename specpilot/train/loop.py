@@ -15,6 +15,7 @@ from typing import Callable
 from specpilot.models.dflash import DFlashDrafter
 from specpilot.models.dflash_io import save_dflash
 from specpilot.train.dflash_trainer import BEST, DFlashTrainer, StepResult
+from specpilot.train.distributed import Dist
 
 __all__ = ["LoopConfig", "inference_copy", "run_training", "validate_tau"]
 
@@ -92,12 +93,18 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     fit_times, requested = [], None  # step times for fitting (the command's first step left out); cfg.steps asked
     stopped_by = "steps"
 
+    dist = getattr(trainer, "dist", None) or Dist()  # with several ranks, rank 0 alone validates, saves and decides when to stop
+
     def write(rec: dict):
+        if not dist.main:
+            return
         with open(log_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
 
     def validate():
         nonlocal best, val_s
+        if not dist.main:
+            return None
         t0 = time.monotonic()
         rec = {"kind": "val", "step": trainer.step, "time": time.time()}
         if val_sequences:
@@ -122,6 +129,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
 
     def save():
         nonlocal save_s
+        if not dist.main:
+            return None
         t0 = time.monotonic()
         path = trainer.save(out, {"best_val_tau": best if best > float("-inf") else None})
         save_s = time.monotonic() - t0
@@ -166,13 +175,20 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         bar.start()
     try:
         while trainer.step < cfg.steps:
+            stop = False
             if loop.deadline is not None:
                 typical = sorted(step_times)[len(step_times) // 2] if step_times else 5.0
                 due_val = loop.val_every and (trainer.step + 1) % loop.val_every == 0
                 need = 2 * typical + 2 * save_s + (val_s if due_val else 0.0) + 5.0
-                if time.monotonic() + need > loop.deadline:
-                    stopped_by = "time_limit"
+                stop = time.monotonic() + need > loop.deadline
+            if dist.world > 1:  # rank 0's decisions (deadline, fitted step count) hold for every rank
+                flag, steps = dist.share([float(stop), float(cfg.steps)])
+                stop, cfg.steps = bool(flag), int(steps)
+                if trainer.step >= cfg.steps:
                     break
+            if stop:
+                stopped_by = "time_limit"
+                break
             last = trainer.train_step()
             step_times = (step_times + [last.step_s])[-50:]
             if trainer.step > start_step + 1:
@@ -200,6 +216,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     finally:
         if bar is not None:
             bar.stop()
+    if dist.world > 1:
+        dist.check_in_sync(trainer.drafter)  # same start, same averaged steps: the copies must agree
     final_val = None
     if trainer.step >= cfg.steps and (loop.deadline is None or time.monotonic() + val_s + save_s < loop.deadline):
         final_val = validate()
