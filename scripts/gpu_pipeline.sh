@@ -3,20 +3,23 @@
 # (nvidia-h200-x2), started in the background so that it outlives the call that starts it (scripts/GPU_SESSION.md):
 #     setsid nohup bash scripts/gpu_pipeline.sh > /tmp/pipeline.log 2>&1 < /dev/null &
 # and watched by `bash scripts/gpu_collect.sh SECONDS` calls, each of which brings back what is finished so far.
-#   lane 0 (GPU 0): train the 1.5B drafter (ShareGPT first and later turns + MBPP, regenerating half of the data:
-#                   shard 0/2) -> int4 export -> bench it on the five benchmarks
-#   lane 1 (GPU 1): regenerate the other half (shard 1/2) while the engine's GPU parity check runs -> AR step
-#                   times vs the floor and the cost model's predicted vs measured step (issue 3) -> the loop (issue 5) on the shipped 1.5B drafter with its
-#                   yardsticks (our AR, z-lab's loop), then the 0.5B from that memory and from an empty one
-#                   -> (TRAIN05=1) train the 0.5B drafter
+#
+# MODE=ddp (default): phase 1 trains the 1.5B drafter on both GPUs (torchrun, one rank per GPU: each regenerates
+#   half of the data, gradients averaged) for L15 seconds; if that run fails it retrains on GPU 0 alone. Phase 2:
+#   lane 0 benches the new drafter on the five benchmarks; lane 1 runs the engine's GPU parity check, AR step times
+#   vs the floor, the cost model's predicted-vs-measured profile (issue 3) and the loop with its yardsticks on the
+#   shipped 1.5B drafter (issue 5).
+# MODE=lanes (session 8's layout): lane 0 trains on GPU 0 (lane 1 regenerates half of the data first), then benches;
+#   lane 1 runs the checks, timings and the loop beside it, plus the loop's memory transfer to the 0.5B target.
 # Results: /tmp/results (lane logs, bench JSON, optimize folders, step timings), drafters: /tmp/ship, runs: /tmp/runs.
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
 mkdir -p $R
+MODE=${MODE:-ddp}
 P=${PROMPTS:-40000}
-L15=${L15:-720}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
+L15=${L15:-$([ $MODE = ddp ] && echo 600 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --val-prompts 32 --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
@@ -29,51 +32,80 @@ ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB
     --max-shard-mb 15 && echo "shipped ${NAME[$1]}"
 }
 
-lane0() {
-  export CUDA_VISIBLE_DEVICES=0
-  echo "[lane0 $(date +%T)] train q15"
-  python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
-    --time-limit-s $L15 --regen-budget-s $R15 --regen-shard 0/2 > /tmp/runs/q15.log 2>&1
-  tail -2 /tmp/runs/q15.log
-  ship q15
-  echo "[lane0 $(date +%T)] bench q15"
-  OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
-  echo "[lane0 $(date +%T)] done"
-}
-
-lane1() {
-  export CUDA_VISIBLE_DEVICES=1
-  echo "[lane1 $(date +%T)] regen q15 shard 1/2 + engine check"
-  python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15-helper $COMMON \
-    --regen-dir /tmp/runs/q15/regen --regen-shard 1/2 --regen-only --regen-budget-s $((R15 - 10)) \
-    > /tmp/runs/q15-helper.log 2>&1 &
+checks() {  # the engine's GPU parity check, AR step times, the cost model's profile (issue 3)
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
-  wait
   tail -1 $R/engine_check.log
-  echo "[lane1 $(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
+  echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
   timeout ${STEP_S:-150} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[lane1 $(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
+  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
   for k in ${PROFILES:-ngram}; do OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
-  for m in q15 q05; do
-    echo "[lane1 $(date +%T)] optimize $m (memory of earlier runs)"
-    OUT=$R WALL_S=$([ $m = q15 ] && echo ${W15:-300} || echo ${W05:-150}) \
-      bash scripts/gpu_optimize.sh $m dflash ${NAME[$m]}
-  done
-  echo "[lane1 $(date +%T)] optimize q05 (empty memory)"
-  OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05-empty dflash ${NAME[q05]}
-  if [ "${TRAIN05:-0}" = 1 ]; then
-    echo "[lane1 $(date +%T)] train q05"
-    python3 -m specpilot.cli train-drafter --target /tmp/models/q05 --out /tmp/runs/q05 $COMMON \
-      --time-limit-s $L05 --regen-budget-s $R05 > /tmp/runs/q05.log 2>&1
-    tail -2 /tmp/runs/q05.log
-    ship q05
-  fi
-  echo "[lane1 $(date +%T)] done"
 }
 
-lane0 > $R/lane0.log 2>&1 &
-lane1 > $R/lane1.log 2>&1 &
-wait
+loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRANSFER=1 adds the 0.5B from memory / empty
+  echo "[$(date +%T)] optimize q15"
+  OUT=$R WALL_S=${W15:-300} bash scripts/gpu_optimize.sh q15 dflash ${NAME[q15]}
+  if [ "${TRANSFER:-$([ $MODE = lanes ] && echo 1 || echo 0)}" = 1 ]; then
+    echo "[$(date +%T)] optimize q05 (memory of the q15 run)"
+    OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05 dflash ${NAME[q05]}
+    echo "[$(date +%T)] optimize q05 (empty memory)"
+    OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05-empty dflash ${NAME[q05]}
+  fi
+}
+
+bench15() {
+  echo "[$(date +%T)] bench q15"
+  [ -e /tmp/ship/${NAME[q15]}/config.json ] && OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+}
+
+if [ $MODE = ddp ]; then
+  echo "[$(date +%T)] train q15 on 2 GPUs" > $R/lane0.log
+  python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
+    --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 \
+    > /tmp/runs/q15.log 2>&1
+  if ! grep -q '"stage": "train"' /tmp/runs/q15/result.json 2>/dev/null; then  # fall back: one GPU, the time left
+    echo "[$(date +%T)] data-parallel run failed (tail below); retraining on GPU 0" >> $R/lane0.log
+    tail -20 /tmp/runs/q15.log >> $R/lane0.log
+    mv /tmp/runs/q15 /tmp/runs/q15-ddp-failed; mv /tmp/runs/q15.log /tmp/runs/q15-ddp-failed.log
+    CUDA_VISIBLE_DEVICES=0 python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 \
+      $COMMON --time-limit-s ${L15_FALLBACK:-420} --regen-budget-s 150 > /tmp/runs/q15.log 2>&1
+  fi
+  tail -2 /tmp/runs/q15.log >> $R/lane0.log
+  ship q15 >> $R/lane0.log 2>&1
+  (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
+  (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+  wait
+else
+  lane0() {
+    export CUDA_VISIBLE_DEVICES=0
+    echo "[$(date +%T)] train q15"
+    python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
+      --time-limit-s $L15 --regen-budget-s $R15 --regen-shard 0/2 > /tmp/runs/q15.log 2>&1
+    tail -2 /tmp/runs/q15.log
+    ship q15
+    bench15
+    echo "[$(date +%T)] done"
+  }
+  lane1() {
+    export CUDA_VISIBLE_DEVICES=1
+    echo "[$(date +%T)] regen q15 shard 1/2"
+    python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15-helper $COMMON \
+      --regen-dir /tmp/runs/q15/regen --regen-shard 1/2 --regen-only --regen-budget-s $((R15 - 10)) \
+      > /tmp/runs/q15-helper.log 2>&1
+    checks
+    loop_runs
+    if [ "${TRAIN05:-0}" = 1 ]; then
+      echo "[$(date +%T)] train q05"
+      python3 -m specpilot.cli train-drafter --target /tmp/models/q05 --out /tmp/runs/q05 $COMMON \
+        --time-limit-s $L05 --regen-budget-s $R05 > /tmp/runs/q05.log 2>&1
+      tail -2 /tmp/runs/q05.log
+      ship q05
+    fi
+    echo "[$(date +%T)] done"
+  }
+  lane0 > $R/lane0.log 2>&1 &
+  lane1 > $R/lane1.log 2>&1 &
+  wait
+fi
 date > $R/DONE
