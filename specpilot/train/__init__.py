@@ -141,9 +141,12 @@ def cmd_train_drafter(args) -> int:
     dist = from_env(args.device)  # torchrun: one rank per GPU (train/distributed.py); else a single process
     err = Console(stderr=True, quiet=not dist.main)
     try:
-        return _train(args, dist, err, t_start)
-    finally:
-        dist.close()
+        rc = _train(args, dist, err, t_start)
+    except BaseException:
+        dist.close(ok=False)
+        raise
+    dist.close()
+    return rc
 
 
 def _train(args, dist, err, t_start) -> int:

@@ -88,11 +88,15 @@ class Dist:
         if not torch.allclose(lo, hi, rtol=1e-9, atol=0.0):
             raise RuntimeError(f"data-parallel ranks diverged: parameter sums {lo.item()} .. {hi.item()}")
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Leave together after a finished run (a rank tearing its group down while rank 0 still validates and
+        saves aborts the run); after an error, leave at once (the other ranks may never reach a barrier)."""
         if self.world > 1:
             import torch.distributed as td
 
             if td.is_initialized():
+                if ok:
+                    td.barrier()
                 td.destroy_process_group()
 
 
@@ -109,5 +113,8 @@ def from_env(device: str) -> Dist:
     if dev.type == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    td.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    td.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
+                          timeout=timedelta(minutes=10))  # a rank waits at most this long for the others
     return Dist(rank, world, dev)
