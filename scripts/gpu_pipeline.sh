@@ -19,7 +19,7 @@ R=/tmp/results
 mkdir -p $R
 MODE=${MODE:-ddp}
 P=${PROMPTS:-40000}
-L15=${L15:-$([ $MODE = ddp ] && echo 600 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
+L15=${L15:-$([ $MODE = ddp ] && echo 540 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --val-prompts 32 --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
@@ -36,16 +36,16 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   tail -1 $R/engine_check.log
   echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
-  timeout ${STEP_S:-150} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
   echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
-  for k in ${PROFILES:-ngram}; do OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  for k in ${PROFILES:-ngram}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
 }
 
 loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRANSFER=1 adds the 0.5B from memory / empty
   echo "[$(date +%T)] optimize q15"
-  OUT=$R WALL_S=${W15:-300} bash scripts/gpu_optimize.sh q15 dflash ${NAME[q15]}
+  OUT=$R WALL_S=${W15:-240} bash scripts/gpu_optimize.sh q15 dflash ${NAME[q15]}
   if [ "${TRANSFER:-$([ $MODE = lanes ] && echo 1 || echo 0)}" = 1 ]; then
     echo "[$(date +%T)] optimize q05 (memory of the q15 run)"
     OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05 dflash ${NAME[q05]}
