@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from specpilot.config import EngineConfig, SamplingConfig
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # transformers draws a "Loading weights" bar per model it loads (stock systems, forcing scorers): in a run that
+    # loads a dozen, they bury the report. HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from specpilot import commands
 

@@ -148,4 +148,5 @@ def transformers_scorer(path, dtype=torch.float32, device="cpu") -> LogitsFn:
         return model(torch.tensor([ids], device=device)).logits[0].float()
 
     fn.dtype = dtype
+    fn.model = model  # the stock system can reuse it (one copy of the target in memory, not two)
     return fn

@@ -20,12 +20,12 @@ from specpilot.engine.result import GenerationResult
 
 class HFSystem:
     def __init__(self, target_path, *, dtype, device, max_new_tokens: int, eos_ids, assistant_path=None,
-                 prompt_lookup: int = 0, static_cache: bool = True):
+                 prompt_lookup: int = 0, static_cache: bool = True, model=None):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         load = lambda p: AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype).to(self.device).eval()
-        self.model = load(target_path)
+        self.model = model if model is not None else load(target_path)  # `model`: the same target, already loaded
         self.assistant = load(assistant_path) if assistant_path is not None else None
         self.kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids) or None,
                            pad_token_id=(list(eos_ids) or [0])[0])
@@ -68,7 +68,7 @@ class DFlashStockSystem:
     """z-lab's released DFlash loop (`dflash` package: `dflash_generate`, what `DFlashDraftModel.spec_generate`
     runs) over transformers' target, with the same checkpoint our engine loads."""
 
-    def __init__(self, target_path, drafter_path, *, dtype, device, max_new_tokens: int, eos_ids):
+    def __init__(self, target_path, drafter_path, *, dtype, device, max_new_tokens: int, eos_ids, model=None):
         try:
             from dflash.model import DFlashDraftModel, dflash_generate
         except ImportError:
@@ -81,7 +81,8 @@ class DFlashStockSystem:
         self._generate = dflash_generate
         from specpilot.models.dflash_io import export_zlab, read_storage
 
-        self.target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(self.device).eval()
+        self.target = model if model is not None else \
+            AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(self.device).eval()
         if read_storage(drafter_path) is not None:  # SpecPilot's int8/int4 storage: z-lab reads plain floats only
             self._tmp = tempfile.TemporaryDirectory(prefix="specpilot-zlab-")
             drafter_path = export_zlab(drafter_path, self._tmp.name, str(dtype).removeprefix("torch."))
@@ -114,7 +115,8 @@ class DFlashStockSystem:
 def stock_system(target_path, drafter_path, drafter_kind: str, num_draft_tokens: int, **hf):
     """The released speculative system for a deployment -> (generate, label): z-lab's `dflash` loop for a DFlash
     drafter, transformers' assisted generation for a small AR drafter, its prompt lookup for n-gram drafting.
-    `hf`: dtype, device, max_new_tokens, eos_ids. Raises ConfigError when the stock package is missing."""
+    `hf`: dtype, device, max_new_tokens, eos_ids, and optionally model (transformers' target, already loaded in that
+    dtype and device). Raises ConfigError when the stock package is missing."""
     if drafter_kind == "dflash":
         return DFlashStockSystem(target_path, drafter_path, **hf).generate, "z-lab dflash"
     if drafter_kind == "model":

@@ -133,7 +133,7 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
     return profile_fn, ceiling_fn, f"cost model on {hw.name}"
 
 
-def _yardsticks(s: dict, cfg, measure, dev, target) -> dict:
+def _yardsticks(s: dict, cfg, measure, dev, target, hf_target=None) -> dict:
     """name -> () -> {"tokens_per_s", "label"}: our AR through the loop's own measure (same harness, same repeats),
     and the stock speculative system for this drafter (its released code, one repeat: it is slow and only a
     reference)."""
@@ -152,7 +152,7 @@ def _yardsticks(s: dict, cfg, measure, dev, target) -> dict:
         drafter = resolve_model(s["drafter"]) if cfg.drafter_kind in ("model", "dflash") else None
         gen, label = stock_system(resolve_model(s["target"]), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
                                   dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
-                                  eos_ids=target.config.eos_token_ids)
+                                  eos_ids=target.config.eos_token_ids, model=hf_target)
         sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else None
         r = time_engine(gen, dev, 1, sync)
         return {"tokens_per_s": statistics.median(r["samples"]), "label": f"stock ({label})"}
@@ -315,7 +315,7 @@ def cmd_optimize(args) -> int:
     result = optimize(deployment, budget, memory, measure, profile_fn, dev=dev,
                       gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
                       progress=lambda msg: err.print(f"[dim]{msg}[/dim]"),
-                      yardsticks=_yardsticks(s, cfg, measure, dev, target))
+                      yardsticks=_yardsticks(s, cfg, measure, dev, target, getattr(scorer, "model", None)))
     paths = write_report(memory, result.run_id, s["out"], title=f"{s['target']} + {s['drafter'] or 'ngram'}")
     summary = result.summary()
     err.print(f"[bold]run {result.run_id}: x{result.speedup:.3f} vs round 0 after {result.rounds} rounds "
