@@ -14,6 +14,7 @@ them imports the loop.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -133,7 +134,7 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
     return profile_fn, ceiling_fn, f"cost model on {hw.name}"
 
 
-def _yardsticks(s: dict, cfg, measure, dev, target, hf_target=None) -> dict:
+def _yardsticks(s: dict, cfg, measure, dev, eos_ids, hf_target=None) -> dict:
     """name -> () -> {"tokens_per_s", "label"}: our AR through the loop's own measure (same harness, same repeats),
     and the stock speculative system for this drafter (its released code, one repeat: it is slow and only a
     reference)."""
@@ -152,9 +153,11 @@ def _yardsticks(s: dict, cfg, measure, dev, target, hf_target=None) -> dict:
         drafter = resolve_model(s["drafter"]) if cfg.drafter_kind in ("model", "dflash") else None
         gen, label = stock_system(resolve_model(s["target"]), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
                                   dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
-                                  eos_ids=target.config.eos_token_ids, model=hf_target)
+                                  eos_ids=eos_ids, model=hf_target)
         sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else None
         r = time_engine(gen, dev, 1, sync)
+        del gen  # its models (an assistant, a draft network) are not needed again
+        gc.collect()
         return {"tokens_per_s": statistics.median(r["samples"]), "label": f"stock ({label})"}
 
     known = {"ar": ar, "stock": stock}
@@ -312,10 +315,12 @@ def cmd_optimize(args) -> int:
     budget = Budget(s["rounds"], s["trials"], s["wall_s"], s["directions"], s["workers"])
     t0 = time.time()
     measure = EngineMeasure(lambda c: load_target(s["target"], c)[0], s["drafter"], tok, loaded=(cfg, target))
+    eos_ids = list(target.config.eos_token_ids)
+    del target  # the measure owns it now: a trial with another weight layout must be able to free it (CPU: 23 GB)
     result = optimize(deployment, budget, memory, measure, profile_fn, dev=dev,
                       gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
                       progress=lambda msg: err.print(f"[dim]{msg}[/dim]"),
-                      yardsticks=_yardsticks(s, cfg, measure, dev, target, getattr(scorer, "model", None)))
+                      yardsticks=_yardsticks(s, cfg, measure, dev, eos_ids, getattr(scorer, "model", None)))
     paths = write_report(memory, result.run_id, s["out"], title=f"{s['target']} + {s['drafter'] or 'ngram'}")
     summary = result.summary()
     err.print(f"[bold]run {result.run_id}: x{result.speedup:.3f} vs round 0 after {result.rounds} rounds "
