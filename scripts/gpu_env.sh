@@ -5,3 +5,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD SPECPILOT_DATASETS=$PWD/.data/datasets PYTHONUNBUFFERED=1
 export SPECPILOT_CACHE=/tmp/specpilot-cache
 mkdir -p /tmp/runs /tmp/ship
+# The device machines keep NVLink multicast off (device KINDS.md): keep it so for torchrun's NCCL ranks too.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
