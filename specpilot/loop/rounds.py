@@ -29,7 +29,7 @@ import json
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from specpilot.config import EngineConfig
@@ -67,11 +67,11 @@ class RunResult:
     trials: list[Trial]
     rounds: int
     stopped: str
-    yardsticks: dict = None  # name -> {"tokens_per_s", ...}: systems timed next to round 0
+    yardsticks: dict = field(default_factory=dict)  # name -> {"tokens_per_s", ...}: systems timed next to round 0
 
     def versus(self, name: str, chain: float | None = None) -> float | None:
         """Speedup of the best config (or of `chain`) over yardstick `name`, in the paired-gain yardstick."""
-        y = (self.yardsticks or {}).get(name, {}).get("tokens_per_s")
+        y = self.yardsticks.get(name, {}).get("tokens_per_s")
         if not y:
             return None
         return (self.best.chain if chain is None else chain) * self.baseline.median / y
@@ -103,8 +103,8 @@ class RunResult:
             "trials": {"tried": len(tried), "accepted": len(tried) - len(rejected), "rejected": len(rejected),
                        "reasons": dict(Counter(t.reason.split(":", 1)[0] for t in rejected)),
                        "to_best": self.trials_to_best},  # memory transfer is judged on this count
-            **{f"{n}_tokens_per_s": round(y["tokens_per_s"], 3) for n, y in (self.yardsticks or {}).items()},
-            **{f"speedup_vs_{n}": round(self.versus(n), 4) for n in (self.yardsticks or {}) if self.versus(n)},
+            **{f"{n}_tokens_per_s": round(y["tokens_per_s"], 3) for n, y in self.yardsticks.items()},
+            **{f"speedup_vs_{n}": round(self.versus(n), 4) for n in self.yardsticks if self.versus(n)},
         }
 
 
