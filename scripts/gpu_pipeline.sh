@@ -26,6 +26,8 @@ COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=
  --anchors-per-seq 32 --length-buckets 32 --lr 6e-4 --warmup-steps 100 --val-every 500 --save-every 0
  --fit-steps-to-time --no-progress"
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
+# the 1.5B drafter keeps training from the shipped one (INIT15= starts a new one)
+INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
 
 ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB
   python3 -m specpilot.cli export-drafter /tmp/runs/$1/best /tmp/ship/${NAME[$1]} --storage int4 --group-size 64 \
@@ -62,14 +64,14 @@ bench15() {
 if [ $MODE = ddp ]; then
   echo "[$(date +%T)] train q15 on 2 GPUs" > $R/lane0.log
   python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
-    --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 \
+    --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 $WARM15 \
     > /tmp/runs/q15.log 2>&1
   if ! grep -q '"stage": "train"' /tmp/runs/q15/result.json 2>/dev/null; then  # fall back: one GPU, the time left
     echo "[$(date +%T)] data-parallel run failed (tail below); retraining on GPU 0" >> $R/lane0.log
     tail -20 /tmp/runs/q15.log >> $R/lane0.log
     mv /tmp/runs/q15 /tmp/runs/q15-ddp-failed; mv /tmp/runs/q15.log /tmp/runs/q15-ddp-failed.log
     CUDA_VISIBLE_DEVICES=0 python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 \
-      $COMMON --time-limit-s ${L15_FALLBACK:-420} --regen-budget-s 150 > /tmp/runs/q15.log 2>&1
+      $COMMON --time-limit-s ${L15_FALLBACK:-420} --regen-budget-s 150 $WARM15 > /tmp/runs/q15.log 2>&1
   fi
   tail -2 /tmp/runs/q15.log >> $R/lane0.log
   ship q15 >> $R/lane0.log 2>&1
@@ -81,7 +83,7 @@ else
     export CUDA_VISIBLE_DEVICES=0
     echo "[$(date +%T)] train q15"
     python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
-      --time-limit-s $L15 --regen-budget-s $R15 --regen-shard 0/2 > /tmp/runs/q15.log 2>&1
+      --time-limit-s $L15 --regen-budget-s $R15 --regen-shard 0/2 $WARM15 > /tmp/runs/q15.log 2>&1
     tail -2 /tmp/runs/q15.log
     ship q15
     bench15

@@ -630,3 +630,43 @@ def test_dist_averages_grads_and_catches_diverged_ranks():
         assert results[rank]["grads"] == [1.5, 1.0]  # mean of (1, 2) and (0, 2)
         assert results[rank]["diverged"] is True
         assert results[rank]["shared"] == [0.0, 7.0]  # rank 0's values everywhere
+
+
+def test_cli_init_from_continues_an_exported_drafter(tiny_model_dir, tmp_path, capsys):
+    """--init-from: a new run starts from an existing (int4-exported) drafter, keeping its architecture; a drafter
+    made for another target shape is refused with a clear error."""
+    import argparse
+
+    from specpilot.models.dflash_io import load_dflash, save_dflash
+    from specpilot.train import add_train_parser, cmd_train_drafter
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    _tiny_tokenizer(model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
+                               for i in range(60)))
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    base = ["train-drafter", "--target", str(model), "--prompts", str(prompts), "--num-prompts", "6",
+            "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6", "--regen-batch-size", "4",
+            "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "2", "--max-seq-len", "64",
+            "--val-every", "0", "--save-every", "0", "--val-max-new-tokens", "4", "--no-progress", "--steps", "2"]
+    assert cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "a"), "--draft-layers", "1"])) == 0
+    first = load_dflash(tmp_path / "a" / "checkpoint")
+    save_dflash(first, tmp_path / "shipped", storage="int8")
+    capsys.readouterr()
+    assert cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "b"), "--draft-layers", "3",
+                                                "--init-from", str(tmp_path / "shipped"), "--lr", "1e-9"])) == 0
+    second = load_dflash(tmp_path / "b" / "checkpoint")
+    assert second.config.num_hidden_layers == 1  # the warm start's architecture, not --draft-layers 3
+    assert second.config.mask_token_id == first.config.mask_token_id
+    a, b = first.state_dict(), second.state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.05  # int8 round trip + two ~zero-lr steps
+    assert "--init-from" in capsys.readouterr().err
+    other = tmp_path / "other"
+    cfg = json.loads((tmp_path / "shipped" / "config.json").read_text())
+    shutil.copytree(tmp_path / "shipped", other)
+    (other / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 99}))
+    with pytest.raises(ConfigError, match="init-from"):
+        cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "c"), "--init-from", str(other)]))

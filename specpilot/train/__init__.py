@@ -71,6 +71,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--mask-token-id", type=int, default=None, help="default: a special token unused in chat data")
     m.add_argument("--init", choices=("target", "random"), default="target",
                    help="initialise draft layers from evenly spaced target layers, or randomly")
+    m.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from an existing DFlash drafter for this target (folder or shipped name; int4/int8 "
+                   "storage is dequantized) instead of a new one: its layers, target layers and mask token are kept, "
+                   "so a shipped drafter keeps improving from one GPU session to the next")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=8, help="sequences per step")
@@ -130,6 +134,37 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
     if not 0 <= k < n:
         raise ConfigError(f"--regen-shard K/N needs 0 <= K < N, got {text!r}")
     return k, n
+
+
+def _new_drafter(s, target, tok, seqs, dt):
+    """A new drafter from the flags (architecture, target layers, mask token unused in the data, init)."""
+    layer_ids = tuple(int(x) for x in s.target_layer_ids.split(",")) if s.target_layer_ids else None
+    return dt.build_drafter_for(target, num_layers=s.draft_layers, block_size=s.block_size,
+                                mask_token_id=s.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
+                                num_target_features=s.target_layers, init=s.init, seed=s.seed,
+                                intermediate_size=getattr(s, "draft_intermediate_size", None),
+                                avoid_ids={t for q in seqs for t in q.prompt_ids + q.response_ids})
+
+
+def _warm_start(name_or_path: str, target, device, err):
+    """An existing drafter as the starting point (fp32 master weights; int4/int8 storage is dequantized). It must
+    have been made for a target of this shape: same hidden size, layer count and vocabulary."""
+    import torch
+
+    from specpilot.errors import ConfigError
+    from specpilot.hub import resolve_model
+    from specpilot.models.dflash_io import load_dflash
+
+    drafter = load_dflash(resolve_model(name_or_path), dtype=torch.float32, device=device)
+    c, t = drafter.config, target.config
+    pairs = [(c.hidden_size, t.hidden_size), (c.num_target_layers, t.num_hidden_layers), (c.vocab_size, t.vocab_size)]
+    theirs, ours = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+    if any(a is not None and a != b for a, b in pairs):  # a config may leave the last two out
+        raise ConfigError(f"--init-from {name_or_path}: made for a target with (hidden size, layers, vocabulary) "
+                          f"{theirs}, this target has {ours}")
+    err.print(f"--init-from {name_or_path}: training continues from its weights (the flags that shape a new "
+              "drafter are ignored)")
+    return drafter.train()
 
 
 def cmd_train_drafter(args) -> int:
@@ -241,18 +276,18 @@ def _train(args, dist, err, t_start) -> int:
         best_tau = trainer.resumed_extra.get("best_val_tau")
         err.print(f"resumed from {ckpt} at step {trainer.step}")
     else:
-        layer_ids = tuple(int(x) for x in s.target_layer_ids.split(",")) if s.target_layer_ids else None
-        drafter = dt.build_drafter_for(target, num_layers=s.draft_layers, block_size=s.block_size,
-                                       mask_token_id=s.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
-                                       num_target_features=s.target_layers, init=s.init, seed=s.seed,
-                                       intermediate_size=getattr(s, "draft_intermediate_size", None),
-                                       avoid_ids={t for q in seqs for t in q.prompt_ids + q.response_ids})
+        if getattr(s, "init_from", None):
+            drafter = _warm_start(s.init_from, target, device, err)
+        else:
+            drafter = _new_drafter(s, target, tok, seqs, dt)
         dist.broadcast_params(drafter)
         trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg, dist)
         c = drafter.config
-        err.print(f"new drafter: {c.num_hidden_layers} layers, block {c.block_size}, target layers "
-                  f"{list(c.target_layer_ids)}, mask token {c.mask_token_id} ({tok.decode([c.mask_token_id])!r}), "
-                  f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, init {s.init}")
+        err.print(f"{'warm-started' if getattr(s, 'init_from', None) else 'new'} drafter: {c.num_hidden_layers} "
+                  f"layers, block {c.block_size}, target layers {list(c.target_layer_ids)}, mask token "
+                  f"{c.mask_token_id} ({tok.decode([c.mask_token_id])!r}), "
+                  f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, init "
+                  f"{getattr(s, 'init_from', None) or s.init}")
     if trainer.mask_in_data:
         err.print(f"[yellow]warning: the mask token occurs {trainer.mask_in_data} times in the training sequences")
     loop = tl.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
