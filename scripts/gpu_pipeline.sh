@@ -46,8 +46,9 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
 }
 
 loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRANSFER=1 adds the 0.5B from memory / empty
-  echo "[$(date +%T)] optimize q15"
-  OUT=$R WALL_S=${W15:-240} bash scripts/gpu_optimize.sh q15 dflash ${NAME[q15]}
+  echo "[$(date +%T)] optimize q15"  # on this session's drafter once it is shipped, else the committed one
+  local d15=${NAME[q15]}; [ $MODE = ddp ] && [ -e /tmp/ship/$d15/config.json ] && d15=/tmp/ship/$d15
+  OUT=$R WALL_S=${W15:-240} bash scripts/gpu_optimize.sh q15 dflash $d15
   if [ "${TRANSFER:-$([ $MODE = lanes ] && echo 1 || echo 0)}" = 1 ]; then
     echo "[$(date +%T)] optimize q05 (memory of the q15 run)"
     OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05 dflash ${NAME[q05]}
@@ -63,7 +64,7 @@ bench15() {
 
 if [ $MODE = ddp ]; then
   echo "[$(date +%T)] train q15 on 2 GPUs" > $R/lane0.log
-  python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
+  timeout $((L15 + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
     --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 $WARM15 \
     > /tmp/runs/q15.log 2>&1
   if ! grep -q '"stage": "train"' /tmp/runs/q15/result.json 2>/dev/null; then  # fall back: one GPU, the time left
@@ -71,7 +72,8 @@ if [ $MODE = ddp ]; then
     tail -20 /tmp/runs/q15.log >> $R/lane0.log
     mv /tmp/runs/q15 /tmp/runs/q15-ddp-failed; mv /tmp/runs/q15.log /tmp/runs/q15-ddp-failed.log
     CUDA_VISIBLE_DEVICES=0 python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 \
-      $COMMON --time-limit-s ${L15_FALLBACK:-420} --regen-budget-s 150 $WARM15 > /tmp/runs/q15.log 2>&1
+      $COMMON --time-limit-s ${L15_FALLBACK:-420} --regen-budget-s 150 $WARM15 \
+      --regen-dir /tmp/runs/q15-ddp-failed/regen > /tmp/runs/q15.log 2>&1  # what was regenerated is kept
   fi
   tail -2 /tmp/runs/q15.log >> $R/lane0.log
   ship q15 >> $R/lane0.log 2>&1
