@@ -1,7 +1,8 @@
 #!/bin/bash
 # Watch scripts/gpu_pipeline.sh for up to $1 seconds (it returns early once the pipeline is done), print where each
 # lane stands, and pack what exists into $OUT: ship.tgz (drafters), results.tgz (bench JSON, optimize reports,
-# lane logs), train_logs.tgz (training logs and results).
+# lane logs), train_logs.tgz (training logs and results), and each shipped drafter's files in $OUT/<name>/ (<= 8 files
+# come back: two drafters, 6 files, plus the two archives).
 set -u
 R=/tmp/results
 end=$(( $(date +%s) + ${1:-60} ))
@@ -10,7 +11,9 @@ for f in $R/lane0.log $R/lane1.log /tmp/runs/q15.log /tmp/runs/q15-helper.log /t
   [ -e $f ] && { echo "== $f"; grep -v "^\s*$" $f | tail -${TAIL:-8}; }
 done
 nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
-[ -d /tmp/ship ] && tar czf $OUT/ship.tgz -C /tmp ship
+for d in /tmp/ship/*/; do  # drafter shards one by one: an archive of both drafters is over the 16 MiB file limit
+  [ -e "$d/config.json" ] && mkdir -p $OUT/$(basename $d) && cp $d/* $OUT/$(basename $d)/
+done
 tar czf $OUT/results.tgz -C /tmp results 2>/dev/null
 (cd /tmp/runs && tar czf $OUT/train_logs.tgz $(ls -d *.log */log.jsonl */result.json */train_config.json 2>/dev/null))
 ls -la $OUT
