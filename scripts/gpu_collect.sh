@@ -1,6 +1,6 @@
 #!/bin/bash
 # Watch scripts/gpu_pipeline.sh for up to $1 seconds (it returns early once the pipeline is done), print where each
-# lane stands, and pack what exists into $OUT: ship.tgz (drafters), results.tgz (bench JSON, optimize reports,
+# lane stands, and pack what exists into $OUT: results.tgz (bench JSON, optimize reports,
 # lane logs), train_logs.tgz (training logs and results), and each shipped drafter's files in $OUT/<name>/ (<= 8 files
 # come back: two drafters, 6 files, plus the two archives).
 set -u
