@@ -556,7 +556,7 @@ def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
 
 
 def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
-    """torchrun with two ranks (gloo on CPU): each rank regenerates its share, rank 0 alone writes, the ranks'
+    """torchrun with two ranks (gloo on CPU), warm-started (--init-from): each rank regenerates its share, rank 0 alone writes, the ranks'
     drafters stay equal (checked by the run itself) and the step count is rank 0's."""
     import os
     import subprocess
@@ -568,13 +568,18 @@ def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
                                for i in range(60)))
+    start = tmp_path / "start"  # a drafter to warm-start from (--init-from), as the GPU pipeline does
+    from specpilot.models.dflash_io import save_dflash
+
+    target = load_model(model)
+    save_dflash(dt.build_drafter_for(target, num_layers=1, block_size=4, mask_token_id=95), start, storage="int8")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "specpilot.cli", "train-drafter", "--target", str(model), "--out", str(out), "--prompts", str(prompts),
            "--num-prompts", "8", "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6",
            "--regen-batch-size", "4", "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "2",
            "--max-seq-len", "64", "--steps", "4", "--val-every", "2", "--save-every", "0",
-           "--val-max-new-tokens", "4", "--no-progress", "--device", "cpu"]
+           "--val-max-new-tokens", "4", "--no-progress", "--device", "cpu", "--init-from", str(start)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -587,7 +592,7 @@ def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]  # rank 0's log only
     from specpilot.models.dflash_io import load_dflash
 
-    assert load_dflash(out / "checkpoint").config.block_size == 4
+    assert load_dflash(out / "checkpoint").config.num_hidden_layers == 1  # the warm start's
 
 
 def _two_rank_worker(rank, port, results):
