@@ -556,8 +556,8 @@ def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
 
 
 def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
-    """torchrun with two ranks (gloo on CPU), warm-started (--init-from): each rank regenerates its share, rank 0 alone writes, the ranks'
-    drafters stay equal (checked by the run itself) and the step count is rank 0's."""
+    """torchrun with two ranks (gloo on CPU), warm-started (--init-from): each rank regenerates its share, rank 0
+    alone writes, the ranks' drafters stay equal (checked by the run itself) and the step count is rank 0's."""
     import os
     import subprocess
     import sys
