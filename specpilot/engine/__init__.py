@@ -6,6 +6,7 @@ no drafter, speculative otherwise. It knows nothing of benchmarks or the optimiz
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -34,7 +35,13 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     if config.gemv_kernel:
         model.use_gemv_kernel()
     if config.attention_kernel and str(config.device).startswith("cuda"):  # a Triton kernel: GPU only
-        model.use_attention_kernel()
+        try:
+            import triton  # noqa: F401
+        except ImportError:  # on by default, so a GPU without Triton falls back to SDPA rather than failing
+            warnings.warn("attention_kernel needs Triton, which is not installed: attention stays on SDPA",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            model.use_attention_kernel()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
