@@ -141,6 +141,8 @@ def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
                               {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1, max_prompt_tokens=10)
     assert rep["skipped_long_prompts"] == 1 and rep["num_prompts"] == 2 and [r["id"] for r in recs] == ["x/3", "x/5"]
     assert 50 not in seen
+    spec = rep["systems"]["specpilot"]  # same generate for both: a step is one token at AR's speed
+    assert spec["tau"] == 1.0 and spec["step_cost_ar_steps"] == pytest.approx(1.0, rel=1e-3)
     with pytest.raises(DatasetError, match="max-seq-len"):
         run_benchmark("x", prompts[1:2], lambda p: [7] * 50, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
                       max_prompt_tokens=10)

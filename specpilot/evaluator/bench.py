@@ -103,6 +103,8 @@ def run_benchmark(
             forwards = sum(r.num_target_forwards for r in rs)
             entry["tau"] = round(entry["tokens"] / forwards, 4)
             entry["acceptance_by_position"] = acceptance_by_position(rs)
+            if entry["speedup_vs_ar"] > 0:  # what one step costs in our AR's steps = the tau it needs to break even
+                entry["step_cost_ar_steps"] = round(entry["tau"] / entry["speedup_vs_ar"], 3)
         report["systems"][s] = entry
     spec = report["systems"]["specpilot"]
     report.update(
