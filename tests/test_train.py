@@ -23,6 +23,7 @@ from specpilot.models.dflash import DFlashConfig, DFlashDrafter
 from specpilot.train import data as td
 from specpilot.train import dflash_trainer as dt
 from specpilot.train import loop as tl
+from specpilot.train.distributed import Dist
 from specpilot.train.regenerate import Sequence, read_cache, regenerate
 
 
@@ -433,6 +434,7 @@ class _TimedTrainer:
 
     def __init__(self, steps, times):
         self.cfg, self.step, self.times = dt.TrainConfig(steps=steps), 0, times
+        self.dist, self.drafter = Dist(), None  # one process
 
     def train_step(self):
         self.step += 1

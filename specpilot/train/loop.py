@@ -15,7 +15,6 @@ from typing import Callable
 from specpilot.models.dflash import DFlashDrafter
 from specpilot.models.dflash_io import save_dflash
 from specpilot.train.dflash_trainer import BEST, DFlashTrainer, StepResult
-from specpilot.train.distributed import Dist
 
 __all__ = ["LoopConfig", "inference_copy", "run_training", "validate_tau"]
 
@@ -89,11 +88,10 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     cfg = trainer.cfg
     best = best_tau if best_tau is not None else float("-inf")
     last: StepResult | None = None
-    save_s, val_s, step_times = 5.0, 5.0, []
-    fit_times, requested = [], None  # step times for fitting (the command's first step left out); cfg.steps asked
+    save_s, val_s = 5.0, 5.0
+    step_times, requested = [], None  # recent step times (the command's first, warm-up, left out); cfg.steps asked
     stopped_by = "steps"
-
-    dist = getattr(trainer, "dist", None) or Dist()  # with several ranks, rank 0 alone validates, saves and decides when to stop
+    dist = trainer.dist  # with several ranks, rank 0 alone validates, saves and decides when to stop
 
     def write(rec: dict):
         if not dist.main:
@@ -147,8 +145,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         nonlocal requested
         if requested is None:
             requested = cfg.steps
-        times = fit_times or step_times
-        mean = sum(times) / len(times)
+        mean = sum(step_times) / len(step_times) if step_times else last.step_s
         n_val = lambda k: (k // loop.val_every) if loop.val_every else 0  # noqa: E731
         n_save = lambda k: (k // loop.save_every) if loop.save_every else 0  # noqa: E731
         left = loop.deadline - time.monotonic() - 2 * save_s - val_s - 10.0
@@ -177,7 +174,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         while trainer.step < cfg.steps:
             stop = False
             if loop.deadline is not None:
-                typical = sorted(step_times)[len(step_times) // 2] if step_times else 5.0
+                recent = sorted(step_times[-50:])
+                typical = recent[len(recent) // 2] if recent else 5.0
                 due_val = loop.val_every and (trainer.step + 1) % loop.val_every == 0
                 need = 2 * typical + 2 * save_s + (val_s if due_val else 0.0) + 5.0
                 stop = time.monotonic() + need > loop.deadline
@@ -190,9 +188,8 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
                 stopped_by = "time_limit"
                 break
             last = trainer.train_step()
-            step_times = (step_times + [last.step_s])[-50:]
             if trainer.step > start_step + 1:
-                fit_times = (fit_times + [last.step_s])[-200:]
+                step_times = (step_times + [last.step_s])[-200:]
             if loop.fit_steps_to_deadline and loop.deadline is not None and trainer.step == start_step + loop.fit_after:
                 fit_steps()
                 if bar is not None:
@@ -216,8 +213,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     finally:
         if bar is not None:
             bar.stop()
-    if dist.world > 1:
-        dist.check_in_sync(trainer.drafter)  # same start, same averaged steps: the copies must agree
+    dist.check_in_sync(trainer.drafter)  # ranks: same start, same averaged steps, so the copies must agree
     final_val = None
     if trainer.step >= cfg.steps and (loop.deadline is None or time.monotonic() + val_s + save_s < loop.deadline):
         final_val = validate()
@@ -232,5 +228,5 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         "checkpoint": str(ckpt),
         "best": str(out / BEST) if (out / BEST).exists() else None,
         "stopped_by": stopped_by,
-        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else (last and last.step_s),
     }
