@@ -104,9 +104,7 @@ def _systems(args, cfg, target, tok, spec, ar):
         if n == "hf-ar":
             systems[n] = HFSystem(resolve_model(args.target), **hf).generate
         elif n == "stock":
-            drafter = resolve_model(args.drafter) if cfg.drafter_kind in ("model", "dflash") else None
-            systems[n] = stock_system(resolve_model(args.target), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
-                                      **hf)[0]
+            systems[n] = stock_system(args.target, args.drafter, cfg.drafter_kind, cfg.num_draft_tokens, **hf)[0]
     return {n: systems[n] for n in names}
 
 

@@ -112,13 +112,18 @@ class DFlashStockSystem:
         return GenerationResult(list(prompt_ids), new, reason, num_target_forwards=forwards, decode_s=elapsed)
 
 
-def stock_system(target_path, drafter_path, drafter_kind: str, num_draft_tokens: int, **hf):
+def stock_system(target, drafter, drafter_kind: str, num_draft_tokens: int, **hf):
     """The released speculative system for a deployment -> (generate, label): z-lab's `dflash` loop for a DFlash
     drafter, transformers' assisted generation for a small AR drafter, its prompt lookup for n-gram drafting.
-    `hf`: dtype, device, max_new_tokens, eos_ids, and optionally model (transformers' target, already loaded in that
-    dtype and device). Raises ConfigError when the stock package is missing."""
+    `target`, `drafter`: names or folders (the drafter is not read for n-gram drafting). `hf`: dtype, device,
+    max_new_tokens, eos_ids, and optionally model (transformers' target, already loaded in that dtype and device).
+    Raises ConfigError when the stock package is missing."""
+    from specpilot.hub import resolve_model
+
+    target = resolve_model(target)
     if drafter_kind == "dflash":
-        return DFlashStockSystem(target_path, drafter_path, **hf).generate, "z-lab dflash"
+        return DFlashStockSystem(target, resolve_model(drafter), **hf).generate, "z-lab dflash"
     if drafter_kind == "model":
-        return HFSystem(target_path, assistant_path=drafter_path, **hf).generate, "transformers assisted generation"
-    return HFSystem(target_path, prompt_lookup=num_draft_tokens, **hf).generate, "transformers prompt lookup"
+        system = HFSystem(target, assistant_path=resolve_model(drafter), **hf)
+        return system.generate, "transformers assisted generation"
+    return HFSystem(target, prompt_lookup=num_draft_tokens, **hf).generate, "transformers prompt lookup"

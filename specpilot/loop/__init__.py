@@ -139,7 +139,6 @@ def _yardsticks(s: dict, cfg, measure, dev, eos_ids, hf_target=None) -> dict:
     and the stock speculative system for this drafter (its released code, one repeat: it is slow and only a
     reference)."""
     from specpilot.engine import DTYPE
-    from specpilot.hub import resolve_model
 
     def ar():
         m = measure(cfg.with_(drafter_kind="none"), dev, s["repeats"])
@@ -150,8 +149,7 @@ def _yardsticks(s: dict, cfg, measure, dev, eos_ids, hf_target=None) -> dict:
 
         from specpilot.evaluator.stock import stock_system
 
-        drafter = resolve_model(s["drafter"]) if cfg.drafter_kind in ("model", "dflash") else None
-        gen, label = stock_system(resolve_model(s["target"]), drafter, cfg.drafter_kind, cfg.num_draft_tokens,
+        gen, label = stock_system(s["target"], s["drafter"], cfg.drafter_kind, cfg.num_draft_tokens,
                                   dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
                                   eos_ids=eos_ids, model=hf_target)
         sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else None
