@@ -156,6 +156,16 @@ def _first_human_turn(rec) -> str | None:
     return None
 
 
+def _sharegpt_records(path, stats: ShareGPTStats) -> Iterator[tuple[str, object]]:
+    """(id, record) of every complete record of the ShareGPT file, counted in `stats` (the record's own id, else
+    its index in the file)."""
+    with _open_sharegpt(path) as fh:
+        for i, rec in enumerate(iter_json_array(fh, stats=stats)):
+            stats.complete_records += 1
+            rid = rec.get("id") if isinstance(rec, dict) else None
+            yield (rid if isinstance(rid, str) else str(i)), rec
+
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 
 
@@ -186,18 +196,15 @@ def load_sharegpt_turns(path: str | Path | None = None, *, max_chars: int = MAX_
     ``sharegpt/<conversation id>~t<k>``; duplicates skipped."""
     stats = stats if stats is not None else ShareGPTStats()
     out: list[TrainPrompt] = []
-    seen: set[int] = set()
-    with _open_sharegpt(path) as fh:
-        for i, rec in enumerate(iter_json_array(fh, stats=stats)):
-            stats.complete_records += 1
-            rid = rec.get("id") if isinstance(rec, dict) and isinstance(rec.get("id"), str) else str(i)
-            for k, msgs in _later_turns(rec, max_chars):
-                key = hash(tuple(m["content"] for m in msgs))
-                if key in seen:
-                    stats.skipped_duplicate += 1
-                    continue
-                seen.add(key)
-                out.append(TrainPrompt(f"sharegpt/{rid}~t{k}", "sharegpt_turns", msgs))
+    seen: set[tuple[str, ...]] = set()
+    for rid, rec in _sharegpt_records(path, stats):
+        for k, msgs in _later_turns(rec, max_chars):
+            key = tuple(m["content"] for m in msgs)
+            if key in seen:
+                stats.skipped_duplicate += 1
+                continue
+            seen.add(key)
+            out.append(TrainPrompt(f"sharegpt/{rid}~t{k}", "sharegpt_turns", msgs))
     stats.prompts = len(out)
     return out
 
@@ -209,26 +216,23 @@ def load_sharegpt(path: str | Path | None = None, *, max_chars: int = MAX_PROMPT
     stats = stats if stats is not None else ShareGPTStats()
     out: list[TrainPrompt] = []
     seen: set[str] = set()
-    with _open_sharegpt(path) as fh:
-        for i, rec in enumerate(iter_json_array(fh, stats=stats)):
-            stats.complete_records += 1
-            text = _first_human_turn(rec)
-            if text is None:
-                stats.skipped_no_human += 1
-                continue
-            text = text.strip()
-            if len(text) < MIN_PROMPT_CHARS:
-                stats.skipped_empty += 1
-                continue
-            if len(text) > max_chars:
-                stats.skipped_long += 1
-                continue
-            if text in seen:
-                stats.skipped_duplicate += 1
-                continue
-            seen.add(text)
-            rid = rec.get("id") if isinstance(rec.get("id"), str) else str(i)
-            out.append(TrainPrompt(f"sharegpt/{rid}", "sharegpt", ({"role": "user", "content": text},)))
+    for rid, rec in _sharegpt_records(path, stats):
+        text = _first_human_turn(rec)
+        if text is None:
+            stats.skipped_no_human += 1
+            continue
+        text = text.strip()
+        if len(text) < MIN_PROMPT_CHARS:
+            stats.skipped_empty += 1
+            continue
+        if len(text) > max_chars:
+            stats.skipped_long += 1
+            continue
+        if text in seen:
+            stats.skipped_duplicate += 1
+            continue
+        seen.add(text)
+        out.append(TrainPrompt(f"sharegpt/{rid}", "sharegpt", ({"role": "user", "content": text},)))
     stats.prompts = len(out)
     return out
 
