@@ -20,6 +20,7 @@ from specpilot.engine.batch import generate_batch
 from specpilot.errors import ConfigError, DatasetError
 from specpilot.models import load_model
 from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+from specpilot.train import cmd_train_drafter
 from specpilot.train import data as td
 from specpilot.train import dflash_trainer as dt
 from specpilot.train import loop as tl
@@ -478,10 +479,12 @@ def _tiny_tokenizer(folder: Path) -> None:
     hf.save_pretrained(folder)
 
 
-def test_cli_train_drafter_end_to_end(tiny_model_dir, tmp_path, capsys):
+@pytest.fixture
+def train_cli(tiny_model_dir, tmp_path):
+    """(tiny target folder with a chat tokenizer, a JSONL prompt file, a parser holding `train-drafter`)."""
     import argparse
 
-    from specpilot.train import add_train_parser, cmd_train_drafter
+    from specpilot.train import add_train_parser
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("qwen3"), model)
@@ -491,6 +494,11 @@ def test_cli_train_drafter_end_to_end(tiny_model_dir, tmp_path, capsys):
                                for i in range(60)))
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))
+    return model, prompts, parser
+
+
+def test_cli_train_drafter_end_to_end(train_cli, tmp_path, capsys):
+    model, prompts, parser = train_cli
     out = tmp_path / "run"
     base = ["train-drafter", "--target", str(model), "--out", str(out), "--prompts", str(prompts),
             "--num-prompts", "6", "--val-prompts", "2", "--val-tau-prompts", "2", "--regen-max-new-tokens", "12",
@@ -520,20 +528,9 @@ def test_cli_train_drafter_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert r2["steps"] == 3
 
 
-def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
+def test_cli_regen_shards_split_the_work(train_cli, tmp_path, capsys):
     """Two --regen-shard processes (here one after the other) fill one cache; the training run uses all of it."""
-    import argparse
-
-    from specpilot.train import add_train_parser, cmd_train_drafter
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("qwen3"), model)
-    _tiny_tokenizer(model)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
-                               for i in range(60)))
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers(dest="command"))
+    model, prompts, parser = train_cli
     regen = tmp_path / "regen"
     base = ["train-drafter", "--target", str(model), "--prompts", str(prompts), "--num-prompts", "8",
             "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6", "--regen-batch-size", "4",
@@ -557,19 +554,14 @@ def test_cli_regen_shards_split_the_work(tiny_model_dir, tmp_path, capsys):
         cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "x"), "--regen-shard", "2/2"]))
 
 
-def test_data_parallel_training_on_two_cpu_ranks(tiny_model_dir, tmp_path):
+def test_data_parallel_training_on_two_cpu_ranks(train_cli, tmp_path):
     """torchrun with two ranks (gloo on CPU), warm-started (--init-from): each rank regenerates its share, rank 0
     alone writes, the ranks' drafters stay equal (checked by the run itself) and the step count is rank 0's."""
     import os
     import subprocess
     import sys
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("qwen3"), model)
-    _tiny_tokenizer(model)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
-                               for i in range(60)))
+    model, prompts, _ = train_cli
     start = tmp_path / "start"  # a drafter to warm-start from (--init-from), as the GPU pipeline does
     from specpilot.models.dflash_io import save_dflash
 
@@ -639,22 +631,12 @@ def test_dist_averages_grads_and_catches_diverged_ranks():
         assert results[rank]["shared"] == [0.0, 7.0]  # rank 0's values everywhere
 
 
-def test_cli_init_from_continues_an_exported_drafter(tiny_model_dir, tmp_path, capsys):
+def test_cli_init_from_continues_an_exported_drafter(train_cli, tmp_path, capsys):
     """--init-from: a new run starts from an existing (int4-exported) drafter, keeping its architecture; a drafter
     made for another target shape is refused with a clear error."""
-    import argparse
-
     from specpilot.models.dflash_io import load_dflash, save_dflash
-    from specpilot.train import add_train_parser, cmd_train_drafter
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("qwen3"), model)
-    _tiny_tokenizer(model)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i * 3}?"}) + "\n"
-                               for i in range(60)))
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers(dest="command"))
+    model, prompts, parser = train_cli
     base = ["train-drafter", "--target", str(model), "--prompts", str(prompts), "--num-prompts", "6",
             "--val-prompts", "2", "--val-tau-prompts", "1", "--regen-max-new-tokens", "6", "--regen-batch-size", "4",
             "--block-size", "4", "--batch-size", "2", "--anchors-per-seq", "2", "--max-seq-len", "64",
