@@ -157,9 +157,9 @@ def _warm_start(name_or_path: str, target, device, err):
 
     drafter = load_dflash(resolve_model(name_or_path), dtype=torch.float32, device=device)
     c, t = drafter.config, target.config
-    pairs = [(c.hidden_size, t.hidden_size), (c.num_target_layers, t.num_hidden_layers), (c.vocab_size, t.vocab_size)]
-    theirs, ours = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
-    if any(a is not None and a != b for a, b in pairs):  # a config may leave the last two out
+    theirs = (c.hidden_size, c.num_target_layers, c.vocab_size)
+    ours = (t.hidden_size, t.num_hidden_layers, t.vocab_size)
+    if any(a is not None and a != b for a, b in zip(theirs, ours)):  # a config may leave the last two out
         raise ConfigError(f"--init-from {name_or_path}: made for a target with (hidden size, layers, vocabulary) "
                           f"{theirs}, this target has {ours}")
     err.print(f"--init-from {name_or_path}: training continues from its weights (the flags that shape a new "
@@ -238,7 +238,7 @@ def _train(args, dist, err, t_start) -> int:
     shard_k, shard_n = _parse_shard(getattr(s, "regen_shard", None))
     if dist.world > 1:  # each rank regenerates its share of the prompts
         shard_k, shard_n = dist.rank, dist.world
-    mine = [p for p in (val_p if shard_k == 0 else [])] + train_p[shard_k::shard_n]
+    mine = (val_p if shard_k == 0 else []) + train_p[shard_k::shard_n]
 
     def regen(prompts, until):
         return regenerate(target, tok, prompts, regen_dir, max_new_tokens=s.regen_max_new_tokens,
@@ -276,18 +276,15 @@ def _train(args, dist, err, t_start) -> int:
         best_tau = trainer.resumed_extra.get("best_val_tau")
         err.print(f"resumed from {ckpt} at step {trainer.step}")
     else:
-        if getattr(s, "init_from", None):
-            drafter = _warm_start(s.init_from, target, device, err)
-        else:
-            drafter = _new_drafter(s, target, tok, seqs, dt)
+        init_from = getattr(s, "init_from", None)  # runs saved before the flag existed have none
+        drafter = _warm_start(init_from, target, device, err) if init_from else _new_drafter(s, target, tok, seqs, dt)
         dist.broadcast_params(drafter)
         trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg, dist)
         c = drafter.config
-        err.print(f"{'warm-started' if getattr(s, 'init_from', None) else 'new'} drafter: {c.num_hidden_layers} "
-                  f"layers, block {c.block_size}, target layers {list(c.target_layer_ids)}, mask token "
-                  f"{c.mask_token_id} ({tok.decode([c.mask_token_id])!r}), "
-                  f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, init "
-                  f"{getattr(s, 'init_from', None) or s.init}")
+        err.print(f"{'warm-started' if init_from else 'new'} drafter: {c.num_hidden_layers} layers, block "
+                  f"{c.block_size}, target layers {list(c.target_layer_ids)}, mask token {c.mask_token_id} "
+                  f"({tok.decode([c.mask_token_id])!r}), {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M "
+                  f"parameters, init {init_from or s.init}")
     if trainer.mask_in_data:
         err.print(f"[yellow]warning: the mask token occurs {trainer.mask_in_data} times in the training sequences")
     loop = tl.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
