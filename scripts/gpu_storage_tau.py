@@ -1,4 +1,4 @@
-"""On the GPU after scripts/gpu_train_drafters.sh: validation tau of each trained drafter (fp32 master weights cast
+"""On the GPU after scripts/gpu_pipeline.sh: validation tau of each trained drafter (fp32 master weights cast
 to bf16) and of its shipped int4 export, on the run's own validation prompts -> /tmp/runs/storage_tau.json."""
 
 import json
