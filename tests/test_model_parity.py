@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specpilot.errors import ConfigError
 from specpilot.models import load_model
 
 
@@ -92,3 +93,42 @@ def test_fused_projections_give_the_same_logits(tiny_model_dir, family):
         a = plain.logits(plain(ids, pos, plain.new_cache(1, 16), kv_len=11))
         b = fused.logits(fused(ids, pos, fused.new_cache(1, 16), kv_len=11))
     assert (a - b).abs().max().item() < 1e-5
+
+
+def test_last_layer_stops_early_with_the_same_captured_layers(tiny_model_dir):
+    """last_layer=k: the captured layers are the full pass's bit for bit, hidden is None, later layers never run
+    (their cache slots stay empty); last_layer=None or L-1 is today's full pass."""
+    ours = load_model(tiny_model_dir("qwen3"), dtype=torch.float32)
+    L = ours.config.num_hidden_layers
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(7))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        full_hidden, full_layers = ours(ids, pos, ours.new_cache(2, 16), kv_len=9, return_layers=(0,))
+        cache = ours.new_cache(2, 16)
+        hidden, layers = ours(ids, pos, cache, kv_len=9, return_layers=(0,), last_layer=0)
+        assert hidden is None and torch.equal(layers[0], full_layers[0])
+        assert cache.k[0].any() and not cache.k[1:].any()  # layers after 0 were skipped
+        for last in (None, L - 1):
+            h, ls = ours(ids, pos, ours.new_cache(2, 16), kv_len=9, return_layers=(0,), last_layer=last)
+            assert torch.equal(h, full_hidden) and torch.equal(ls[0], full_layers[0])
+        for bad in (-1, L):
+            with pytest.raises(ConfigError, match="last_layer"):
+                ours(ids, pos, ours.new_cache(2, 16), kv_len=9, last_layer=bad)
+        with pytest.raises(ConfigError, match="reach past"):
+            ours(ids, pos, ours.new_cache(2, 16), kv_len=9, return_layers=(1,), last_layer=0)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_is_causal_pass_equals_the_masked_pass(tiny_model_dir, kernel):
+    """A causal pass from position 0 with SDPA's is_causal (no mask tensor) == the positional-mask pass, also
+    when the attention kernel is on (a short pass must still attend causally)."""
+    ours = load_model(tiny_model_dir("qwen2"), dtype=torch.float32).use_attention_kernel(kernel)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(13).expand(2, 13)
+    with torch.no_grad():
+        want_h, want_l = ours(ids, pos, ours.new_cache(2, 32), kv_len=13, return_layers=(0,),
+                              attn_mask=torch.arange(13)[None, None, :] <= pos[:, :, None])
+        got_h, got_l = ours(ids, pos, ours.new_cache(2, 32), kv_len=13, return_layers=(0,), is_causal=True)
+    assert (got_h - want_h).abs().max().item() < 1e-5 and (got_l[0] - want_l[0]).abs().max().item() < 1e-5
+    with pytest.raises(ConfigError, match="is_causal"):
+        ours(ids, pos, ours.new_cache(2, 32), is_causal=True)  # whole-pool attention: kv_len != T

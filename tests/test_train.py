@@ -19,7 +19,7 @@ from specpilot.engine import Engine
 from specpilot.engine.batch import generate_batch
 from specpilot.errors import ConfigError, DatasetError
 from specpilot.models import load_model
-from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+from specpilot.models.dflash import DFlashConfig, DFlashDrafter, context_features
 from specpilot.train import cmd_train_drafter
 from specpilot.train import data as td
 from specpilot.train import dflash_trainer as dt
@@ -287,6 +287,24 @@ def test_batched_block_forward_equals_per_anchor_forward(target):
                                drafter.project_context(feats[n:n + 1, :j]), torch.arange(j)[None],
                                torch.arange(j, j + 5)[None])
                 torch.testing.assert_close(got[n, a], want[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer_ids", [(0,), (0, 1)])
+def test_target_features_equal_the_full_forward(target, layer_ids):
+    """The trainer's target pass (stopped at the deepest layer read, SDPA's causal mask) gives the features of the
+    full masked forward; a drafter reading only layer 0 of 2 never runs layer 1."""
+    drafter = dt.build_drafter_for(target, num_layers=1, block_size=4, init="random", target_layer_ids=layer_ids)
+    trainer = dt.DFlashTrainer(target, drafter, [Sequence("s", [1, 2], [3, 4])], dt.TrainConfig(max_seq_len=32))
+    tokens = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(9))
+    got = trainer.target_features(tokens)
+    with torch.no_grad():
+        hidden, layers = target(tokens, torch.arange(11).expand(2, 11), target.new_cache(2, 16), kv_len=11,
+                                return_layers=(0,))
+    want = context_features(hidden, layers, layer_ids, 2)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
+    assert bool(trainer._cache.k[1].any()) == (layer_ids == (0, 1))  # layer 1 ran only when its output is read
+    with pytest.raises(ValueError, match="stopped before"):
+        context_features(None, layers, (0, 1), 2)
 
 
 def test_labels_and_offset_weights():

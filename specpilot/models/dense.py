@@ -2,8 +2,10 @@
 
 `forward(input_ids, positions, cache)` serves prefill, one-token decode and multi-token verification alike: it
 writes the new tokens' K/V into the preallocated cache at their positions, then attends over the cache with a
-mask (causal by position unless an explicit mask is given, e.g. a tree). It returns the final-normed hidden
-states, and on request the outputs of chosen decoder layers (the DFlash drafter conditions on them).
+mask (causal by position unless an explicit mask is given, e.g. a tree). A plain causal pass from position 0
+(`is_causal=True`, the caller's promise) needs no mask tensor, which lets SDPA take its flash path. It returns the
+final-normed hidden states, and on request the outputs of chosen decoder layers (the DFlash drafter conditions on
+them); `last_layer` stops after a given layer when only such outputs are wanted (drafter training).
 `logits(hidden)` applies the LM head. No sampling, scheduling or bookkeeping lives here.
 
 Module and parameter names follow HF (`model.layers.N.self_attn.q_proj`, ...) so loading is a name mapping.
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.errors import ModelFormatError
+from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.cache import KVCache
 from specpilot.models.config import ModelConfig
 
@@ -93,7 +95,7 @@ class Attention(nn.Module):
             return self.qkv_proj(x).split((q_dim, kv_dim, kv_dim), dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x, cos, sin, positions, cache: KVCache, kv_len, mask):
+    def forward(self, x, cos, sin, positions, cache: KVCache, kv_len, mask, is_causal=False):
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
         q = q.reshape(B, T, self.num_heads, self.head_dim)
@@ -105,13 +107,13 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
-        if mask is None:  # the positional mask, applied inside the split-KV kernel (DenseLM.use_attention_kernel)
-            out = self.decode_attention(q, keys, values, positions)
+        if mask is None and not is_causal:  # the positional mask, applied inside the split-KV kernel
+            out = self.decode_attention(q, keys, values, positions)  # (DenseLM.use_attention_kernel)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         # GQA via enable_gqa: folding the query heads into the query length instead was measured slower on the H200
         # (cuDNN attention already handles GQA with a mask; BENCHMARKS.md, 2026-11-30)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -148,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, cache, kv_len, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, kv_len, mask)
+    def forward(self, x, cos, sin, positions, cache, kv_len, mask, is_causal=False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, kv_len, mask, is_causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -215,26 +217,41 @@ class DenseLM(nn.Module):
         kv_len: int | None = None,  # attend over cache slots [0, kv_len); None = whole pool (static shapes)
         attn_mask: torch.Tensor | None = None,  # [B, T, S] bool, True = may attend; None = causal by position
         return_layers: tuple[int, ...] = (),
+        last_layer: int | None = None,  # run decoder layers 0..last_layer only; None = all
+        is_causal: bool = False,  # caller's promise: positions are 0..T-1 in every row and kv_len == T
     ):
-        """-> hidden [B, T, H]; with `return_layers`, (hidden, [outputs of those decoder layers, each [B, T, H]])."""
+        """-> hidden [B, T, H]; with `return_layers`, (hidden, [outputs of those decoder layers, each [B, T, H]]).
+
+        With `last_layer` below the last layer, the later layers and the final norm are skipped (their work is
+        wasted when only captured layers are wanted) and hidden is None. `is_causal` attends with SDPA's own causal
+        mask instead of a [B, 1, T, S] mask tensor (same attention: key slot <= query position); the positions
+        themselves are not checked, since that would cost a host sync."""
+        L, T = self.config.num_hidden_layers, input_ids.shape[1]
+        last = L - 1 if last_layer is None else last_layer
+        if not 0 <= last < L:
+            raise ConfigError(f"last_layer {last_layer} outside the model's {L} layers")
+        if any(i > last for i in return_layers):
+            raise ConfigError(f"return_layers {tuple(return_layers)} reach past last_layer {last}")
+        if is_causal and (attn_mask is not None or kv_len != T):
+            raise ConfigError(f"is_causal needs kv_len == T ({T}) and no attn_mask, got kv_len {kv_len}")
         x = self.model.embed_tokens(input_ids)
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        if attn_mask is None and self.attention_kernel and input_ids.shape[1] <= 16:
-            mask = None  # positional: the attention kernel applies it from `positions`
+        if is_causal or (attn_mask is None and self.attention_kernel and T <= 16):
+            mask = None  # SDPA's causal mask, or positional: the attention kernel applies it from `positions`
         else:
             if attn_mask is None:
                 key_pos = torch.arange(S, device=input_ids.device)
                 attn_mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
             mask = attn_mask[:, None]  # [B, 1, T, S]
         captured = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, cache, kv_len, mask)
+        for i, layer in enumerate(self.model.layers[: last + 1]):
+            x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal)
             if i in return_layers:
                 captured.append(x)
-        hidden = self.model.norm(x)
+        hidden = self.model.norm(x) if last == L - 1 else None
         return (hidden, captured) if return_layers else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,18 +64,22 @@ def target_capture_layers(target_layer_ids, num_target_layers: int) -> tuple[int
     return tuple(sorted({int(i) for i in target_layer_ids if int(i) != num_target_layers - 1}))
 
 
-def context_features(final_hidden: torch.Tensor, captured, target_layer_ids, num_target_layers: int) -> torch.Tensor:
+def context_features(final_hidden: torch.Tensor | None, captured, target_layer_ids,
+                     num_target_layers: int) -> torch.Tensor:
     """Concatenate the target states the reference conditions on: [B, T, len(target_layer_ids) * H].
 
     `final_hidden` is the target's final-normed output, `captured` the layer outputs returned for
     `target_capture_layers(...)` (in that order). Layer id i means HF `hidden_states[i + 1]`: the output of
-    decoder layer i, except i = num_target_layers - 1, where HF substitutes the final-normed state."""
+    decoder layer i, except i = num_target_layers - 1, where HF substitutes the final-normed state.
+    `final_hidden` may be None (a target pass stopped early, `last_layer`) when that last layer is not wanted."""
     by_layer = dict(zip(target_capture_layers(target_layer_ids, num_target_layers), captured))
     parts = []
     for i in target_layer_ids:
         i = int(i)
         if not 0 <= i < num_target_layers:
             raise ModelFormatError(f"DFlash target layer {i} outside the target's {num_target_layers} layers")
+        if i == num_target_layers - 1 and final_hidden is None:
+            raise ValueError(f"target layer {i} is the final-normed state, but the target pass stopped before it")
         parts.append(final_hidden if i == num_target_layers - 1 else by_layer[i])
     return torch.cat(parts, dim=-1)
 

@@ -8,7 +8,8 @@ One step, for N sequences (prompt + response, right-padded to T tokens):
 
 1. Target pass. One teacher-forced `DenseLM.forward(..., return_layers=target_capture_layers(...))` over all
    positions gives `context_features` [N, T, n*H], exactly what the engine's runner hands the drafter at
-   inference for the same committed tokens.
+   inference for the same committed tokens. It stops at the deepest layer the drafter reads (`last_layer`) and
+   attends with SDPA's causal mask (`is_causal`, no mask tensor, so the flash path) since it starts at position 0.
 2. Anchors. A positions per sequence are drawn uniformly (without replacement) from the response anchors
    j in [P-1, L-2] (P prompt tokens, L sequence length): at inference the first anchor is the last prompt
    token and every later one a committed response token. Each anchor makes a block
@@ -166,6 +167,9 @@ class DFlashTrainer:
         if not self.items:
             raise ConfigError("no usable training sequences (each needs a prompt and a response within max_seq_len)")
         self.capture = target_capture_layers(drafter.config.target_layer_ids, target.config.num_hidden_layers)
+        # the target pass stops at the deepest layer the drafter reads (the later layers' work would be wasted)
+        deepest = max(int(i) for i in drafter.config.target_layer_ids)
+        self.last_layer = deepest if deepest < target.config.num_hidden_layers - 1 else None
         self.gamma = cfg.loss_gamma if cfg.loss_gamma is not None else max(1.0, (drafter.block_size - 1) / 2)
         self.weights = offset_weights(drafter.block_size, self.gamma, self.device)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -250,7 +254,8 @@ class DFlashTrainer:
         if self._cache is None or self._cache.batch_size != N or self._cache.max_seq_len < T:
             self._cache = self.target.new_cache(N, max(T, min(self.cfg.max_seq_len, 2 * T)))
         pos = torch.arange(T, device=tokens.device)[None].expand(N, T)
-        out = self.target(tokens, pos, self._cache, kv_len=T, return_layers=self.capture)
+        out = self.target(tokens, pos, self._cache, kv_len=T, return_layers=self.capture,
+                          last_layer=self.last_layer, is_causal=True)  # positions 0..T-1, kv_len T: as promised
         hidden, layers = out if self.capture else (out, [])
         return context_features(hidden, layers, self.drafter.config.target_layer_ids,
                                 self.target.config.num_hidden_layers)
