@@ -280,3 +280,53 @@ def test_measured_sdpa_latency_enters_predictions_not_floors():
     del old["sdpa_fixed_s"], old["sdpa_per_key_s"]
     with pytest.raises(ValueError):
         HardwareCeilings.from_dict(old)
+
+
+# --- what-if: predicted gains of config changes (costmodel/whatif.py) --------------------------------------------
+
+
+def test_fused_and_compiled_passes_cut_kernels_not_bytes():
+    cfg = synthetic_config("qwen2.5-1.5b")
+    plain, fused, compiled = (forward_cost(cfg, 1, 512, **kw) for kw in ({}, {"fused": True}, {"compiled": True}))
+    assert fused.num_linear_kernels == 28 * 4 + 1 and plain.num_linear_kernels == 28 * 7 + 1
+    assert plain.num_kernels - fused.num_kernels == 28 * 3  # only GEMM launches go
+    assert compiled.num_kernels - compiled.num_linear_kernels < (plain.num_kernels - plain.num_linear_kernels) / 4
+    assert fused.total_bytes == plain.total_bytes == compiled.total_bytes and fused.flops == plain.flops
+    assert pass_predicted_s(compiled, FAKE_HW) < pass_predicted_s(fused, FAKE_HW)
+    # graphed GEMM launches are inside the measured GEMV-chain bandwidth: fusing them is priced only eagerly
+    assert pass_predicted_s(fused, FAKE_HW) == pass_predicted_s(plain, FAKE_HW)
+    assert pass_predicted_s(fused, FAKE_HW, graphed=False) < pass_predicted_s(plain, FAKE_HW, graphed=False)
+
+
+def test_tau_at_other_draft_lengths():
+    from specpilot.costmodel.whatif import tau_at
+
+    assert tau_at(2.5, 4, 4) == pytest.approx(2.5, abs=1e-9)  # the geometric fit reproduces its input
+    assert tau_at(2.5, 4, 2) < 2.5 < tau_at(2.5, 4, 8) < 5.0
+    assert tau_at(1.0, 4, 8) == pytest.approx(1.0)  # nothing accepted: nothing more to gain
+    assert tau_at(5.0, 4, 8) == pytest.approx(9.0, abs=1e-3)  # everything accepted: all of a longer draft too
+    # a measured per-position profile wins where it reaches: 1 + 0.8 + 0.8*0.5
+    assert tau_at(2.0, 4, 2, (0.8, 0.5, 0.5, 0.5)) == pytest.approx(2.2)
+    assert tau_at(2.0, 2, 3, (0.8, 0.5)) == pytest.approx(1 + 0.8 + 0.4 + 0.2)  # the last rate continues
+
+
+def test_predicted_gain_prices_compile_and_draft_length():
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+
+    target, drafter = synthetic_config("qwen2.5-1.5b"), synthetic_config("qwen2.5-0.5b")
+    prof = StepProfile(draft_s=4e-3, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
+                       drafter_passes=4, context_len=600)
+    now = StepKnobs(4, fused=True)
+
+    def gain(new, kind="model", d=drafter):
+        return predicted_gain(target, d, prof, FAKE_HW, kind=kind, now=now, new=new)
+
+    assert gain(now) == pytest.approx(1.0)
+    assert gain(StepKnobs(4, fused=True, compiled=True)) > 1.05  # ~1,000 elementwise kernels fewer per pass
+    assert gain(StepKnobs(4, fused=True, graphed=False)) < 1.0  # host launches instead of graph replays
+    assert gain(StepKnobs(4)) == pytest.approx(1.0)  # graphed, unfusing is not priced as a win
+    # an AR drafter pays per drafted token: at this acceptance a shorter draft is predicted faster
+    assert gain(StepKnobs(2, fused=True)) > gain(StepKnobs(8, fused=True))
+    # n-gram drafting costs no device pass: a longer draft only widens the verify pass a little
+    assert gain(StepKnobs(8, fused=True), kind="ngram", d=None) > 1.0
+    assert gain(StepKnobs(4, fused=True, compiled=True), kind="model", d=None) is None  # drafter shapes unknown

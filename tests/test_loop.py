@@ -185,6 +185,32 @@ def test_failed_elsewhere_is_skipped(tmp_path):
     assert "block_size" not in {t.mechanism for t in res.trials}
 
 
+def test_cost_model_estimates_order_directions_and_values(tmp_path):
+    """Predicted gains (costmodel/whatif.py via `estimate_fn`) put the most promising direction and value first;
+    `per_direction` caps the values tried per round; each trial records the prediction that ordered it."""
+    seen = []
+
+    def estimate(cfg, stats, new):
+        seen.append(stats)
+        if new.ngram_max != cfg.ngram_max:
+            return {3: 1.2, 6: 1.05}.get(new.ngram_max, 0.9)  # ngram_max 3 first, though registry order is 2, 3, 4, 6
+        if new.fused_projections != cfg.fused_projections:
+            return 0.8  # a predicted loss: last
+        return None  # block sizes: not priceable here
+
+    res = run(Memory(tmp_path / "m.sqlite"), FakeMeasure(), estimate_fn=estimate,
+              budget=Budget(rounds=1, directions=2, per_direction=2))
+    tried = [(t.mechanism, t.delta) for t in res.trials if t.round == 1]
+    assert tried[:2] == [("ngram_window", {"ngram_max": 3}), ("ngram_window", {"ngram_max": 6})]
+    assert [m for m, _ in tried[2:]] == ["block_size", "block_size"]  # unpriced, ahead of the predicted loss
+    assert "fused_projections" not in {m for m, _ in tried}
+    first = next(t for t in res.trials if t.delta == {"ngram_max": 3})
+    assert first.figures["predicted_gain"] == 1.2 and first.passed  # N_SPEED[3] = 1.15 over N_SPEED[4]
+    assert seen and all("samples" in st for st in seen)  # priced from the best config's dev measurement
+    report = (write_report(Memory(tmp_path / "m.sqlite"), res.run_id, tmp_path / "out")["report"]).read_text()
+    assert "| predicted x |" in report and "| 1.200 |" in report
+
+
 # --- gate ------------------------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ Public API (others code against exactly these names):
             param_count(cfg), synthetic_config(name), SYNTHETIC_NAMES
   gaps      pass_floor_s(cost, hw)  physical bound;  pass_predicted_s(cost, hw, graphed=True)  calibrated estimate
             StepProfile (measured stage times, passed in), analyze(...) -> CostReport (.to_dict(), .table())
+  whatif    predicted_gain(target_cfg, drafter_cfg, profile, hw, kind=, now=StepKnobs, new=StepKnobs) -> float | None
+            tau_at(tau, k, k_new, acceptance_by_position=None)      the loop orders its trials by these
 
 Dependency rule: this package imports only torch, the stdlib, rich (lazily, for tables), `specpilot.models.config`,
 `specpilot.hub` (cache location) and `specpilot.errors`; never the engine, evaluator or CLI, and it never runs a model.
@@ -36,9 +38,11 @@ from specpilot.costmodel.hardware import (
 from specpilot.costmodel.shapes import (
     SYNTHETIC_NAMES, PassCost, dflash_pass_cost, forward_cost, param_count, synthetic_config,
 )
+from specpilot.costmodel.whatif import StepKnobs, predicted_gain, tau_at
 
 __all__ = [
     "SYNTHETIC_NAMES", "CostReport", "CudaUnavailableError", "GapRow", "HardwareCeilings", "PassCost",
     "StageCost", "StepProfile", "analyze", "ceilings_path", "dflash_pass_cost", "forward_cost", "load_ceilings", "load_or_measure",
-    "measure_ceilings", "param_count", "pass_floor_s", "pass_predicted_s", "save_ceilings", "synthetic_config",
+    "measure_ceilings", "param_count", "pass_floor_s", "pass_predicted_s", "predicted_gain", "save_ceilings",
+    "StepKnobs", "synthetic_config", "tau_at",
 ]

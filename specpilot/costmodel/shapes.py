@@ -33,6 +33,12 @@ _QK_NORM_KERNELS = 2 * _NORM_KERNELS
 # (arange, compare), final RMSNorm 8, LM head 1, logits to fp32 1.
 _HEAD_KERNELS = 1 + 7 + 2 + _NORM_KERNELS + 1 + 1  # = 20
 _LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+_FUSED_LINEARS_PER_LAYER = 4  # qkv, o, gate+up, down (DenseLM.fuse_projections)
+# torch.compile (Inductor) fuses each run of elementwise ops between two GEMMs / attention calls into one kernel:
+# per layer RMSNorm 2, RoPE + KV-cache write 1, attention ~2 (mask or split-KV + merge), SiLU * up 1; per pass
+# embedding + RoPE tables 1, final RMSNorm 1, logits cast 1. An estimate (the GPU check prints profiled counts).
+_COMPILED_LAYER_OTHER_KERNELS = 6
+_COMPILED_HEAD_OTHER_KERNELS = 3
 
 
 @dataclass(frozen=True)
@@ -113,13 +119,26 @@ def kernels_per_layer(cfg: ModelConfig) -> int:
     return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0)
 
 
+def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool) -> tuple[int, int]:
+    """(all kernels, GEMM kernels) of one pass: fused projections cut GEMMs, compilation the elementwise kernels."""
+    L = cfg.num_hidden_layers
+    linear = L * (_FUSED_LINEARS_PER_LAYER if fused else _LINEARS_PER_LAYER) + 1  # + LM head
+    if compiled:
+        other = L * _COMPILED_LAYER_OTHER_KERNELS + _COMPILED_HEAD_OTHER_KERNELS
+    else:
+        other = L * (kernels_per_layer(cfg) - _LINEARS_PER_LAYER) + _HEAD_KERNELS - 1
+    return linear + other, linear
+
+
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
-                 pool_len: int | None = None) -> PassCost:
+                 pool_len: int | None = None, *, fused: bool = False, compiled: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
-    `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read."""
+    `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
+    `fused` (q/k/v and gate/up projections fused) and `compiled` (torch.compile) change only the kernel counts."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
+    kernels = _kernel_counts(cfg, fused, compiled)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
@@ -127,8 +146,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         kv_bytes=_kv_bytes(cfg, num_tokens, context_len, dtype_bytes),
         activation_bytes=_activation_bytes(cfg, num_tokens, dtype_bytes),
         flops=_flops(cfg, num_tokens, context_len),
-        num_kernels=cfg.num_hidden_layers * kernels_per_layer(cfg) + _HEAD_KERNELS,
-        num_linear_kernels=cfg.num_hidden_layers * _LINEARS_PER_LAYER + 1,
+        num_kernels=kernels[0],
+        num_linear_kernels=kernels[1],
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
     )

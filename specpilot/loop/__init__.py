@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from specpilot.config import EngineConfig
 from specpilot.errors import ConfigError
@@ -80,10 +81,10 @@ class EngineMeasure:
         sync = torch.cuda.synchronize if config.device.startswith("cuda") else None
         r = time_engine(engine.generate, prompts, repeats, sync)
         return Measurement(r["samples"], [list(p) for p in prompts], r["outputs"], r["tau"], r["stage_s"],
-                           r["context_len"])
+                           r["context_len"], acceptance=r["acceptance"])
 
 
-def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int):
+def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int, acceptance=None):
     from specpilot.costmodel import StepProfile
 
     if not stage_s or sum(stage_s.values()) <= 0:
@@ -94,14 +95,34 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
                        context_len=context_len,
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
-                       kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None)
+                       kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,
+                       acceptance_by_position=tuple(acceptance) if acceptance else None)
 
 
-def cost_model_hooks(target_cfg, drafter_cfg, device: str):
-    """(profile_fn, ceiling_fn, note) from the target's config and the drafter's (a ModelConfig for a small AR
+def _knobs(cfg: EngineConfig):
+    from specpilot.costmodel.whatif import StepKnobs
+
+    return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
+                     cfg.fused_projections)
+
+
+class CostHooks(NamedTuple):
+    """What the loop asks the cost model (see `cost_model_hooks`)."""
+
+    profile: Callable  # (config, dev stats) -> CostReport | [GapRow] | None: the round's diagnosis
+    ceiling: Callable | None  # (config, Measurement) -> tokens/s ceiling, or None: no ceiling check
+    estimate: Callable | None  # (config, dev stats, candidate config) -> predicted gain or None: trial order
+    note: str
+
+
+def cost_model_hooks(target_cfg, drafter_cfg, device: str) -> CostHooks:
+    """The loop's cost-model hooks from the target's config and the drafter's (a ModelConfig for a small AR
     drafter, a DFlashConfig for DFlash; None: no model drafter).
-    On CUDA: the cost model's gap table and tokens/s ceiling (tau / step floor). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap) and no ceiling."""
+    On CUDA: the cost model's gap table, tokens/s ceiling (tau / step floor) and predicted gains of candidate
+    configs (costmodel/whatif.py). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by
+    gap), no ceiling and no predictions."""
     from specpilot.costmodel import GapRow, analyze, load_or_measure
+    from specpilot.costmodel.whatif import predicted_gain
 
     try:
         hw = load_or_measure(device)
@@ -114,7 +135,8 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
             if total <= 0:
                 return None
             return [GapRow(s, v or 0.0, 0.0, v or 0.0, (v or 0.0) / total) for s, v in rows]
-        return stage_times, None, f"no cost-model ceilings ({e}); diagnosis ranks measured stage times"
+        return CostHooks(stage_times, None, None, f"no cost-model ceilings ({e}); diagnosis ranks measured stage "
+                                                  f"times")
 
     def report(cfg, stage_s, tau, context_len):
         if cfg.drafter_kind in ("model", "dflash") and drafter_cfg is None:
@@ -131,7 +153,17 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str):
         rep = report(cfg, {"verify": 1.0}, m.tau, m.context_len)  # the floor depends on shapes and tau only
         return None if rep is None or rep.step_floor_s <= 0 else m.tau / rep.step_floor_s
 
-    return profile_fn, ceiling_fn, f"cost model on {hw.name}"
+    def estimate_fn(cfg, stats, new_cfg):
+        if new_cfg.drafter_kind != cfg.drafter_kind or cfg.drafter_kind == "none":
+            return None  # another drafter's tau is not predictable from this one's
+        prof = _step_profile(cfg, stats.get("stage_s"), stats.get("tau", 1.0), stats.get("context_len", 0),
+                             stats.get("acceptance"))
+        if prof is None:
+            return None
+        return predicted_gain(target_cfg, drafter_cfg if cfg.drafter_kind in ("model", "dflash") else None, prof, hw,
+                              kind=cfg.drafter_kind, now=_knobs(cfg), new=_knobs(new_cfg))
+
+    return CostHooks(profile_fn, ceiling_fn, estimate_fn, f"cost model on {hw.name}")
 
 
 def _yardsticks(s: dict, cfg, measure, dev, eos_ids, hf_target=None) -> dict:
@@ -171,7 +203,7 @@ def _yardsticks(s: dict, cfg, measure, dev, eos_ids, hf_target=None) -> dict:
 DEFAULTS = dict(target=None, drafter=None, drafter_kind="model", device="cpu", dtype="float32", max_new_tokens=None,
                 config=None, dev_benchmarks="humaneval", heldout_benchmark="mbpp", dev_prompts_file=None,
                 heldout_prompts_file=None, field="prompt", num_prompts=3, heldout_num_prompts=None, dataset_dir=None,
-                rounds=3, trials=40, wall_s=3600.0, directions=3, repeats=3, workers=2, memory=None, resume=None,
+                rounds=3, trials=40, wall_s=3600.0, directions=3, per_direction=3, repeats=3, workers=2, memory=None, resume=None,
                 agent_command=None, agent_repo=None, ray=False, tolerance=None, stock="transformers",
                 yardsticks="ar,stock", out="results/optimize")
 
@@ -192,6 +224,8 @@ def add_optimize_parser(subparsers):
     a("--num-prompts", type=int), a("--heldout-num-prompts", type=int), a("--dataset-dir")
     a("--rounds", type=int), a("--trials", type=int), a("--wall-s", type=float)
     a("--directions", type=int, help="mechanism explorers per round"), a("--workers", type=int)
+    a("--per-direction", type=int, help="candidate values each direction tries per round, best predicted first "
+                                        "(0: all)")
     a("--repeats", type=int, help="timed repeats per measurement (>= 2: the noise estimate)")
     a("--memory", help="SQLite memory (default: <cache>/loop/memory.sqlite)")
     a("--resume", type=int, metavar="RUN", help="resume a killed run: finished trials are not re-run")
@@ -293,8 +327,8 @@ def cmd_optimize(args) -> int:
         scorer = specpilot_scorer(load_model(resolve_model(s["target"]), dtype=DTYPE[cfg.dtype], device=cfg.device))
     device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
     deployment = Deployment(s["target"], s["drafter"], cfg, device_name)
-    profile_fn, ceiling_fn, note = cost_model_hooks(target.config, drafter_cfg, cfg.device)
-    err.print(f"[dim]{note}[/dim]")
+    hooks = cost_model_hooks(target.config, drafter_cfg, cfg.device)
+    err.print(f"[dim]{hooks.note}[/dim]")
     tolerance = DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"]
     if s["tolerance"] is None and s["stock"] == "transformers":  # low precision: a measured tolerance (forcing.py)
         noise, tolerance = calibrated_tolerance(
@@ -303,19 +337,19 @@ def cmd_optimize(args) -> int:
         if noise is not None:
             err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 -> tolerance "
                       f"{tolerance:.4f}")
-    gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=ceiling_fn, device=cfg.device, tolerance=tolerance)
+    gate = Gate(scorer, held, repeats=s["repeats"], ceiling_fn=hooks.ceiling, device=cfg.device, tolerance=tolerance)
     memory = Memory(s["memory"] or cache_dir() / "loop" / "memory.sqlite")
     extra = []
     if s["agent_command"]:
         repo = s["agent_repo"] or subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=Path(__file__).parent,
                                                  capture_output=True, text=True, check=True).stdout.strip()
         extra = [lambda view: AgentExplorer(s["agent_command"], repo)]
-    budget = Budget(s["rounds"], s["trials"], s["wall_s"], s["directions"], s["workers"])
+    budget = Budget(s["rounds"], s["trials"], s["wall_s"], s["directions"], s["workers"], s["per_direction"])
     t0 = time.time()
     measure = EngineMeasure(lambda c: load_target(s["target"], c)[0], s["drafter"], tok, loaded=(cfg, target))
     eos_ids = list(target.config.eos_token_ids)
     del target  # the measure owns it now: a trial with another weight layout must be able to free it (CPU: 23 GB)
-    result = optimize(deployment, budget, memory, measure, profile_fn, dev=dev,
+    result = optimize(deployment, budget, memory, measure, hooks.profile, dev=dev, estimate_fn=hooks.estimate,
                       gate=gate, extra=extra, resume_run=s["resume"], use_ray=bool(s["ray"]),
                       progress=lambda msg: err.print(f"[dim]{msg}[/dim]"),
                       yardsticks=_yardsticks(s, cfg, measure, dev, eos_ids, getattr(scorer, "model", None)))

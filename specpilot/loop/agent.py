@@ -122,7 +122,7 @@ class DriverMeasure:
                 if x.startswith("SPECPILOT-RESULT ")][-1]
         r = json.loads(line.split(" ", 1)[1])
         return Measurement(r["samples"], [list(p) for p in prompts], r["outputs"], r["tau"], r["stage_s"],
-                           r["context_len"], r["config"])
+                           r["context_len"], r["config"], acceptance=r.get("acceptance", []))
 
 
 class AgentExplorer(Explorer):

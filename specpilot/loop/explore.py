@@ -36,11 +36,12 @@ class Measurement:
     stage_s: dict = field(default_factory=dict)  # mean seconds per speculative step, by stage
     context_len: int = 0  # mean tokens in the KV cache during decoding
     config: dict | None = None  # the config actually run, where it differs from the one asked for (agents)
+    acceptance: list = field(default_factory=list)  # P(draft i accepted | drafts before it were), i = 0..K-1
 
     def stats(self) -> dict:
         return {"samples": [round(s, 4) for s in self.samples], "median": statistics.median(self.samples),
                 "spread": max(self.samples) - min(self.samples), "tau": self.tau, "stage_s": self.stage_s,
-                "context_len": self.context_len}
+                "context_len": self.context_len, "acceptance": [round(a, 4) for a in self.acceptance]}
 
 
 Measure = Callable[[EngineConfig, list[list[int]], int], Measurement]
@@ -93,6 +94,18 @@ class View:
     gaps: list  # [{"stage", "measured_s", "floor_s", "gap_s"}], largest gap first
     knowledge: object = None  # memory.Knowledge from similar deployments
     tried: frozenset = frozenset()  # JSON of every config already tried in this run
+    estimates: dict = field(default_factory=dict)  # mechanism -> {delta_key(delta): cost-model predicted gain}
+
+
+def delta_key(delta: dict) -> str:
+    return json.dumps(delta, sort_keys=True)
+
+
+def estimate_rank(gain: float | None) -> tuple[int, float]:
+    """Sort key of a predicted gain: predicted wins (largest first), then unpredictable, then predicted losses."""
+    if gain is None:
+        return (1, 0.0)
+    return (0, -gain) if gain > 1.0 else (2, -gain)
 
 
 def config_json(cfg: EngineConfig) -> str:
@@ -116,18 +129,23 @@ class Explorer:
 class MechanismExplorer(Explorer):
     """A registry mechanism's values applied to the current best, values that worked elsewhere first."""
 
-    def __init__(self, mechanism: Mechanism, prefer: list[dict] = ()):
-        self.mechanism, self.name, self.prefer = mechanism, mechanism.name, list(prefer)
+    def __init__(self, mechanism: Mechanism, prefer: list[dict] = (), limit: int = 0):
+        self.mechanism, self.name, self.prefer, self.limit = mechanism, mechanism.name, list(prefer), limit
 
     def propose(self, view: View) -> list[Candidate]:
+        """Values that worked elsewhere first, then by the cost model's predicted gain (registry order where it has
+        none); at most `limit` per round (0: all) — the rest stay for later rounds."""
+        est = view.estimates.get(self.name, {})
         deltas = self.mechanism.candidates(view.best_config, view.deployment)
-        deltas.sort(key=lambda d: 0 if d in self.prefer else 1)  # stable: registry order otherwise
+        deltas.sort(key=lambda d: (d not in self.prefer, estimate_rank(est.get(delta_key(d)))))  # stable
         out = []
         for d in deltas:
             cfg = view.best_config.with_(**d)
             if config_json(cfg) not in view.tried:
-                out.append(Candidate(self.name, d, cfg, trial_key(view.round, self.name, d)))
-        return out
+                gain = est.get(delta_key(d))
+                out.append(Candidate(self.name, d, cfg, trial_key(view.round, self.name, d),
+                                     extra={} if gain is None else {"predicted_gain": round(gain, 4)}))
+        return out[: self.limit] if self.limit else out
 
 
 class FixedExplorer(Explorer):
@@ -236,7 +254,14 @@ def time_engine(generate, prompts, repeats, sync=None) -> dict:
             stage[k] = stage.get(k, 0.0) + v
     tokens = sum(len(r.output_ids) for r in first)
     forwards = sum(r.num_target_forwards for r in first)
+    reached, hit = {}, {}  # per draft position: steps that reached it, and of those, steps that accepted it
+    for r in first:
+        for drafted, acc in zip(r.drafted_lengths, r.accepted_lengths):
+            for i in range(min(drafted, acc + 1)):
+                reached[i] = reached.get(i, 0) + 1
+                hit[i] = hit.get(i, 0) + (i < acc)
     return {"samples": samples, "outputs": [list(r.output_ids) for r in first],
             "tau": tokens / forwards if forwards else 1.0,
             "stage_s": {k: v / steps for k, v in stage.items()} if steps else {},
+            "acceptance": [hit[i] / reached[i] for i in sorted(reached)],
             "context_len": int(sum(len(p) + len(r.output_ids) / 2 for p, r in zip(prompts, first)) / len(first))}

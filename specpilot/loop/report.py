@@ -135,12 +135,13 @@ def write_report(memory: Memory, run: int, out_dir: str | Path, *, title: str = 
                            for g in r["gaps"])
         lines.append(f"| {r['round']} | {r['note']} | {stages} |")
     lines += ["", "## Trials", "",
-              "| id | round | mechanism | delta | dev tok/s | x reference | x round 0 | held-out x reference | verdict "
-              "| reason |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for t in trials:
+              "| id | round | mechanism | delta | dev tok/s | predicted x | x reference | x round 0 | held-out x reference "
+              "| verdict | reason |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in trials:  # predicted x: the cost model's estimate that ordered the trial (costmodel/whatif.py)
         lines.append(f"| {t.id} | {t.round} | {t.mechanism} | `{json.dumps(t.delta)}` | {_fmt(t.median or None)} "
-                     f"| {_fmt(t.figures.get('gain_dev'))} | {_fmt(t.chain or None)} "
+                     f"| {_fmt(t.figures.get('predicted_gain'))} | {_fmt(t.figures.get('gain_dev'))} "
+                     f"| {_fmt(t.chain or None)} "
                      f"| {_fmt(t.figures.get('gain_heldout'))} | "
                      f"{t.verdict}{' (adopted)' if t.adopted else ''} | {t.reason.replace('|', '/')} |")
         if t.verdict == "accepted" and t.figures.get("patch"):

@@ -5,8 +5,10 @@ reference — the current best, or for a combination the best single winner — 
 speedups over round 0 are products of such paired gains. Each later round
   diagnose   ranks the cost model's stages by gap (measured - floor) when a profile function is given, else a
              fixed stage order;
-  choose     directions: mechanisms that worked on similar deployments first, then by the rank of the stage they
-             target; mechanisms that only failed there are skipped; mechanisms with nothing left to try drop out.
+  choose     directions: mechanisms that worked on similar deployments first, then those the cost model predicts
+             to gain most (`estimate_fn`, costmodel/whatif.py), then by the rank of the stage they target;
+             mechanisms that only failed there are skipped; mechanisms with nothing left to try drop out. Each
+             direction proposes its values in the same order, at most `Budget.per_direction` per round.
              Round 1 of a deployment with such knowledge tries the remembered winning deltas together first;
   explore    the chosen explorers in parallel (timed runs serialized by the device lease), each trial gated;
   integrate  the best winner per mechanism; where two or more mechanisms won with disjoint fields, their deltas
@@ -34,8 +36,8 @@ from typing import Callable, Sequence
 
 from specpilot.config import EngineConfig
 from specpilot.errors import ConfigError, SpecPilotError
-from specpilot.loop.explore import (Candidate, Explorer, FixedExplorer, Measure, MechanismExplorer, View, explore,
-                                    trial_key)
+from specpilot.loop.explore import (Candidate, Explorer, FixedExplorer, Measure, MechanismExplorer, View, delta_key,
+                                    estimate_rank, explore, trial_key)
 from specpilot.loop.gate import Gate
 from specpilot.loop.memory import Knowledge, Memory, Trial
 from specpilot.loop.registry import REGISTRY, Deployment, Mechanism, applicable, config_delta
@@ -43,6 +45,7 @@ from specpilot.loop.registry import REGISTRY, Deployment, Mechanism, applicable,
 FIXED_ORDER = ("verify", "draft", "other", "accept")  # no profile: the usual order of step time on a GPU
 PSEUDO = ("baseline", "combine", "transfer")  # trial kinds that are not registry mechanisms
 ProfileFn = Callable[[EngineConfig, dict], object]  # (config, dev stats) -> CostReport | [GapRow-like] | None
+EstimateFn = Callable[[EngineConfig, dict, EngineConfig], "float | None"]  # (config, dev stats, candidate) -> gain
 Yardstick = Callable[[], dict]  # () -> {"tokens_per_s": float, ...details}: one reference system timed on the dev set
 
 
@@ -57,6 +60,7 @@ class Budget:
     wall_s: float = 3600.0
     directions: int = 3  # mechanism explorers per round (agent explorers come on top)
     workers: int = 2  # explorer threads
+    per_direction: int = 0  # candidate values per direction per round (0: all)
 
 
 @dataclass
@@ -123,17 +127,45 @@ def diagnose(profile_fn: ProfileFn | None, cfg: EngineConfig, dev_stats: dict) -
 
 
 def choose(dep: Deployment, view: View, knowledge: Knowledge, registry: dict[str, Mechanism],
-           skip_failed: bool = True) -> list[MechanismExplorer]:
-    """Applicable mechanisms with something left to try: worked elsewhere first (by gain), then by stage gap."""
+           skip_failed: bool = True, per_direction: int = 0) -> list[MechanismExplorer]:
+    """Applicable mechanisms with something left to try: worked elsewhere first (by gain), then by the cost
+    model's best predicted gain among their values, then by stage gap."""
     rank = {r["stage"]: i for i, r in enumerate(view.gaps)}
     worked = {m: (d, g) for m, d, g in knowledge.worked}
     order = list(registry)
     mechs = [m for m in applicable(dep, view.best_config, registry)
              if not (skip_failed and m.name in knowledge.failed and m.name not in worked)]
-    mechs.sort(key=lambda m: (m.name not in worked, -worked.get(m.name, ({}, 0.0))[1],
+
+    def predicted(m: Mechanism) -> float | None:
+        gains = [g for g in view.estimates.get(m.name, {}).values() if g is not None]
+        return max(gains) if gains else None
+
+    mechs.sort(key=lambda m: (m.name not in worked, -worked.get(m.name, ({}, 0.0))[1], estimate_rank(predicted(m)),
                               min(rank.get(s, len(rank)) for s in m.gap_stages), order.index(m.name)))
-    explorers = [MechanismExplorer(m, [worked[m.name][0]] if m.name in worked else []) for m in mechs]
+    explorers = [MechanismExplorer(m, [worked[m.name][0]] if m.name in worked else [], per_direction) for m in mechs]
     return [e for e in explorers if e.propose(view)]
+
+
+def estimates(estimate_fn: EstimateFn | None, dep: Deployment, cfg: EngineConfig, stats: dict,
+              registry: dict[str, Mechanism]) -> dict[str, dict]:
+    """mechanism -> {delta_key: predicted gain} for every candidate value the cost model can price."""
+    if estimate_fn is None:
+        return {}
+    out: dict[str, dict] = {}
+    for m in applicable(dep, cfg, registry):
+        for d in m.candidates(cfg, dep):
+            try:
+                gain = estimate_fn(cfg, stats, cfg.with_(**d))
+            except (ConfigError, ValueError, ZeroDivisionError):  # an unpriceable shape: ordered as unknown
+                gain = None
+            if gain is not None:
+                out.setdefault(m.name, {})[delta_key(d)] = gain
+    return out
+
+
+def _direction(explorer: Explorer, view: View) -> str:
+    gains = [g for g in view.estimates.get(explorer.name, {}).values() if g is not None]
+    return explorer.name + (f" (predicted x{max(gains):.2f})" if gains else "")
 
 
 def _merge(deltas: Sequence[dict]) -> dict:
@@ -165,7 +197,7 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
              registry: dict[str, Mechanism] | None = None, extra: Sequence[Callable[[View], Explorer]] = (),
              resume_run: int | None = None, use_ray: bool = False, skip_failed: bool = True,
              progress: Callable[[str], None] | None = None,
-             yardsticks: dict[str, Yardstick] | None = None) -> RunResult:
+             yardsticks: dict[str, Yardstick] | None = None, estimate_fn: EstimateFn | None = None) -> RunResult:
     reg = REGISTRY if registry is None else registry
     say = progress or (lambda msg: None)
     if resume_run is not None:
@@ -241,18 +273,19 @@ def optimize(deployment: Deployment, budget: Budget, memory: Memory, measure: Me
         best_cfg = EngineConfig.from_dict(best.config)
         gaps, note = diagnose(profile_fn, best_cfg, best.figures["dev"])
         memory.record_round(run, rnd, gaps, note)
-        view = View(deployment, rnd, best_cfg, best.figures, gaps, knowledge, frozenset(tried))
+        view = View(deployment, rnd, best_cfg, best.figures, gaps, knowledge, frozenset(tried),
+                    estimates(estimate_fn, deployment, best_cfg, best.figures["dev"], reg))
         explorers: list[Explorer] = []
         if rnd == 1 and knowledge.worked:
             warm = FixedExplorer("transfer", [_merge(_transferable(knowledge, deployment, best_cfg, reg))])
             explorers = [warm] if warm.propose(view) else []
         if not explorers:
-            explorers = choose(deployment, view, knowledge, reg, skip_failed)[:budget.directions]
+            explorers = choose(deployment, view, knowledge, reg, skip_failed, budget.per_direction)[:budget.directions]
             explorers += [make(view) for make in extra]
         if not explorers:
             stopped = "no direction left to explore"
             break
-        say(f"round {rnd}: {note}; directions: {', '.join(e.name for e in explorers)}")
+        say(f"round {rnd}: {note}; directions: {', '.join(_direction(e, view) for e in explorers)}")
         trials = explore(explorers, view, lambda c: run_trial(c, rnd, best),
                          lambda k: memory.find_trial(run, k), workers=budget.workers, use_ray=use_ray)
         rounds_done = rnd

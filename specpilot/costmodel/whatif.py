@@ -1,0 +1,98 @@
+"""What a config change should buy before it is measured: the cost model's predicted tokens/s ratio.
+
+The loop has a handful of trials per run and used to spend them in registry order (session 8 and 9 runs on the H200
+spent their wall limit on draft lengths before reaching `compile`). `predicted_gain` lets it try first what the
+cost model expects to pay most. It is an ordering heuristic, never a verdict: every candidate is still measured
+and gated.
+
+How: start from the *measured* step (so what the model cannot see — host stages, an n-gram lookup — stays as
+measured) and add the predicted change of the device passes the knobs touch:
+
+    step_new = step_measured + sum(pass_predicted_s(new passes)) - sum(pass_predicted_s(current passes))
+    gain     = (tau_new / step_new) / (tau / step_measured)
+
+`tau_new` differs from tau only when the number of drafted tokens changes: with a per-position acceptance
+profile it is read from it (`acceptance_by_position`: P(draft i accepted | the drafts before it were); past its
+end the last measured rate continues), else it comes from a constant per-token acceptance alpha solved from
+tau = (1 - alpha^(K+1)) / (1 - alpha).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specpilot.costmodel.gaps import StepProfile, pass_predicted_s
+from specpilot.costmodel.hardware import HardwareCeilings
+from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost
+from specpilot.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepKnobs:
+    """The engine settings the cost model can price (a plain mirror of EngineConfig fields: no engine import)."""
+
+    num_draft_tokens: int
+    graphed: bool = True  # cuda_graphs
+    compiled: bool = False  # compile (target runner and a small AR drafter's; not the DFlash draft step)
+    fused: bool = False  # fused_projections
+
+
+def _tau_geometric(tau: float, k: int, k_new: int) -> float:
+    """tau at k_new drafted tokens for the constant acceptance alpha that gives `tau` at k."""
+    if k <= 0 or k_new <= 0:
+        return 1.0 if k_new <= 0 else tau
+    target = min(max(tau, 1.0), k + 1.0)
+
+    def tau_of(alpha: float, n: int) -> float:
+        return sum(alpha ** i for i in range(n + 1))
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # tau_of is increasing in alpha on [0, 1]
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tau_of(mid, k) < target else (lo, mid)
+    return tau_of((lo + hi) / 2, k_new)
+
+
+def tau_at(tau: float, k: int, k_new: int, acceptance_by_position=None) -> float:
+    """Expected tokens per step with k_new drafted tokens, from a measurement at k (see module docstring)."""
+    acc = list(acceptance_by_position or [])
+    if not acc:
+        return _tau_geometric(tau, k, k_new)
+    rates = acc[:k_new] + [acc[-1]] * (k_new - len(acc))  # past the measured positions: the last measured rate
+    out, reach = 1.0, 1.0
+    for p in rates:  # P(first i drafts accepted) = product of the conditional rates up to i
+        reach *= p
+        out += reach
+    return out
+
+
+def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, profile: StepProfile,
+            tau: float) -> list[PassCost]:
+    k, ctx = knobs.num_draft_tokens, profile.context_len
+    pool = profile.kv_pool_len
+    out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)]
+    if kind == "model" and drafter_cfg is not None and k > 0:  # catch-up pass with ~tau tokens, then 1 per token
+        first = max(1, round(tau))
+        out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)
+                for t in (first,) + (1,) * (k - 1)]
+    elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
+        out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=pool))
+    return out
+
+
+def predicted_gain(target_cfg: ModelConfig, drafter_cfg, profile: StepProfile, hw: HardwareCeilings, *,
+                   kind: str, now: StepKnobs, new: StepKnobs) -> float | None:
+    """Predicted tokens/s of `new` over `now` for a step measured as `profile` under `now` (None: not priceable,
+    e.g. a model drafter whose shapes are unknown)."""
+    if kind in ("model", "dflash") and drafter_cfg is None:
+        return None
+    tau_new = tau_at(profile.tau, now.num_draft_tokens, new.num_draft_tokens, profile.acceptance_by_position)
+
+    def device_s(knobs: StepKnobs, tau: float) -> float:
+        return sum(pass_predicted_s(c, hw, knobs.graphed) for c in _passes(target_cfg, drafter_cfg, kind, knobs,
+                                                                           profile, tau))
+
+    step_new = profile.step_s + device_s(new, tau_new) - device_s(now, profile.tau)
+    if step_new <= 0:
+        return None
+    return (tau_new / step_new) / (profile.tau / profile.step_s)
