@@ -410,6 +410,13 @@ def test_length_buckets_cut_padding_and_cover_every_item():
     assert dt.epoch_batches(lengths, 16, 32, 0, 0) != dt.epoch_batches(lengths, 16, 32, 0, 1)
     assert dt.epoch_batches(lengths, 16, 32, 0, 0) != dt.epoch_batches(lengths, 16, 32, 1, 0)
     assert dt.epoch_batches([5], 3, 32, 0, 0) == [[0, 0, 0]]  # fewer items than a batch
+    # two data-parallel ranks take batches 2s and 2s+1 in step s: grouped, they are length neighbours
+    pairs = dt.epoch_batches(lengths, 16, 32, 0, 0, group=2)
+    assert sorted(map(sorted, pairs)) == sorted(map(sorted, dt.epoch_batches(lengths, 16, 32, 0, 0)))
+    gap = lambda bs: sum(abs(max(lengths[i] for i in bs[k]) - max(lengths[i] for i in bs[k + 1]))  # noqa: E731
+                         for k in range(0, len(bs) - 1, 2))
+    assert gap(pairs) < 0.25 * gap(dt.epoch_batches(lengths, 16, 32, 0, 0))
+    assert dt.epoch_batches(lengths, 16, 32, 0, 0, group=1) == dt.epoch_batches(lengths, 16, 32, 0, 0)
 
 
 def test_trainer_batches_are_a_function_of_seed_and_step(target):

@@ -121,11 +121,16 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def epoch_batches(lengths: list[int], batch_size: int, buckets: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(lengths: list[int], batch_size: int, buckets: int, seed: int, epoch: int,
+                  group: int = 1) -> list[list[int]]:
     """The batches (item indices) of one epoch, length-bucketed: the seeded shuffle of all items is cut into
     windows of batch_size * buckets items, each window is sorted by length and cut into batches, and the batches
     are shuffled. Batches of similar lengths waste little on padding, and each window is a random sample so the
-    order of what is learnt stays random. A short last batch is filled from the start of the shuffled list."""
+    order of what is learnt stays random. A short last batch is filled from the start of the shuffled list.
+
+    `group` (the number of data-parallel ranks): runs of `group` neighbouring batches in length order are shuffled
+    as units, so the batches the ranks take in one step (consecutive in the stream) have similar lengths and no
+    rank waits long for another at the gradient all-reduce. group=1 is the plain shuffle."""
     order = list(range(len(lengths)))
     random.Random(f"{seed}/epoch/{epoch}").shuffle(order)
     window = batch_size * max(1, buckets)
@@ -135,8 +140,11 @@ def epoch_batches(lengths: list[int], batch_size: int, buckets: int, seed: int, 
         batches += [part[b:b + batch_size] for b in range(0, len(part), batch_size)]
     if len(batches[-1]) < batch_size:  # only the last window can end short (a window is whole batches)
         batches[-1] += itertools.islice(itertools.cycle(order), batch_size - len(batches[-1]))
-    random.Random(f"{seed}/batches/{epoch}").shuffle(batches)
-    return batches
+    group = max(1, group)
+    whole = len(batches) - len(batches) % group  # a short last run stays last, or it would shift every pair after it
+    units = [batches[i:i + group] for i in range(0, whole, group)]
+    random.Random(f"{seed}/batches/{epoch}").shuffle(units)
+    return [b for unit in units for b in unit] + batches[whole:]
 
 
 @dataclass
@@ -204,11 +212,14 @@ class DFlashTrainer:
         """The batch of the stream's index `step` (with several ranks: pass `global_batch(step)`)."""
         n, N = len(self.items), self.cfg.batch_size
         if self.cfg.length_buckets > 1:  # epoch s // batches-per-epoch, its batch s % batches-per-epoch
-            epoch, b = divmod(step, math.ceil(n / N))
+            per_epoch = math.ceil(n / N)
+            per_epoch += -per_epoch % self.dist.world  # whole steps of all ranks: the ranks' pairs stay aligned
+            epoch, b = divmod(step, per_epoch)
             if self._epoch is None or self._epoch[0] != epoch:
                 lengths = [len(ids) for ids, _ in self.items]
-                self._epoch = (epoch, epoch_batches(lengths, N, self.cfg.length_buckets, self.cfg.seed, epoch))
-            return list(self._epoch[1][b])
+                self._epoch = (epoch, epoch_batches(lengths, N, self.cfg.length_buckets, self.cfg.seed, epoch,
+                                                    group=self.dist.world))
+            return list(self._epoch[1][b % len(self._epoch[1])])  # the rounding up re-uses the first batches
         # random batches: one flat stream through the epochs' shuffles (a batch may straddle two epochs)
         out = []
         flat = step * N
