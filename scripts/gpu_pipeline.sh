@@ -13,6 +13,9 @@
 #   lane 1 runs the checks, timings and the loop beside it, plus the loop's memory transfer to the 0.5B target.
 # Results: /tmp/results (lane logs, bench JSON, optimize folders, step timings), drafters: /tmp/ship, runs: /tmp/runs.
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
+# Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, ANCHORS (per sequence,
+# default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
+# W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -23,7 +26,7 @@ L15=${L15:-$([ $MODE = ddp ] && echo 540 || echo 720)}; R15=${R15:-240}; L05=${L
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --val-prompts 32 --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
- --anchors-per-seq 32 --length-buckets 32 --lr 6e-4 --warmup-steps 100 --val-every 500 --save-every 0
+ --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr 6e-4 --warmup-steps 100 --val-every 500 --save-every 0
  --fit-steps-to-time --no-progress"
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
 # the 1.5B drafter keeps training from the shipped one (INIT15= starts a new one)
@@ -43,6 +46,9 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
   tail -1 $R/step_timing.log
   echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
   for k in ${PROFILES:-ngram}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  echo "[$(date +%T)] DFlash step breakdown (draft graph vs host work, random weights at the 1.5B shapes)"
+  timeout 180 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
+  tail -1 $R/dflash_step.log
 }
 
 loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRANSFER=1 adds the 0.5B from memory / empty
