@@ -211,6 +211,40 @@ def test_cost_model_estimates_order_directions_and_values(tmp_path):
     assert "| predicted x |" in report and "| 1.200 |" in report
 
 
+def test_cost_model_hooks_price_ngram_switches_by_replay(monkeypatch):
+    """On a GPU the hooks predict gains; a switch to n-grams (or another n-gram setting) gets its tau replayed on
+    the dev outputs, so a drafter the loop has never run is still priced."""
+    import specpilot.costmodel as cm
+    from specpilot.costmodel import HardwareCeilings, synthetic_config
+    from specpilot.drafters.ngram import NgramDrafter, replay
+    from specpilot.loop import cost_model_hooks
+    from specpilot.models.dflash import DFlashConfig
+
+    hw = HardwareCeilings(name="Fake GPU", hbm_bytes_per_s=4e12, bf16_flops_per_s=7e14, launch_s=6e-6,
+                          graph_kernel_s=1.5e-6, gemv_bytes_per_s=3.5e12, measured_at="2025-01-01T00:00:00+0000")
+    monkeypatch.setattr(cm, "load_or_measure", lambda device: hw)
+    target = synthetic_config("qwen2.5-1.5b")
+    drafter = DFlashConfig(hidden_size=1536, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=12,
+                           num_key_value_heads=2, head_dim=128, block_size=16, mask_token_id=5,
+                           target_layer_ids=(1, 13, 25), num_target_layers=28, vocab_size=target.vocab_size)
+    prompts = [[7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23] * 5]
+    outputs = [[7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23] * 8]  # the outputs quote their prompts: n-grams shine
+    hooks = cost_model_hooks(target, drafter, "cuda", dev_prompts=prompts)
+    stats = {"stage_s": {"draft": 2e-3, "verify": 4e-3, "accept": 1.5e-4, "commit": 1.8e-4}, "tau": 2.0,
+             "context_len": 60, "acceptance": [0.6, 0.5, 0.4, 0.4], "outputs": outputs}
+    flash = EngineConfig(drafter_kind="dflash", num_draft_tokens=4)
+    to_ngram = hooks.estimate(flash, stats, flash.with_(drafter_kind="ngram"))
+    assert to_ngram > 2.0  # replayed tau ~4.6 of 5 and the 2 ms draft stage gone
+    assert hooks.estimate(flash, {**stats, "outputs": None}, flash.with_(drafter_kind="ngram")) is None
+    assert hooks.estimate(flash, stats, flash.with_(drafter_kind="model")) is None  # an unknown drafter's tau
+    ngram = EngineConfig(drafter_kind="ngram", num_draft_tokens=2)
+    for outs, verdict in ((outputs, lambda g: g > 1.5),  # replayed: long copies pay
+                          ([list(range(100, 136)), list(range(200, 232))], lambda g: g < 1.0)):  # nothing to copy
+        measured = replay(NgramDrafter(4, 1), prompts, outs, 2)["tau"]  # what the run at K = 2 saw
+        assert verdict(hooks.estimate(ngram, {**stats, "tau": measured, "outputs": outs},
+                                      ngram.with_(num_draft_tokens=8)))
+
+
 # --- gate ------------------------------------------------------------------------------------------------------
 
 

@@ -103,6 +103,24 @@ def test_ngram_drafter_proposes_continuation():
     assert d.propose([1, 2, 3], 4).token_ids.numel() == 0
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram_replay_predicts_the_engine_steps_exactly(models, k):
+    """`replay` (the loop's prediction of an n-gram setting, no model run) gives the engine's own step count."""
+    from specpilot.drafters.ngram import replay
+
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=k, max_new_tokens=30, max_seq_len=128, ignore_eos=True)
+    drafter = NgramDrafter(3, 1)
+    spec = Engine(models["target"], cfg, drafter)
+    prompts = _prompts()
+    results = [spec.generate(p) for p in prompts]
+    steps = sum(len(r.accepted_lengths) for r in results)
+    tokens = sum(len(r.output_ids) for r in results)
+    got = replay(drafter, prompts, [r.output_ids for r in results], k)
+    assert got["tau"] == pytest.approx(tokens / steps) and got["tau"] > 1.0  # repetitive prompts: drafts hit
+    assert got["propose_s"] > 0
+    assert replay(drafter, prompts, [r.output_ids for r in results], 0)["tau"] == 1.0  # no drafts: one per step
+
+
 def test_stop_strings_cut_ar_and_spec_at_the_same_token(models):
     """A stop string ends generation at the token that completes it, in AR and speculative decoding alike."""
     target = models["target"]

@@ -81,18 +81,31 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
 
 
 def predicted_gain(target_cfg: ModelConfig, drafter_cfg, profile: StepProfile, hw: HardwareCeilings, *,
-                   kind: str, now: StepKnobs, new: StepKnobs) -> float | None:
+                   kind: str, now: StepKnobs, new: StepKnobs, new_kind: str | None = None,
+                   new_tau: float | None = None, new_draft_host_s: float = 0.0) -> float | None:
     """Predicted tokens/s of `new` over `now` for a step measured as `profile` under `now` (None: not priceable,
-    e.g. a model drafter whose shapes are unknown)."""
-    if kind in ("model", "dflash") and drafter_cfg is None:
+    e.g. a model drafter whose shapes are unknown).
+
+    A change of drafter (`new_kind`, e.g. to n-gram lookup) needs its tau from outside (`new_tau`: the n-gram
+    drafter's is replayed exactly on the outputs, drafters/ngram.py) and its host-side draft time
+    (`new_draft_host_s`); the measured draft stage is then replaced, not adjusted."""
+    new_kind = new_kind or kind
+    if (kind in ("model", "dflash") or new_kind in ("model", "dflash")) and drafter_cfg is None:
         return None
-    tau_new = tau_at(profile.tau, now.num_draft_tokens, new.num_draft_tokens, profile.acceptance_by_position)
+    if new_kind != kind and new_tau is None:
+        return None
+    if new_tau is None:
+        new_tau = tau_at(profile.tau, now.num_draft_tokens, new.num_draft_tokens, profile.acceptance_by_position)
 
-    def device_s(knobs: StepKnobs, tau: float) -> float:
-        return sum(pass_predicted_s(c, hw, knobs.graphed) for c in _passes(target_cfg, drafter_cfg, kind, knobs,
-                                                                           profile, tau))
+    def device_s(k: str, knobs: StepKnobs, tau: float) -> tuple[float, float]:  # (verify, draft) predictions
+        verify, *drafts = _passes(target_cfg, drafter_cfg, k, knobs, profile, tau)
+        return (pass_predicted_s(verify, hw, knobs.graphed),
+                sum(pass_predicted_s(c, hw, knobs.graphed) for c in drafts))
 
-    step_new = profile.step_s + device_s(new, tau_new) - device_s(now, profile.tau)
+    (v_now, d_now), (v_new, d_new) = device_s(kind, now, profile.tau), device_s(new_kind, new, new_tau)
+    verify = profile.verify_s + v_new - v_now
+    draft = profile.draft_s + d_new - d_now if new_kind == kind else new_draft_host_s + d_new
+    step_new = verify + draft + profile.accept_s + profile.other_s
     if step_new <= 0:
         return None
-    return (tau_new / step_new) / (profile.tau / profile.step_s)
+    return (new_tau / step_new) / (profile.tau / profile.step_s)

@@ -115,12 +115,23 @@ class CostHooks(NamedTuple):
     note: str
 
 
-def cost_model_hooks(target_cfg, drafter_cfg, device: str) -> CostHooks:
+def _ngram_replay(cfg: EngineConfig, stats: dict, new_cfg: EngineConfig, prompts) -> dict | None:
+    """The n-gram drafter of `new_cfg` replayed on the dev outputs of `cfg` (greedy: any passing config has them)."""
+    from specpilot.drafters.ngram import NgramDrafter, replay
+
+    outputs = stats.get("outputs")
+    if not cfg.sampling.greedy or not prompts or not outputs or len(outputs) != len(prompts):
+        return None
+    return replay(NgramDrafter(new_cfg.ngram_max, new_cfg.ngram_min), prompts, outputs, new_cfg.num_draft_tokens)
+
+
+def cost_model_hooks(target_cfg, drafter_cfg, device: str, dev_prompts=None) -> CostHooks:
     """The loop's cost-model hooks from the target's config and the drafter's (a ModelConfig for a small AR
     drafter, a DFlashConfig for DFlash; None: no model drafter).
     On CUDA: the cost model's gap table, tokens/s ceiling (tau / step floor) and predicted gains of candidate
-    configs (costmodel/whatif.py). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by
-    gap), no ceiling and no predictions."""
+    configs (costmodel/whatif.py; n-gram settings and switches to n-grams get their tau replayed on the dev
+    outputs, `dev_prompts`). Elsewhere: the measured stage times with floor 0 (a ranking by time, not by gap), no
+    ceiling and no predictions."""
     from specpilot.costmodel import GapRow, analyze, load_or_measure
     from specpilot.costmodel.whatif import predicted_gain
 
@@ -154,14 +165,28 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str) -> CostHooks:
         return None if rep is None or rep.step_floor_s <= 0 else m.tau / rep.step_floor_s
 
     def estimate_fn(cfg, stats, new_cfg):
-        if new_cfg.drafter_kind != cfg.drafter_kind or cfg.drafter_kind == "none":
-            return None  # another drafter's tau is not predictable from this one's
+        kind, new_kind = cfg.drafter_kind, new_cfg.drafter_kind
+        if "none" in (kind, new_kind):
+            return None
+        ngram = None
+        if new_kind == "ngram" and (kind != "ngram" or (new_cfg.ngram_max, new_cfg.ngram_min, new_cfg.num_draft_tokens)
+                                    != (cfg.ngram_max, cfg.ngram_min, cfg.num_draft_tokens)):
+            ngram = _ngram_replay(cfg, stats, new_cfg, dev_prompts)
+            if ngram is None:
+                return None
+        elif new_kind != kind:
+            return None  # another model drafter's tau is not predictable from this one's
         prof = _step_profile(cfg, stats.get("stage_s"), stats.get("tau", 1.0), stats.get("context_len", 0),
                              stats.get("acceptance"))
         if prof is None:
             return None
-        return predicted_gain(target_cfg, drafter_cfg if cfg.drafter_kind in ("model", "dflash") else None, prof, hw,
-                              kind=cfg.drafter_kind, now=_knobs(cfg), new=_knobs(new_cfg))
+        if ngram and kind == "ngram":
+            # same drafter, other settings: tau replayed, the measured draft stage kept as it is
+            return predicted_gain(target_cfg, None, prof, hw, kind="ngram", now=_knobs(cfg), new=_knobs(new_cfg),
+                                  new_tau=ngram["tau"])
+        return predicted_gain(target_cfg, drafter_cfg, prof, hw, kind=kind, now=_knobs(cfg), new=_knobs(new_cfg),
+                              new_kind=new_kind, new_tau=ngram and ngram["tau"],
+                              new_draft_host_s=ngram["propose_s"] if ngram else 0.0)
 
     return CostHooks(profile_fn, ceiling_fn, estimate_fn, f"cost model on {hw.name}")
 
@@ -327,7 +352,7 @@ def cmd_optimize(args) -> int:
         scorer = specpilot_scorer(load_model(resolve_model(s["target"]), dtype=DTYPE[cfg.dtype], device=cfg.device))
     device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
     deployment = Deployment(s["target"], s["drafter"], cfg, device_name)
-    hooks = cost_model_hooks(target.config, drafter_cfg, cfg.device)
+    hooks = cost_model_hooks(target.config, drafter_cfg, cfg.device, dev_prompts=dev)
     err.print(f"[dim]{hooks.note}[/dim]")
     tolerance = DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"]
     if s["tolerance"] is None and s["stock"] == "transformers":  # low precision: a measured tolerance (forcing.py)

@@ -41,7 +41,8 @@ class Measurement:
     def stats(self) -> dict:
         return {"samples": [round(s, 4) for s in self.samples], "median": statistics.median(self.samples),
                 "spread": max(self.samples) - min(self.samples), "tau": self.tau, "stage_s": self.stage_s,
-                "context_len": self.context_len, "acceptance": [round(a, 4) for a in self.acceptance]}
+                "context_len": self.context_len, "acceptance": [round(a, 4) for a in self.acceptance],
+                "outputs": self.outputs}  # greedy outputs: what a model-free drafter's tau is replayed on
 
 
 Measure = Callable[[EngineConfig, list[list[int]], int], Measurement]
