@@ -2,7 +2,8 @@
 """AR decode-step time vs the bytes/bandwidth floor at real shapes with random weights (bf16, H200).
 
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
-the split-KV attention kernel, at T=1 and T=16 after a 512-token prefill into a 4096-slot pool
+the split-KV attention kernel, at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
+pass grows with its tokens: the cost model prices draft lengths with it)
 (`--no-compile` skips the compiled variants);
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
@@ -43,11 +44,11 @@ def main(shapes, flags=()) -> int:
         for compiled, kernel in variants:
             model.use_attention_kernel(kernel)
             t0 = time.time()
-            runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 16), cuda_graphs=True,
+            runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
             setup = time.time() - t0
             runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
-            for T in (1, 16):
+            for T in (1, 4, 8, 16):
                 ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
                 ms = median_ms(lambda: runner.step(ids, 512))
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
