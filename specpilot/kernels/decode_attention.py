@@ -6,7 +6,9 @@ B 1, T 1 over a 4096-slot pool (28 layers: ~2.3 ms, three times the 1.5B step's 
 Here each program takes one KV head, all the query heads that share it (GQA: K/V are read once for the group)
 and all T tokens, over one slice of the keys ("split-KV", as in flash-decoding); slices entirely above the
 largest query position exit at once, so the work follows the real context length although the pool's shape is
-static (CUDA graphs). A second kernel merges the slices' partial softmaxes (two launches per layer in all).
+static (CUDA graphs). A second kernel merges the slices' partial softmaxes (two launches per layer in all),
+looping over the slices below the largest position only (session 9 measured the kernel slower than SDPA at
+T = 1 on the H200, 512 tokens in a 4096-slot pool, when the merge still walked all 32 slices serially).
 
 Mask: key slot j is visible to a query at position p iff j <= p (slot p = position p, models/cache.py), the
 DenseLM's positional causal mask, computed in the kernel from `positions` instead of read from a mask tensor.
@@ -96,25 +98,29 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
                 m_i = m_new
-        part = (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R
-        tl.store(m_ptr + part + r, m_i)
-        tl.store(l_ptr + part + r, l_i)
-        tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
+            part = (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R  # slices above max_pos store nothing: never merged
+            tl.store(m_ptr + part + r, m_i)
+            tl.store(l_ptr + part + r, l_i)
+            tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
 
 
     @triton.jit
-    def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, so_b, so_h, so_t, H_KV, T, G, NUM_SPLITS,
-                        D: tl.constexpr, BLOCK_R: tl.constexpr):
-        # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+    def _combine_kernel(o_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, so_b, so_h, so_t, sp_b, H_KV, T, G, SPLIT_S,
+                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
+        # the slices at or below the largest query position only (the others exited early): the merge's serial
+        # loop follows the context, not the pool (at 512 tokens of a 4096-slot pool: 4 slices instead of 32)
         pid_bh = tl.program_id(0)
         b = pid_bh // H_KV
         hk = pid_bh % H_KV
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, D)
+        max_pos = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < T, other=-1), axis=0)
+        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
         m_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for sp in range(0, NUM_SPLITS):
+        for sp in range(0, n_used):
             part = (pid_bh * NUM_SPLITS + sp) * BLOCK_R
             m_s = tl.load(m_ptr + part + r)
             l_s = tl.load(l_ptr + part + r)
@@ -169,6 +175,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
     )
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-    _combine_kernel[(B * Hkv,)](o, m, l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, T, G, splits,
-                                D=D, BLOCK_R=rows)
+    _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
+                                Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows)
     return out
