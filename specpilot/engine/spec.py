@@ -5,8 +5,9 @@ verify  -> one target pass over [last committed token, d_1 .. d_K] gives K+1 dis
 accept  -> chain verification keeps a prefix of the draft and yields one more token (recovered or bonus);
 commit  -> the accepted prefix and that token join the context, cut by the stop rule.
 Host sync: exactly one per step, the `.tolist()` in commit that brings the verdict and the draft to the host
-(the stop rule and the drafter's context need them there). Greedy output equals AR output token for token;
-sampled output has the target's distribution.
+(the stop rule and the drafter's context need them there). The verify block starts from the last committed token
+as a device tensor (the previous verdict's), not a fresh host-to-device copy, which would synchronize too.
+Greedy output equals AR output token for token; sampled output has the target's distribution.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     if conditioned and len(prompt_ids) > 1:
         drafter.observe(s.runner.last_hidden)  # features of prompt[:-1]
     out, checked = res.output_ids, 0
+    last = s.tensor(ids[-1:])  # the last committed token on the device; then each step's verdict.next_token
     sampling = s.config.sampling
     timer = s.stage_timer()
     with s.clock(res, "decode_s"):
@@ -43,7 +45,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
             timer.mark("draft")
             # verify
-            block = torch.cat([s.tensor(ids[-1:]), d_ids])
+            block = torch.cat([last, d_ids])
             logits = s.runner.step(block, len(ids) - 1)  # [K+1, V]
             res.num_target_forwards += 1
             timer.mark("verify")
@@ -74,5 +76,6 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             if reason:
                 res.finish_reason = reason
                 break
+            last = verdict.next_token.view(1)  # == ids[-1]: nothing was cut (a cut ends the loop)
     res.stage_s = timer.totals()
     return res
