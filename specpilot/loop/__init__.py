@@ -180,10 +180,7 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str, dev_prompts=None) -> 
                              stats.get("acceptance"))
         if prof is None:
             return None
-        if ngram and kind == "ngram":
-            # same drafter, other settings: tau replayed, the measured draft stage kept as it is
-            return predicted_gain(target_cfg, None, prof, hw, kind="ngram", now=_knobs(cfg), new=_knobs(new_cfg),
-                                  new_tau=ngram["tau"])
+        # the replayed lookup time replaces the draft stage only on a switch of drafter (predicted_gain)
         return predicted_gain(target_cfg, drafter_cfg, prof, hw, kind=kind, now=_knobs(cfg), new=_knobs(new_cfg),
                               new_kind=new_kind, new_tau=ngram and ngram["tau"],
                               new_draft_host_s=ngram["propose_s"] if ngram else 0.0)

@@ -255,7 +255,9 @@ def time_engine(generate, prompts, repeats, sync=None) -> dict:
             stage[k] = stage.get(k, 0.0) + v
     tokens = sum(len(r.output_ids) for r in first)
     forwards = sum(r.num_target_forwards for r in first)
-    reached, hit = {}, {}  # per draft position: steps that reached it, and of those, steps that accepted it
+    # per draft position: steps that reached it, and of those, steps that accepted it (evaluator/bench.py's
+    # acceptance_by_position, written out here because this function must stay stdlib-only)
+    reached, hit = {}, {}
     for r in first:
         for drafted, acc in zip(r.drafted_lengths, r.accepted_lengths):
             for i in range(min(drafted, acc + 1)):

@@ -135,12 +135,8 @@ def choose(dep: Deployment, view: View, knowledge: Knowledge, registry: dict[str
     order = list(registry)
     mechs = [m for m in applicable(dep, view.best_config, registry)
              if not (skip_failed and m.name in knowledge.failed and m.name not in worked)]
-
-    def predicted(m: Mechanism) -> float | None:
-        gains = [g for g in view.estimates.get(m.name, {}).values() if g is not None]
-        return max(gains) if gains else None
-
-    mechs.sort(key=lambda m: (m.name not in worked, -worked.get(m.name, ({}, 0.0))[1], estimate_rank(predicted(m)),
+    mechs.sort(key=lambda m: (m.name not in worked, -worked.get(m.name, ({}, 0.0))[1],
+                              estimate_rank(_best_estimate(view, m.name)),
                               min(rank.get(s, len(rank)) for s in m.gap_stages), order.index(m.name)))
     explorers = [MechanismExplorer(m, [worked[m.name][0]] if m.name in worked else [], per_direction) for m in mechs]
     return [e for e in explorers if e.propose(view)]
@@ -163,9 +159,14 @@ def estimates(estimate_fn: EstimateFn | None, dep: Deployment, cfg: EngineConfig
     return out
 
 
+def _best_estimate(view: View, mechanism: str) -> float | None:
+    """The largest predicted gain among a mechanism's values this round (None: none priced)."""
+    return max(view.estimates.get(mechanism, {}).values(), default=None)
+
+
 def _direction(explorer: Explorer, view: View) -> str:
-    gains = [g for g in view.estimates.get(explorer.name, {}).values() if g is not None]
-    return explorer.name + (f" (predicted x{max(gains):.2f})" if gains else "")
+    gain = _best_estimate(view, explorer.name)
+    return explorer.name + ("" if gain is None else f" (predicted x{gain:.2f})")
 
 
 def _merge(deltas: Sequence[dict]) -> dict:

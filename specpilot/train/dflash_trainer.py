@@ -176,8 +176,7 @@ class DFlashTrainer:
             raise ConfigError("no usable training sequences (each needs a prompt and a response within max_seq_len)")
         self.capture = target_capture_layers(drafter.config.target_layer_ids, target.config.num_hidden_layers)
         # the target pass stops at the deepest layer the drafter reads (the later layers' work would be wasted)
-        deepest = max(int(i) for i in drafter.config.target_layer_ids)
-        self.last_layer = deepest if deepest < target.config.num_hidden_layers - 1 else None
+        self.last_layer = max(int(i) for i in drafter.config.target_layer_ids)
         self.gamma = cfg.loss_gamma if cfg.loss_gamma is not None else max(1.0, (drafter.block_size - 1) / 2)
         self.weights = offset_weights(drafter.block_size, self.gamma, self.device)
         params = [p for p in drafter.parameters() if p.requires_grad]
