@@ -264,10 +264,18 @@ def cmd_profile(args) -> int:
         drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
         kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,  # SDPA reads the pool
+        attention_kernel=cfg.attention_kernel,
     )
     drafter_cfg = (spec.drafter.runner.model.config if model_drafter
                    else spec.drafter.network.config if dflash else None)
-    report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs)
+    host_s = 0.0
+    if cfg.drafter_kind == "ngram":  # the lookup is host work: its time replayed on the outputs, off the GPU
+        from specpilot.drafters.ngram import NgramDrafter, replay
+
+        host_s = replay(NgramDrafter(cfg.ngram_max, cfg.ngram_min), [r.prompt_ids for r in spec_res],
+                        [r.output_ids for r in spec_res], K)["propose_s"]
+    report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs,
+                     draft_host_s=host_s)
     out.print(report.table())
     print(json.dumps({"profile": profile.__dict__, **report.to_dict()}, default=list))
     return 0

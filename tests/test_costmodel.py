@@ -282,6 +282,34 @@ def test_measured_sdpa_latency_enters_predictions_not_floors():
         HardwareCeilings.from_dict(old)
 
 
+def test_verify_growth_attention_kernel_and_host_stages_enter_predictions():
+    """The calibration terms of session 10: GEMV chain rate at M = 16 (a verify pass grows with its tokens), the
+    split-KV kernel's measured time when the engine uses it, and the host stages (accept launches, the sync)."""
+    cfg = synthetic_config("qwen2.5-1.5b")
+    hw = dataclasses.replace(FAKE_HW, gemv16_bytes_per_s=FAKE_HW.gemv_bytes_per_s / 1.3, sdpa_fixed_s=80e-6,
+                             sdpa_per_key_s=0.0, attn_kernel_t1_s=10e-6, attn_kernel_t16_s=25e-6, host_sync_s=40e-6)
+    assert hw.weight_s_per_byte(1) == pytest.approx(1 / FAKE_HW.gemv_bytes_per_s)
+    assert hw.weight_s_per_byte(16) == hw.weight_s_per_byte(40) == pytest.approx(1.3 / FAKE_HW.gemv_bytes_per_s)
+    assert hw.weight_s_per_byte(1) < hw.weight_s_per_byte(5) < hw.weight_s_per_byte(16)
+    assert FAKE_HW.weight_s_per_byte(16) == FAKE_HW.weight_s_per_byte(1)  # not measured: no growth
+    one, five, sixteen = (forward_cost(cfg, t, 600) for t in (1, 5, 16))
+    assert pass_predicted_s(one, hw) < pass_predicted_s(five, hw) < pass_predicted_s(sixteen, hw)
+    grow = pass_predicted_s(sixteen, hw) - pass_predicted_s(one, hw)
+    assert grow > 0.25 * one.weight_bytes / FAKE_HW.gemv_bytes_per_s  # most of the growth is the weight rate
+    # the kernel's measured time replaces SDPA's when the engine uses it; unmeasured -> SDPA's
+    assert hw.attention_kernel_s(1) == 10e-6 and hw.attention_kernel_s(16) == pytest.approx(25e-6)
+    saving = pass_predicted_s(one, hw) - pass_predicted_s(one, hw, attention_kernel=True)
+    assert saving == pytest.approx(28 * (80e-6 - 10e-6))
+    assert pass_predicted_s(one, FAKE_HW, attention_kernel=True) == pass_predicted_s(one, FAKE_HW)
+    # host stages: accept = its eager launches, other = the step's sync; the n-gram lookup's replayed time
+    prof = _profile(drafter_passes=0, attention_kernel=True)
+    rep = analyze(cfg, None, prof, hw, drafter_kind="ngram", draft_host_s=0.2e-3)
+    assert rep.stages["accept"].predicted_s == pytest.approx(6 * FAKE_HW.launch_s)
+    assert rep.stages["other"].predicted_s == pytest.approx(40e-6)
+    assert rep.stages["draft"].predicted_s == pytest.approx(0.2e-3) and rep.stages["draft"].floor_s == 0.0
+    assert rep.ar_predicted_s == pytest.approx(pass_predicted_s(one, hw, attention_kernel=True), rel=0.05)
+
+
 # --- what-if: predicted gains of config changes (costmodel/whatif.py) --------------------------------------------
 
 

@@ -38,21 +38,31 @@ def pass_floor_s(cost: PassCost, hw: HardwareCeilings) -> float:
     return max(cost.total_bytes / hw.hbm_bytes_per_s, cost.flops / hw.bf16_flops_per_s)
 
 
-def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True) -> float:
+def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
+                     attention_kernel: bool = False) -> float:
     """Calibrated prediction of one pass of our implementation (not a bound).
 
-    Graphed: GEMM launches are already inside `gemv_bytes_per_s` (it was measured on a graphed GEMV chain), so
-    only the other kernels pay `graph_kernel_s` each. Eager: every kernel pays the host launch `launch_s`
-    (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean high).
+    Graphed: GEMM launches are already inside the measured GEMV-chain rates (graphed chains at M = 1 and 16,
+    interpolated at the pass's T), so only the other kernels pay `graph_kernel_s` each. Eager: every kernel pays
+    the host launch `launch_s` (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean
+    high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
+    `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
     """
-    memory_s = cost.weight_bytes / hw.gemv_bytes_per_s + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s
+    memory_s = (cost.weight_bytes * hw.weight_s_per_byte(cost.num_tokens)
+                + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
         overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
     else:
         overhead_s = cost.num_kernels * hw.launch_s
     # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
-    attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys) if cost.num_tokens <= 16 else 0.0
+    kernel_s = hw.attention_kernel_s(cost.num_tokens) if attention_kernel else None
+    if cost.num_tokens > 16:
+        attention_s = 0.0
+    elif kernel_s is not None:
+        attention_s = cost.num_layers * kernel_s
+    else:
+        attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys)
     return max(memory_s, compute_s) + overhead_s + attention_s
 
 
@@ -75,6 +85,7 @@ class StepProfile:
     kv_pool_len: int | None = None  # graphed steps with SDPA attend over this whole pool; None: the context only
     acceptance_by_position: tuple[float, ...] | None = None  # P(draft i accepted), i = 0..K-1
     ar_step_s: float | None = None  # optional: measured plain autoregressive step on the same setup
+    attention_kernel: bool = False  # few-token passes attend through the split-KV kernel (EngineConfig field)
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -183,15 +194,22 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
             for t in profile.pass_tokens()]
 
 
-def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed) -> dict[str, StageCost]:
+# Host-side stages, predicted from measured host costs: greedy chain acceptance launches ~6 small eager kernels
+# (argmax, compare, cast, cumprod, sum, gather; verify/chain.py) at `launch_s` each; the commit is the step's one
+# host sync (`host_sync_s`) plus bookkeeping, which is not modelled.
+ACCEPT_LAUNCHES = 6
+
+
+def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host_s=0.0) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len)
+    kern = profile.attention_kernel
     return {
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
-                           sum(pass_predicted_s(c, hw, graphed) for c in drafts)),
-        "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed)),
-        "accept": StageCost(profile.accept_s, 0.0, 0.0),
-        "other": StageCost(profile.other_s, 0.0, 0.0),
+                           draft_host_s + sum(pass_predicted_s(c, hw, graphed, kern) for c in drafts)),
+        "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed, kern)),
+        "accept": StageCost(profile.accept_s, 0.0, ACCEPT_LAUNCHES * hw.launch_s),
+        "other": StageCost(profile.other_s, 0.0, hw.host_sync_s or 0.0),
     }
 
 
@@ -202,11 +220,14 @@ def _gap_rows(stages: dict[str, StageCost], step_s: float) -> tuple[GapRow, ...]
 
 
 def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: StepProfile,
-            hw: HardwareCeilings, *, drafter_kind: DrafterKind = "model", graphed: bool = True) -> CostReport:
-    """Compare a measured step with its roofline floor and calibrated prediction (see module docstring)."""
-    stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed)
+            hw: HardwareCeilings, *, drafter_kind: DrafterKind = "model", graphed: bool = True,
+            draft_host_s: float = 0.0) -> CostReport:
+    """Compare a measured step with its roofline floor and calibrated prediction (see module docstring).
+    `draft_host_s`: host time of one proposal measured off the GPU (an n-gram lookup replayed on the outputs,
+    drafters/ngram.replay), added to the draft stage's prediction."""
+    stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed, draft_host_s)
     ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len)
-    ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed)
+    ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed, profile.attention_kernel)
     step = profile.step_s
     step_floor = sum(s.floor_s for s in stages.values())
     step_pred = sum(s.predicted_s for s in stages.values())

@@ -1,6 +1,6 @@
 """Measured hardware ceilings of one GPU: the numbers every floor and prediction in the cost model divides by.
 
-`measure_ceilings(device)` runs six micro-benchmarks (well under 30 s on an H200) and `load_or_measure(device)`
+`measure_ceilings(device)` runs about ten micro-benchmarks (well under 30 s on an H200) and `load_or_measure(device)`
 caches the result as JSON at ``cache_dir()/hardware/<sanitized GPU name>.json``.
 
 Invariants:
@@ -19,6 +19,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -55,12 +56,36 @@ class HardwareCeilings:
     # Latency-bound (a few thread blocks per layer), so bytes / bandwidth badly under-predicts it. None: not measured.
     sdpa_fixed_s: float | None = None
     sdpa_per_key_s: float | None = None
+    # the same GEMV chain at M = 16 rows (a 15-draft verify block): cuBLAS picks other kernels there, and a
+    # verify pass grows with its tokens even though it reads the weights once. None: not measured.
+    gemv16_bytes_per_s: float | None = None
+    # the split-KV decode-attention kernel (kernels/decode_attention.py), graphed, per layer at 1 and 16 query
+    # tokens over a 1,024-token context (it reads only the context, so the pool size does not matter). None:
+    # not measured (no Triton).
+    attn_kernel_t1_s: float | None = None
+    attn_kernel_t16_s: float | None = None
+    # wall time of the one host sync a speculative step makes (a tiny kernel, then `.tolist()` of its result)
+    host_sync_s: float | None = None
 
     def sdpa_s(self, keys: int) -> float:
         """Predicted time of one masked decode-attention call over `keys` key slots (0 if not measured)."""
         if self.sdpa_fixed_s is None or self.sdpa_per_key_s is None:
             return 0.0
         return self.sdpa_fixed_s + self.sdpa_per_key_s * keys
+
+    def weight_s_per_byte(self, tokens: int) -> float:
+        """Seconds per weight byte of a graphed pass of `tokens` rows: the M = 1 and M = 16 chain rates,
+        interpolated in between (and held beyond 16)."""
+        at1 = 1.0 / self.gemv_bytes_per_s
+        if self.gemv16_bytes_per_s is None:
+            return at1
+        return at1 + (1.0 / self.gemv16_bytes_per_s - at1) * _frac16(tokens)
+
+    def attention_kernel_s(self, tokens: int) -> float | None:
+        """Per-layer time of the split-KV kernel at `tokens` query tokens (None: not measured)."""
+        if self.attn_kernel_t1_s is None or self.attn_kernel_t16_s is None:
+            return None
+        return self.attn_kernel_t1_s + (self.attn_kernel_t16_s - self.attn_kernel_t1_s) * _frac16(tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +97,11 @@ class HardwareCeilings:
         if missing:
             raise ValueError(f"hardware ceilings lack {sorted(missing)}")
         return cls(**{k: d[k] for k in names})
+
+
+def _frac16(tokens: int) -> float:
+    """Where `tokens` sits between the two measured points, 1 -> 0.0 and 16 (or more) -> 1.0."""
+    return min(max(tokens - 1, 0), 15) / 15
 
 
 # --- timing helpers -----------------------------------------------------------------------------------------
@@ -112,7 +142,7 @@ def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return g
 
 
-# --- the five measurements ----------------------------------------------------------------------------------
+# --- the measurements ----------------------------------------------------------------------------------------
 
 
 def _hbm_bytes_per_s(dev: torch.device) -> float:
@@ -169,9 +199,9 @@ def _gemv_chain_weights(dev: torch.device) -> list[torch.Tensor]:
             for _ in range(GEMV_LAYERS) for o, i in shapes]
 
 
-def _gemv_bytes_per_s(dev: torch.device) -> float:
+def _gemv_bytes_per_s(dev: torch.device, rows: int = 1) -> float:
     weights = _gemv_chain_weights(dev)
-    x = torch.randn(1, GEMV_HIDDEN, dtype=torch.bfloat16, device=dev)  # [M=1, hidden]
+    x = torch.randn(rows, GEMV_HIDDEN, dtype=torch.bfloat16, device=dev)  # [M, hidden]
 
     def chain():
         h = x
@@ -218,6 +248,46 @@ def _sdpa_fit(dev: torch.device) -> tuple[float, float]:
     return max(0.0, t0 - per_key * k0), per_key
 
 
+ATTN_CONTEXT, ATTN_POOL = 1024, 4096
+
+
+def _attn_kernel_layer_s(dev: torch.device, tokens: int) -> float | None:
+    """One split-KV decode-attention call per layer (the 1.5B's heads), graphed; None without Triton."""
+    try:
+        from specpilot.kernels.decode_attention import decode_attention, triton
+    except ImportError:
+        return None
+    if triton is None:
+        return None
+    q = torch.randn(1, SDPA_HEADS, tokens, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    kv = [torch.randn(2, 1, SDPA_KV_HEADS, ATTN_POOL, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+          for _ in range(SDPA_LAYERS)]
+    pos = torch.arange(ATTN_CONTEXT, ATTN_CONTEXT + tokens, device=dev)[None]
+
+    def chain():
+        for k, v in kv:
+            decode_attention(q, k, v, pos)
+
+    try:
+        graph = _capture(chain)
+    except Exception as e:  # noqa: BLE001 - an optional ceiling: the prediction falls back to SDPA's
+        warnings.warn(f"split-KV attention kernel not timed: {e}")
+        return None
+    return time_median_s(graph.replay) / SDPA_LAYERS
+
+
+def _host_sync_s(dev: torch.device) -> float:
+    """Wall seconds of a tiny kernel followed by `.tolist()` on an idle GPU: the floor of a host round trip."""
+    x = torch.arange(4, device=dev)
+    samples = []
+    for _ in range(50):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        (x + 1).tolist()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[5:])
+
+
 def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
     """Measure the ceilings of `device` (a CUDA device); raises CudaUnavailableError elsewhere."""
     dev = _require_cuda(device)
@@ -232,6 +302,10 @@ def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
             gemv_bytes_per_s=_gemv_bytes_per_s(dev),
             measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **dict(zip(("sdpa_fixed_s", "sdpa_per_key_s"), _sdpa_fit(dev))),
+            gemv16_bytes_per_s=_gemv_bytes_per_s(dev, rows=16),
+            attn_kernel_t1_s=_attn_kernel_layer_s(dev, 1),
+            attn_kernel_t16_s=_attn_kernel_layer_s(dev, 16),
+            host_sync_s=_host_sync_s(dev),
         )
         torch.cuda.empty_cache()
     return hw

@@ -35,6 +35,8 @@ class StepKnobs:
     graphed: bool = True  # cuda_graphs
     compiled: bool = False  # compile (target runner and a small AR drafter's; not the DFlash draft step)
     fused: bool = False  # fused_projections
+    attention_kernel: bool = False  # attention_kernel (the split-KV Triton kernel for <= 16-token passes)
+    pool_len: int | None = None  # graphed SDPA attends over this whole KV pool (None: the profile's)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
@@ -69,7 +71,7 @@ def tau_at(tau: float, k: int, k_new: int, acceptance_by_position=None) -> float
 def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, profile: StepProfile,
             tau: float) -> list[PassCost]:
     k, ctx = knobs.num_draft_tokens, profile.context_len
-    pool = profile.kv_pool_len
+    pool = knobs.pool_len if knobs.pool_len is not None else None if knobs.attention_kernel else profile.kv_pool_len
     out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)]
     if kind == "model" and drafter_cfg is not None and k > 0:  # catch-up pass with ~tau tokens, then 1 per token
         first = max(1, round(tau))
@@ -99,8 +101,9 @@ def predicted_gain(target_cfg: ModelConfig, drafter_cfg, profile: StepProfile, h
 
     def device_s(k: str, knobs: StepKnobs, tau: float) -> tuple[float, float]:  # (verify, draft) predictions
         verify, *drafts = _passes(target_cfg, drafter_cfg, k, knobs, profile, tau)
-        return (pass_predicted_s(verify, hw, knobs.graphed),
-                sum(pass_predicted_s(c, hw, knobs.graphed) for c in drafts))
+        kern = knobs.attention_kernel
+        return (pass_predicted_s(verify, hw, knobs.graphed, kern),
+                sum(pass_predicted_s(c, hw, knobs.graphed, kern) for c in drafts))
 
     (v_now, d_now), (v_new, d_new) = device_s(kind, now, profile.tau), device_s(new_kind, new, new_tau)
     verify = profile.verify_s + v_new - v_now
