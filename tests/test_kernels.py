@@ -140,3 +140,25 @@ def test_gemv_direct_matches_reference_in_the_input_dtype(M, N, K, bias):
     assert gb.dtype == torch.bfloat16
     ref = gemv_reference(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).float()
     assert ((gb.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_decode_attention_is_one_opaque_op_under_torch_compile():
+    """torch.compile must see the kernel as one custom op (its fake gives the shape), not trace into the Triton
+    launch: Inductor's own re-compilation of `_split_kernel` failed on the H200 (the loop's compile trial)."""
+    from specpilot.kernels.decode_attention import decode_attention_op, decode_attention_reference
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 3, 16)
+    k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    pos = torch.tensor([[20, 21, 22]])
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v, p: decode_attention_op(q, k, v, p) * 2, backend=backend, fullgraph=True)
+    out = fn(q, k, v, pos)
+    assert torch.allclose(out, 2 * decode_attention_reference(q, k, v, pos), atol=1e-4)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("specpilot.decode_attention" in t for t in targets), targets

@@ -178,3 +178,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
                                 Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows)
     return out
+
+
+def _register_op():
+    """The kernel as a torch custom op, so torch.compile treats it as one opaque call. Inductor otherwise re-compiles
+    user Triton kernels itself, and that failed for `_split_kernel` in the loop's `compile` trial on the H200
+    (session 10: InductorError in its compile worker), which kept `compile` and the kernel from combining."""
+
+    @torch.library.custom_op("specpilot::decode_attention", mutates_args=())
+    def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return decode_attention(q, k, v, positions)
+
+    @decode_attention_op.register_fake
+    def _(q, k, v, positions):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return decode_attention_op
+
+
+decode_attention_op = _register_op() if triton is not None else None

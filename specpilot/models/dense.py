@@ -197,11 +197,14 @@ class DenseLM(nn.Module):
     def use_attention_kernel(self, on: bool = True) -> "DenseLM":
         """Steps of at most 16 tokens under the positional causal mask attend through the split-KV Triton kernel
         (kernels/decode_attention.py) instead of SDPA with a mask tensor; prefill and custom masks keep SDPA."""
-        from specpilot.kernels.decode_attention import decode_attention  # resolved once, not per layer call
+        # the custom-op wrapper: opaque to torch.compile (resolved once, not per layer call)
+        from specpilot.kernels.decode_attention import decode_attention_op
 
+        if on and decode_attention_op is None:
+            raise ConfigError("the attention kernel needs Triton, which is not installed")
         self.attention_kernel = on
         for layer in self.model.layers:
-            layer.self_attn.decode_attention = decode_attention if on else None
+            layer.self_attn.decode_attention = decode_attention_op if on else None
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
