@@ -15,7 +15,7 @@
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
-# W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
+# LR (peak; 3e-4 on a warm start), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -23,16 +23,22 @@ mkdir -p $R
 MODE=${MODE:-ddp}
 P=${PROMPTS:-40000}
 L15=${L15:-$([ $MODE = ddp ] && echo 540 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
-COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
- --val-prompts 32 --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
- --block-size 16 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
- --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr 6e-4 --warmup-steps 100 --val-every 500 --save-every 0
- --fit-steps-to-time --no-progress"
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
 # the 1.5B drafter keeps training from the shipped one (INIT15= starts a new one)
 INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
+# a warm start continues at half the peak LR (session 10: 6e-4 re-warmed v1 and a short run ended below it)
+LR=${LR:-$([ -n "$INIT15" ] && echo 3e-4 || echo 6e-4)}
+COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
+ --val-prompts 32 --val-tau-prompts 8 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
+ --block-size 16 --draft-layers 2 --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
+ --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0
+ --fit-steps-to-time --no-progress"
 
-ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB
+ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB, only if it beats the shipped one's val tau
+  local tau; tau=$(python3 -c "import json; print(json.load(open('/tmp/runs/$1/result.json')).get('best_val_tau') or 0)")
+  if [ "$1" = q15 ] && python3 -c "import sys; sys.exit(float('$tau') > float('${MIN_TAU15:-2.17}'))"; then
+    echo "not shipped: best val tau $tau <= ${MIN_TAU15:-2.17} (the committed drafter's; MIN_TAU15)"; return 1
+  fi
   python3 -m specpilot.cli export-drafter /tmp/runs/$1/best /tmp/ship/${NAME[$1]} --storage int4 --group-size 64 \
     --max-shard-mb 15 && echo "shipped ${NAME[$1]}"
 }

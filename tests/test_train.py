@@ -5,6 +5,7 @@ exact resume, and the CLI command end to end (tiny random Qwen3 target, CPU)."""
 from __future__ import annotations
 
 import io
+import dataclasses
 import json
 import random
 import shutil
@@ -481,6 +482,22 @@ def test_fit_steps_refits_up_to_the_requested_steps(tmp_path):
     assert 5 < fits[0] < 60  # ~1 s per step with ~35 s left
     assert len(fits) >= 2 and fits == sorted(fits) and fits[-1] == 150  # raised by refits, up to --steps only
     assert tr.cfg.steps == 150 and summary["steps"] == 150 and summary["stopped_by"] == "steps"
+
+
+def test_fit_steps_refits_between_validations(tmp_path):
+    """Without validations (or with them far apart) the periodic refit still raises a schedule that slow first
+    steps cut short (H200 run of session 10: 378 of ~1,000 possible steps)."""
+    tr = _TimedTrainer(150, lambda s: 1.0 if s <= 6 else 0.01)
+    logs = []
+    loop = tl.LoopConfig(val_every=0, save_every=0, deadline=time.monotonic() + 60, fit_steps_to_deadline=True,
+                         fit_after=5, refit_every=10)
+    summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[], progress=False, log=logs.append)
+    fits = [int(m.split(" to ")[1].split()[0]) for m in logs if m.startswith("time limit")]
+    assert 5 < fits[0] < 60 and len(fits) >= 2 and fits[-1] == 150
+    assert summary["steps"] == 150 and summary["stopped_by"] == "steps"
+    tr = _TimedTrainer(150, lambda s: 1.0 if s <= 6 else 0.01)  # refit_every=0: fitted once, as before
+    loop = dataclasses.replace(loop, refit_every=0, deadline=time.monotonic() + 60)
+    assert tl.run_training(tr, tmp_path / "b", loop=loop, val_prompts=[], progress=False)["steps"] < 60
 
 
 # --- the command --------------------------------------------------------------------------------------------
