@@ -385,6 +385,22 @@ def test_validation_path_runs(target, overfit_seq, tmp_path):
     assert s2["steps"] == 0 and s2["stopped_by"] == "time_limit" and Path(s2["checkpoint"]).exists()
 
 
+def test_warm_start_validates_first_and_best_must_beat_it(target, overfit_seq, tmp_path):
+    """A warm start is scored before training: a run whose checkpoints all score below it keeps the start as
+    `best` (best_step 0), so a worse drafter is never shipped over the one it started from."""
+    tr = _trainer(target, overfit_seq, steps=40)
+    while tr.step < tr.cfg.steps:  # a good starting drafter: trained on the validation prompt's sequence
+        tr.train_step()
+    tr.step, tr.cfg = 0, dataclasses.replace(tr.cfg, steps=2, lr=0.5)  # continue with a ruinous learning rate
+    for g in tr.optimizer.param_groups:
+        g["lr"] = 0.5
+    loop = tl.LoopConfig(val_every=1, save_every=0, val_max_new_tokens=40, validate_first=True)
+    summary = tl.run_training(tr, tmp_path, loop=loop, val_prompts=[overfit_seq.prompt_ids], progress=False)
+    vals = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines() if '"val"' in x]
+    assert vals[0]["step"] == 0 and vals[0].get("best") and summary["best_step"] == 0, vals
+    assert summary["best_val_tau"] == vals[0]["val_tau"] > max(v["val_tau"] for v in vals[1:])
+
+
 def test_best_checkpoint_without_decoding_follows_teacher_forced_acceptance(target, overfit_seq, tmp_path):
     tr = _trainer(target, overfit_seq, steps=6)
     summary = tl.run_training(tr, tmp_path, loop=tl.LoopConfig(val_every=2, save_every=0), val_prompts=[],

@@ -288,7 +288,8 @@ def _train(args, dist, err, t_start) -> int:
     if trainer.mask_in_data:
         err.print(f"[yellow]warning: the mask token occurs {trainer.mask_in_data} times in the training sequences")
     loop = tl.LoopConfig(val_every=s.val_every, save_every=s.save_every, val_max_new_tokens=s.val_max_new_tokens,
-                         deadline=deadline, fit_steps_to_deadline=bool(getattr(s, "fit_steps_to_time", False)))
+                         deadline=deadline, fit_steps_to_deadline=bool(getattr(s, "fit_steps_to_time", False)),
+                         validate_first=bool(getattr(s, "init_from", None)))
     val_prompts = [q.prompt_ids for q in val_seqs[: s.val_tau_prompts]]
     summary = tl.run_training(trainer, out, loop=loop, val_prompts=val_prompts, val_sequences=val_seqs,
                               log=err.print, progress=not s.no_progress and sys.stderr.isatty(), best_tau=best_tau)

@@ -71,6 +71,7 @@ class LoopConfig:
     fit_steps_to_deadline: bool = False  # shorten the run (and its LR schedule) to end at the deadline
     fit_after: int = 20  # steps timed before fitting
     refit_every: int = 25  # then refit this often (and after each validation): early steps can be far slower
+    validate_first: bool = False  # a warm start: score the starting drafter, so `best` must beat it to be saved
 
 
 def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, val_prompts: list[list[int]],
@@ -92,6 +93,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
     save_s, val_s = 5.0, 5.0
     step_times, requested = [], None  # recent step times (the command's first, warm-up, left out); cfg.steps asked
     stopped_by = "steps"
+    best_step = None  # the step whose weights OUT/best holds (0 on a warm start that nothing beat)
     dist = trainer.dist  # with several ranks, rank 0 alone validates, saves and decides when to stop
 
     def write(rec: dict):
@@ -101,7 +103,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
             fh.write(json.dumps(rec) + "\n")
 
     def validate():
-        nonlocal best, val_s
+        nonlocal best, best_step, val_s
         if not dist.main:
             return None
         t0 = time.monotonic()
@@ -116,7 +118,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         elif "val_accept_len" in rec:  # no decoding: the teacher-forced proxy of tau picks the best checkpoint
             score = 1.0 + rec["val_accept_len"]
         if score is not None and score > best:
-            best = score
+            best, best_step = score, trainer.step
             save_dflash(trainer.drafter, out / BEST)
             rec["best"] = True
         val_s = time.monotonic() - t0
@@ -161,6 +163,9 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
             log(f"time limit: the run is set from {cfg.steps} to {fit} steps of {requested} requested "
                 f"({mean * 1e3:.0f} ms per step)")
             cfg.steps = fit
+
+    if loop.validate_first and trainer.step == start_step == 0:
+        validate()  # H200, session 10: a warm-started run whose checkpoints all scored below the start shipped one
 
     bar = None
     if progress:
@@ -230,6 +235,7 @@ def run_training(trainer: DFlashTrainer, out: str | Path, *, loop: LoopConfig, v
         "final_val_tau": (final_val or {}).get("val_tau"),
         "final_val_loss": (final_val or {}).get("val_loss"),
         "best_val_tau": best if best > float("-inf") else None,
+        "best_step": best_step,
         "checkpoint": str(ckpt),
         "best": str(out / BEST) if (out / BEST).exists() else None,
         "stopped_by": stopped_by,
