@@ -310,6 +310,27 @@ def test_verify_growth_attention_kernel_and_host_stages_enter_predictions():
     assert rep.ar_predicted_s == pytest.approx(pass_predicted_s(one, hw, attention_kernel=True), rel=0.05)
 
 
+def test_gemv_rate_follows_matrix_size_and_sdpa_has_a_multi_token_fit():
+    """Small matrices stream slower than large ones (two chains measured); SDPA at T > 1 is its own fit."""
+    from specpilot.costmodel.hardware import LARGE_CHAIN, SMALL_CHAIN, _chain_size
+
+    hw = dataclasses.replace(FAKE_HW, gemv_bytes_per_s=1.8e12, gemv_large_bytes_per_s=3.8e12,
+                             sdpa_fixed_s=10e-6, sdpa_per_key_s=1e-9, sdpa16_fixed_s=60e-6, sdpa16_per_key_s=2e-9)
+    small, large = (_chain_size(c)[1] / c[0] for c in (SMALL_CHAIN, LARGE_CHAIN))
+    assert 1 / hw.weight_s_per_byte(1, small) == pytest.approx(1.8e12)
+    assert 1 / hw.weight_s_per_byte(1, large) == pytest.approx(3.8e12)
+    assert 1 / hw.weight_s_per_byte(1, 100 * large) == pytest.approx(3.8e12)  # held beyond the measured sizes
+    assert 1.8e12 < 1 / hw.weight_s_per_byte(1, (small * large) ** 0.5) < 3.8e12
+    one_chain = dataclasses.replace(hw, gemv_large_bytes_per_s=None)
+    assert 1 / one_chain.weight_s_per_byte(1, large) == pytest.approx(1.8e12)  # unmeasured: one rate for all
+    b8, b15 = (forward_cost(synthetic_config(n), 1, 512) for n in ("qwen3-8b", "qwen2.5-1.5b"))
+    assert pass_predicted_s(b8, hw) < pass_predicted_s(b8, one_chain)  # the 8B streams at the large rate
+    assert pass_predicted_s(b15, hw) == pytest.approx(pass_predicted_s(b15, one_chain), rel=0.1)
+    assert hw.sdpa_s(4096) == pytest.approx(10e-6 + 4096e-9)
+    assert hw.sdpa_s(4096, tokens=5) == hw.sdpa_s(4096, tokens=16) == pytest.approx(60e-6 + 2 * 4096e-9)
+    assert dataclasses.replace(hw, sdpa16_fixed_s=None).sdpa_s(4096, tokens=5) == hw.sdpa_s(4096)
+
+
 # --- what-if: predicted gains of config changes (costmodel/whatif.py) --------------------------------------------
 
 

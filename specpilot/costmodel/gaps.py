@@ -42,13 +42,13 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
                      attention_kernel: bool = False) -> float:
     """Calibrated prediction of one pass of our implementation (not a bound).
 
-    Graphed: GEMM launches are already inside the measured GEMV-chain rates (graphed chains at M = 1 and 16,
-    interpolated at the pass's T), so only the other kernels pay `graph_kernel_s` each. Eager: every kernel pays
+    Graphed: weights stream at the graphed GEMV chains' rate (1.5B- and 8B-like chains, interpolated by bytes per
+    layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each. Eager: every kernel pays
     the host launch `launch_s` (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
     """
-    memory_s = (cost.weight_bytes * hw.weight_s_per_byte(cost.num_tokens)
+    memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens)
                 + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
@@ -62,7 +62,7 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     elif kernel_s is not None:
         attention_s = cost.num_layers * kernel_s
     else:
-        attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys)
+        attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys, cost.num_tokens)
     return max(memory_s, compute_s) + overhead_s + attention_s
 
 

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -36,6 +37,8 @@ GRAPH_KERNELS = 200  # tiny kernels captured in one CUDA graph
 GRAPH_REPLAYS = 10  # replays timed back to back per repeat
 GEMV_LAYERS = 28  # the 1.5B-like chain used to calibrate decode GEMV bandwidth
 GEMV_HIDDEN, GEMV_KV, GEMV_INTER = 1536, 256, 8960
+SMALL_CHAIN = (GEMV_LAYERS, GEMV_HIDDEN, GEMV_KV, GEMV_INTER)
+LARGE_CHAIN = (8, 4096, 1024, 12288)  # (layers, hidden, kv, intermediate): Qwen3-8B-like, ~3.1 GB of bf16
 REPEATS = 7
 
 
@@ -66,20 +69,45 @@ class HardwareCeilings:
     attn_kernel_t16_s: float | None = None
     # wall time of the one host sync a speculative step makes (a tiny kernel, then `.tolist()` of its result)
     host_sync_s: float | None = None
+    # the GEMV chain at Qwen3-8B-like shapes (M = 1): small matrices stream far below HBM rate (1.76 TB/s at the
+    # 1.5B's shapes on the H200) while large ones come close to it, so one rate mispredicts one of them (session
+    # 10: the 8B step over-predicted by 35-41%); the rate is interpolated by bytes per layer between the chains.
+    gemv_large_bytes_per_s: float | None = None
+    gemv16_large_bytes_per_s: float | None = None  # the large chain at M = 16
+    # masked SDPA per layer with 16 query tokens (a verify block): another kernel than at T = 1, ~2x the step
+    # (1.5B, graphed, 4096-slot pool: 6.0 ms at T = 4 vs 3.4 ms at T = 1). Used for every T > 1.
+    sdpa16_fixed_s: float | None = None
+    sdpa16_per_key_s: float | None = None
 
-    def sdpa_s(self, keys: int) -> float:
-        """Predicted time of one masked decode-attention call over `keys` key slots (0 if not measured)."""
+    def sdpa_s(self, keys: int, tokens: int = 1) -> float:
+        """Predicted time of one masked decode-attention call of `tokens` queries over `keys` key slots (0 if not
+        measured; T > 1 uses the T = 16 fit when measured)."""
+        if tokens > 1 and self.sdpa16_fixed_s is not None and self.sdpa16_per_key_s is not None:
+            return self.sdpa16_fixed_s + self.sdpa16_per_key_s * keys
         if self.sdpa_fixed_s is None or self.sdpa_per_key_s is None:
             return 0.0
         return self.sdpa_fixed_s + self.sdpa_per_key_s * keys
 
-    def weight_s_per_byte(self, tokens: int) -> float:
-        """Seconds per weight byte of a graphed pass of `tokens` rows: the M = 1 and M = 16 chain rates,
-        interpolated in between (and held beyond 16)."""
-        at1 = 1.0 / self.gemv_bytes_per_s
+    def _by_size(self, small: float, large: float | None, layer_bytes: float) -> float:
+        """A rate measured on both chains, interpolated in log(bytes per layer) between them (held beyond)."""
+        if large is None or layer_bytes <= 0:
+            return small
+        lo, hi = (_chain_size(c)[1] / c[0] for c in (SMALL_CHAIN, LARGE_CHAIN))
+        f = min(max((math.log(layer_bytes) - math.log(lo)) / (math.log(hi) - math.log(lo)), 0.0), 1.0)
+        return small + f * (large - small)
+
+    def weight_s_per_byte(self, tokens: int, layer_bytes: float = 0.0) -> float:
+        """Seconds per weight byte of a graphed pass of `tokens` rows through layers of `layer_bytes` bytes (0:
+        the small chain's): the M = 1 and M = 16 chain rates, interpolated in T (held beyond 16) and by size."""
+        at1 = 1.0 / self._by_size(self.gemv_bytes_per_s, self.gemv_large_bytes_per_s, layer_bytes)
         if self.gemv16_bytes_per_s is None:
             return at1
-        return at1 + (1.0 / self.gemv16_bytes_per_s - at1) * _frac16(tokens)
+        at16 = 1.0 / self._by_size(self.gemv16_bytes_per_s, self.gemv16_large_bytes_per_s, layer_bytes)
+        return at1 + (at16 - at1) * _frac16(tokens)
+
+    def weights_s(self, weight_bytes: float, layers: int, tokens: int) -> float:
+        """Seconds to stream `weight_bytes` (over `layers` layers) through graphed GEMMs of `tokens` rows."""
+        return weight_bytes * self.weight_s_per_byte(tokens, weight_bytes / layers if layers else 0.0)
 
     def attention_kernel_s(self, tokens: int) -> float | None:
         """Per-layer time of the split-KV kernel at `tokens` query tokens (None: not measured)."""
@@ -191,21 +219,30 @@ def _graph_kernel_s(dev: torch.device) -> float:
     return time_median_s(replays) / (GRAPH_REPLAYS * GRAPH_KERNELS)
 
 
-def _gemv_chain_weights(dev: torch.device) -> list[torch.Tensor]:
+def _chain_shapes(chain) -> list[tuple[int, int]]:
+    """[out, in] of one layer's q, k, v, o, gate, up, down."""
+    _, h, kv, inter = chain
+    return [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]
+
+
+def _chain_size(chain) -> tuple[int, int]:
+    """(GEMMs, bf16 weight bytes) of a chain."""
+    return 7 * chain[0], 2 * chain[0] * sum(o * i for o, i in _chain_shapes(chain))
+
+
+def _gemv_chain_weights(dev: torch.device, chain=SMALL_CHAIN) -> list[torch.Tensor]:
     """Per layer, in execution order: q, k, v, o, gate, up, down as [out, in] bf16, scaled to keep values O(1)."""
-    h, kv, inter = GEMV_HIDDEN, GEMV_KV, GEMV_INTER
-    shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]
     return [torch.randn(o, i, dtype=torch.bfloat16, device=dev) * i**-0.5
-            for _ in range(GEMV_LAYERS) for o, i in shapes]
+            for _ in range(chain[0]) for o, i in _chain_shapes(chain)]
 
 
-def _gemv_bytes_per_s(dev: torch.device, rows: int = 1) -> float:
-    weights = _gemv_chain_weights(dev)
-    x = torch.randn(rows, GEMV_HIDDEN, dtype=torch.bfloat16, device=dev)  # [M, hidden]
+def _gemv_bytes_per_s(dev: torch.device, rows: int = 1, chain=SMALL_CHAIN) -> float:
+    weights = _gemv_chain_weights(dev, chain)
+    x = torch.randn(rows, chain[1], dtype=torch.bfloat16, device=dev)  # [M, hidden]
 
-    def chain():
+    def chain_fn():
         h = x
-        for layer in range(GEMV_LAYERS):
+        for layer in range(chain[0]):
             wq, wk, wv, wo, wg, wu, wd = weights[7 * layer: 7 * layer + 7]
             q = torch.nn.functional.linear(h, wq)
             torch.nn.functional.linear(h, wk)
@@ -216,7 +253,7 @@ def _gemv_bytes_per_s(dev: torch.device, rows: int = 1) -> float:
             h = torch.nn.functional.linear(g, wd)
         return h
 
-    graph = _capture(chain)
+    graph = _capture(chain_fn)
     seconds = time_median_s(graph.replay)
     return sum(w.numel() * w.element_size() for w in weights) / seconds
 
@@ -226,9 +263,9 @@ SDPA_HEADS, SDPA_KV_HEADS, SDPA_HEAD_DIM = 12, 2, 128  # the 1.5B's attention
 SDPA_KEYS = (1024, 4096)
 
 
-def _sdpa_layer_s(dev: torch.device, keys: int) -> float:
-    """One masked SDPA call at decode (T = 1, half the keys visible), graphed, per layer."""
-    q = torch.randn(1, SDPA_HEADS, 1, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+def _sdpa_layer_s(dev: torch.device, keys: int, tokens: int = 1) -> float:
+    """One masked SDPA call at decode (`tokens` queries, half the keys visible), graphed, per layer."""
+    q = torch.randn(1, SDPA_HEADS, tokens, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
     kv = [torch.randn(2, 1, SDPA_KV_HEADS, keys, SDPA_HEAD_DIM, dtype=torch.bfloat16, device=dev)
           for _ in range(SDPA_LAYERS)]
     mask = (torch.arange(keys, device=dev) <= keys // 2)[None, None, None, :]
@@ -241,9 +278,9 @@ def _sdpa_layer_s(dev: torch.device, keys: int) -> float:
     return time_median_s(graph.replay) / SDPA_LAYERS
 
 
-def _sdpa_fit(dev: torch.device) -> tuple[float, float]:
+def _sdpa_fit(dev: torch.device, tokens: int = 1) -> tuple[float, float]:
     (k0, k1) = SDPA_KEYS
-    t0, t1 = _sdpa_layer_s(dev, k0), _sdpa_layer_s(dev, k1)
+    t0, t1 = _sdpa_layer_s(dev, k0, tokens), _sdpa_layer_s(dev, k1, tokens)
     per_key = max(0.0, (t1 - t0) / (k1 - k0))
     return max(0.0, t0 - per_key * k0), per_key
 
@@ -303,6 +340,9 @@ def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
             measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **dict(zip(("sdpa_fixed_s", "sdpa_per_key_s"), _sdpa_fit(dev))),
             gemv16_bytes_per_s=_gemv_bytes_per_s(dev, rows=16),
+            gemv_large_bytes_per_s=_gemv_bytes_per_s(dev, chain=LARGE_CHAIN),
+            gemv16_large_bytes_per_s=_gemv_bytes_per_s(dev, rows=16, chain=LARGE_CHAIN),
+            **dict(zip(("sdpa16_fixed_s", "sdpa16_per_key_s"), _sdpa_fit(dev, tokens=16))),
             attn_kernel_t1_s=_attn_kernel_layer_s(dev, 1),
             attn_kernel_t16_s=_attn_kernel_layer_s(dev, 16),
             host_sync_s=_host_sync_s(dev),
