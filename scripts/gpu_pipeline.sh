@@ -48,8 +48,8 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
   timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram; PROFILES='ngram model' for both)"
-  for k in ${PROFILES:-ngram}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, then + the 0.5B model drafter; PROFILES)"
+  for k in ${PROFILES:-ngram model}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] DFlash step breakdown (draft graph vs host work, random weights at the 1.5B shapes)"
   timeout 180 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
   tail -1 $R/dflash_step.log
@@ -58,7 +58,7 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
 loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRANSFER=1 adds the 0.5B from memory / empty
   echo "[$(date +%T)] optimize q15"  # on this session's drafter once it is shipped, else the committed one
   local d15=${NAME[q15]}; [ $MODE = ddp ] && [ -e /tmp/ship/$d15/config.json ] && d15=/tmp/ship/$d15
-  OUT=$R WALL_S=${W15:-240} bash scripts/gpu_optimize.sh q15 dflash $d15
+  OUT=$R WALL_S=${W15:-360} bash scripts/gpu_optimize.sh q15 dflash $d15
   if [ "${TRANSFER:-$([ $MODE = lanes ] && echo 1 || echo 0)}" = 1 ]; then
     echo "[$(date +%T)] optimize q05 (memory of the q15 run)"
     OUT=$R WALL_S=${W05:-150} bash scripts/gpu_optimize.sh q05 dflash ${NAME[q05]}
