@@ -87,8 +87,13 @@ if [ $MODE = ddp ]; then
   fi
   tail -2 /tmp/runs/q15.log >> $R/lane0.log
   ship q15 >> $R/lane0.log 2>&1
-  (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
-  (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+  if [ -e /tmp/ship/${NAME[q15]}/config.json ]; then  # a new drafter: bench it on GPU 0, the rest on GPU 1
+    (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+  else  # nothing shipped: the loop (on the committed drafter) on GPU 0 beside the checks on GPU 1
+    (export CUDA_VISIBLE_DEVICES=0; loop_runs; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; checks; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+  fi
   wait
 else
   lane0() {
