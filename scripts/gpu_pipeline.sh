@@ -72,8 +72,11 @@ bench15() {
   [ -e /tmp/ship/${NAME[q15]}/config.json ] && OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
 }
 
+if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried from an earlier session
+  python3 scripts/regen_cache.py unpack /tmp/runs/q15/regen /tmp/regen-parts/regen-q15.*.jsonl.gz > $R/regen_seed.log 2>&1
+fi
 if [ $MODE = ddp ]; then
-  echo "[$(date +%T)] train q15 on 2 GPUs" > $R/lane0.log
+  echo "[$(date +%T)] train q15 on 2 GPUs $(cat $R/regen_seed.log 2>/dev/null)" > $R/lane0.log
   timeout $((L15 + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
     --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 $WARM15 \
     > /tmp/runs/q15.log 2>&1

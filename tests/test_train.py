@@ -240,6 +240,30 @@ def test_regenerate_caches_and_resumes(target, tmp_path):
     assert seqs3 == [] and pending3 == 5
 
 
+def test_packed_regeneration_cache_seeds_another_machine(target, tmp_path, monkeypatch):
+    """pack -> unpack carries the responses (not the prompt ids) to a fresh folder; regenerate then generates
+    nothing and returns the same sequences, prompt ids re-encoded; a cache of other settings is refused."""
+    from specpilot.train.regenerate import pack, unpack
+
+    prompts = [td.TrainPrompt(f"p/{i}", "p", ({"role": "user", "content": "abcdefghij"[: i + 1] * 2},))
+               for i in range(6)]
+    tok = _FakeTokenizer()
+    first, _ = regenerate(target, tok, prompts, tmp_path / "a", max_new_tokens=8, batch_size=3, eos_ids=[],
+                          max_prompt_tokens=13)
+    parts = pack(tmp_path / "a", tmp_path / "out" / "regen", max_part_bytes=40)
+    assert len(parts) >= 2 and all(p.name.endswith(".jsonl.gz") for p in parts)  # split under the limit
+    assert unpack(parts, tmp_path / "b") == 6  # five responses and the skipped prompt
+    import specpilot.train.regenerate as rg
+
+    monkeypatch.setattr(rg, "generate_batch", lambda *a, **k: pytest.fail("a seeded cache must not regenerate"))
+    again, pending = regenerate(target, tok, prompts, tmp_path / "b", max_new_tokens=8, batch_size=3, eos_ids=[],
+                                max_prompt_tokens=13)
+    assert pending == 0 and again == first
+    unpack(parts, tmp_path / "c")
+    with pytest.raises(ConfigError, match="other settings"):  # the fingerprint travels with the responses
+        regenerate(target, tok, prompts, tmp_path / "c", max_new_tokens=9, batch_size=3, max_prompt_tokens=13)
+
+
 # --- the drafter and its training --------------------------------------------------------------------------
 
 

@@ -146,6 +146,61 @@ def regenerate(target, tokenizer, prompts: Iterable, folder: str | Path, *, max_
     for p in prompts:
         rec = done.get(p.id)
         if rec is not None and rec.get("response_ids"):
-            seqs.append(Sequence(p.id, list(rec["prompt_ids"]), list(rec["response_ids"])))
+            prompt_ids = rec.get("prompt_ids")  # None in a packed cache (`pack`): the same template re-encodes it
+            prompt_ids = tokenizer.encode_chat(list(p.messages)) if prompt_ids is None else prompt_ids
+            seqs.append(Sequence(p.id, list(prompt_ids), list(rec["response_ids"])))
     remaining = sum(1 for p in prompts if p.id not in done)
     return seqs, remaining
+
+
+# --- carrying a cache between machines ------------------------------------------------------------------------
+# The GPU machine keeps nothing between sessions and each one regenerated the same ~30k responses again (240 s of
+# two GPUs). The responses alone (no prompt ids: the fingerprinted chat template re-encodes them), gzipped, come
+# back in a few files under the transfer limit and seed the next session's cache.
+
+
+def pack(folder: str | Path, out_prefix: str | Path, max_part_bytes: int = 15 << 20) -> list[Path]:
+    """Write the cache's meta and responses as gzipped JSONL parts `<out_prefix>.NN.jsonl.gz` (each under
+    `max_part_bytes`); -> the parts. Prompts recorded as skipped are kept (so they are not retried)."""
+    import gzip
+
+    folder, out_prefix = Path(folder), Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.loads((folder / META).read_text())
+    recs = sorted(read_cache(folder).values(), key=lambda r: r["id"])
+    parts, buf, size = [], [], 0
+
+    def flush():
+        path = out_prefix.with_name(f"{out_prefix.name}.{len(parts):02d}.jsonl.gz")
+        with gzip.open(path, "wt", encoding="utf-8") as fh:
+            fh.write(json.dumps({"meta": meta}) + "\n")
+            fh.writelines(buf)
+        parts.append(path)
+
+    for r in recs:
+        line = json.dumps({"id": r["id"], "response_ids": r["response_ids"]}, separators=(",", ":")) + "\n"
+        if buf and size + len(line) // 3 > max_part_bytes:  # token ids as JSON gzip ~3:1 (measured on CPU)
+            flush()
+            buf, size = [], 0
+        buf.append(line)
+        size += len(line) // 3
+    if buf or not parts:
+        flush()
+    return parts
+
+
+def unpack(parts: Iterable[str | Path], folder: str | Path) -> int:
+    """Seed cache `folder` from `pack` parts (meta checked like any cache); -> records added."""
+    import gzip
+
+    folder, n = Path(folder), 0
+    for part in sorted(Path(x) for x in parts):
+        with gzip.open(part, "rt", encoding="utf-8") as fh:
+            meta = json.loads(fh.readline())["meta"]
+            _check_meta(folder, meta)
+            recs = [json.loads(line) for line in fh]
+        for r in recs:
+            r["prompt_ids"] = None
+        _write_shard(folder, recs)
+        n += len(recs)
+    return n
