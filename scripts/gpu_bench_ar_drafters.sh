@@ -2,11 +2,15 @@
 # Issue 3's figures on the GPU: Qwen2.5-Coder-1.5B with the 0.5B AR drafter and with n-grams, against our AR,
 # transformers' AR (static cache) and the stock systems (assisted generation / prompt lookup), 20 prompts each of
 # HumanEval, MT-Bench and GSM8K, 256 new tokens, greedy, bs 1, with token forcing; then the cost model's profile.
-# Usage: scripts/gpu_bench_ar_drafters.sh model|ngram|profile-model|profile-ngram [num_prompts]
+# Usage: scripts/gpu_bench_ar_drafters.sh model|ngram|profile-model|profile-ngram|profile-dflash [num_prompts]
 set -u
 source scripts/gpu_env.sh || exit 1
 kind=${1#profile-}
-[ "$kind" = model ] && drafter="--drafter /tmp/models/q05 --num-draft-tokens ${K:-4}" || drafter="--num-draft-tokens ${K:-4}"
+case $kind in
+  model) drafter="--drafter /tmp/models/q05 --num-draft-tokens ${K:-4}" ;;
+  dflash) drafter="--drafter ${DFLASH:-dflash-qwen2.5-coder-1.5b} --num-draft-tokens ${K:-15}" ;;  # profile only
+  *) drafter="--num-draft-tokens ${K:-4}" ;;
+esac
 common="--target /tmp/models/q15 --drafter-kind $kind $drafter --device cuda --dtype bfloat16 --max-new-tokens 256
   --max-seq-len 2048 ${ATTN:+--attention-kernel} ${COMPILE:+--compile}"
 if [ "${1%%-*}" = profile ]; then

@@ -48,8 +48,8 @@ checks() {  # the engine's GPU parity check, AR step times, the cost model's pro
   timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, then + the 0.5B model drafter; PROFILES)"
-  for k in ${PROFILES:-ngram model}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
+  for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] DFlash step breakdown (draft graph vs host work, random weights at the 1.5B shapes)"
   timeout 180 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
   tail -1 $R/dflash_step.log

@@ -239,8 +239,8 @@ def cmd_profile(args) -> int:
     from specpilot.evaluator import datasets
 
     cfg = engine_config(args)
-    if cfg.drafter_kind not in ("model", "ngram"):
-        raise ConfigError("profile supports --drafter-kind model or ngram so far")
+    if cfg.drafter_kind not in ("model", "ngram", "dflash"):
+        raise ConfigError("profile needs a speculative system: --drafter-kind model, ngram or dflash")
     hw = load_or_measure(cfg.device)
     prompts = []
     for b in [b for b in args.benchmarks.split(",") if b]:

@@ -130,3 +130,31 @@ def test_shipped_dflash_drafter_is_lossless_and_accepts_tokens():
     out = Engine(target, cfg, build_drafter(cfg, drafter, target)).generate(ids)
     assert out.output_ids == ar.output_ids
     assert out.num_output_tokens / out.num_target_forwards > 1.2
+
+
+@pytest.mark.parametrize("kind", ["ngram", "dflash"])
+def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, monkeypatch, kind):
+    """`profile` end to end on a real small target (ceilings faked: measuring them needs a GPU): the stage table
+    and a JSON last line whose stages sum to the measured step, for n-grams and for a DFlash drafter."""
+    import specpilot.costmodel as cm
+    from specpilot.costmodel import HardwareCeilings
+    from specpilot.models.dflash_io import save_dflash
+    from specpilot.train import dflash_trainer as dt
+
+    hw = HardwareCeilings(name="Fake GPU", hbm_bytes_per_s=4e12, bf16_flops_per_s=7e14, launch_s=6e-6,
+                          graph_kernel_s=1.5e-6, gemv_bytes_per_s=3.5e12, measured_at="2026-11-30T00:00:00+0000")
+    monkeypatch.setattr(cm, "load_or_measure", lambda device="cuda", refresh=False: hw)
+    path, model, _ = smollm
+    extra = ["--num-draft-tokens", "4"]
+    if kind == "dflash":
+        drafter = dt.build_drafter_for(model, num_layers=1, block_size=8, init="random", seed=0)
+        save_dflash(drafter, tmp_path / "d")
+        extra = ["--drafter", str(tmp_path / "d"), "--num-draft-tokens", "7"]
+    code = main(["profile", "--target", str(path), "--drafter-kind", kind, *extra, "--benchmarks", "humaneval",
+                 "--num-prompts", "1", "--max-new-tokens", "16", "--max-seq-len", "512"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["drafter_kind"] == kind and out["hardware"] == "Fake GPU"
+    st = out["stages"]
+    assert sum(v["measured_s"] for v in st.values()) == pytest.approx(out["step_measured_s"])
+    assert st["verify"]["predicted_s"] > 0 and out["tau"] >= 1.0
+    assert (st["draft"]["floor_s"] > 0) == (kind == "dflash")  # a draft pass on the device only for DFlash
