@@ -22,7 +22,7 @@ R=/tmp/results
 mkdir -p $R
 MODE=${MODE:-ddp}
 P=${PROMPTS:-40000}
-L15=${L15:-$([ $MODE = ddp ] && echo 540 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
+L15=${L15:-$([ $MODE = ddp ] && echo 480 || echo 720)}; R15=${R15:-240}; L05=${L05:-380}; R05=${R05:-130}
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
 # the 1.5B drafter keeps training from the shipped one (INIT15= starts a new one)
 INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
