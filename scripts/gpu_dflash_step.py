@@ -6,9 +6,10 @@ Why: on the H200 a step of Qwen2.5-Coder-1.5B + a 2-layer DFlash drafter took ve
 separates the graph's GPU work from host work in `DFlashBlockDrafter.propose()`: (1) draft graph replay, GPU time;
 (2) eager `_static_step()`, GPU and wall time; (3) `propose(ids, 15)` with 3 pending feature rows: wall time,
 host-busy time (no final sync) and CUDA-event span (what StageTimer sees); (4) the target's graphed 16-token verify
-with feature capture, attention kernel off and on; (5) a torch.profiler trace of 20 propose() calls: top kernels,
-kernels per call; (6) the engine's own stage split. Medians of 50 after warm-up; a failing measurement prints its
-traceback to stderr and the rest still run.
+with feature capture, attention kernel off and on; (4b) the draft graph with the drafter's attention on SDPA and on
+the split-KV kernel (`DFlashDrafter.use_attention_kernel`), and how many drafts agree; (5) a torch.profiler trace of
+20 propose() calls: top kernels, kernels per call; (6) the engine's own stage split. Medians of 50 after warm-up;
+a failing measurement prints its traceback to stderr and the rest still run.
 
 Run: python3 scripts/gpu_dflash_step.py   (`--cpu-smoke`: tiny shapes on the CPU, perf_counter timing, no graphs,
 as its test runs it). Last stdout line: one JSON object, figures in ms.
@@ -16,6 +17,7 @@ as its test runs it). Last stdout line: one JSON object, figures in ms.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
@@ -160,6 +162,22 @@ def main(smoke: bool) -> int:
 
     if drafter.graph is not None:
         attempt(out, "graph_replay_gpu_ms", lambda: median_ms(drafter.graph.replay, device, p, "gpu"))
+
+        def draft_kernel():  # the drafter's attention on SDPA vs the split-KV kernel (the engine's CUDA default):
+            res, drafts = {}, {}  # fresh drafters fed the prompt, then one static step (the graph's positions real)
+            for on in (False, True):
+                d = DFlashBlockDrafter(copy.deepcopy(network).use_attention_kernel(on), target, max_seq_len=p["pool"],
+                                       static=True, cuda_graphs=True)
+                d.observe(prompt_feats[kernel])
+                d.propose(ids, B - 1)
+                d.observe(feats[:NEW_ROWS])
+                name = "kernel" if on else "sdpa"
+                drafts[name] = d.propose(ids + new_ids, B - 1).token_ids.tolist()
+                res[f"draft_graph_{name}_gpu_ms"] = median_ms(d.graph.replay, device, p, "gpu")
+            res["draft_tokens_agree"] = sum(a == b for a, b in zip(drafts["sdpa"], drafts["kernel"])) / (B - 1)
+            return res
+
+        attempt(out, "draft_attention_kernel", draft_kernel)
     attempt(out, "static_step_eager_gpu_ms", lambda: median_ms(drafter._static_step, device, p, "gpu"))
     attempt(out, "static_step_eager_wall_ms", lambda: median_ms(drafter._static_step, device, p, "wall"))
     attempt(out, "propose_wall_ms", lambda: median_ms(propose, device, p, "wall", prep))

@@ -15,6 +15,11 @@ anchor passes them. Why: eagerly the draft pass is host-bound (~12 ms of a 15 ms
 The first step (the whole prompt) runs eagerly. Asked for fewer than block_size - 1 tokens, the static step drafts the
 whole block and returns its first tokens (the eager step, like z-lab's loop, drafts a shorter block instead: the
 block's attention is non-causal, so the two can differ; both are verified, so outputs cannot).
+
+With the attention kernel (`DFlashDrafter.use_attention_kernel`, the engine's CUDA default) the block's own K/V go
+to slots anchor .. anchor+B-1 as well, written after the context in each layer, so they replace the padding rows
+there; a later step's context overwrites them in turn before its anchor passes them. The cache's block_size spare
+slots past max_seq_len hold a block at the last anchor (and the graph's capture-time positions).
 """
 
 from __future__ import annotations

@@ -29,8 +29,17 @@ What the network is, as the reference defines it (and what this module mirrors, 
   the tokens committed since (anchor + accepted drafts; the bonus token becomes the next anchor and enters the
   context one step later). Here the cache is our preallocated `KVCache` indexed by position (slot p = position
   p): `forward(..., cache=...)` writes the context K/V at `positions_ctx` and attends over the slots below the
-  anchor position plus the block's own K/V, which are never written. Only committed positions are ever fed, so
-  there is nothing to crop or roll back; slots at or above the anchor are masked (or not read, with `kv_len`).
+  anchor position plus the block's own K/V. Only committed positions are ever fed, so there is nothing to crop or
+  roll back; slots at or above the anchor are masked (or not read, with `kv_len`).
+* The attention kernel (`use_attention_kernel()`, CUDA): for non-causal, unwindowed layers and blocks of at most
+  16 tokens, the block's K/V are written into the cache at the block positions too (after this pass's context
+  writes, so they win over padding rows written at the same slots), and the split-KV kernel attends over the
+  cache with every query at the block's last position: slot j visible iff j <= anchor + S - 1, i.e. all context
+  below the anchor and the whole block, which is exactly the SDPA mask here. Why: on the H200 the masked SDPA over
+  cat(whole cache pool, block) cost 0.18 ms per layer plus the cat copies, in a 0.82 ms draft graph; the kernel's
+  work follows the real context. The block slots (>= anchor) then hold draft K/V until real context overwrites
+  them: a later pass writes its context (every position from the old anchor up to its own anchor) before
+  attending, and slots above its own block are beyond every query position.
 
 No embedding or LM head lives here: the caller passes the target's embedding matrix and LM head
 (`DenseLM.model.embed_tokens.weight`, `DenseLM.lm_head`). Module and parameter names equal the published
@@ -45,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.errors import ModelFormatError
+from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.cache import KVCache
 from specpilot.models.dense import MLP, RMSNorm, apply_rope, rope_inv_freq
 
@@ -87,6 +96,19 @@ def context_features(final_hidden: torch.Tensor | None, captured, target_layer_i
 # ----------------------------------------------------------------------------------------------------------
 # the network
 
+# The split-KV attention custom op (kernels/decode_attention.py), resolved once on first use. A module global, not
+# a module attribute: the op object cannot be deep-copied or pickled, and networks are copied (train/loop.py).
+_decode_attention_op = None
+
+
+def _kernel_op():
+    global _decode_attention_op
+    if _decode_attention_op is None:
+        from specpilot.kernels.decode_attention import decode_attention_op
+
+        _decode_attention_op = decode_attention_op
+    return _decode_attention_op
+
 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int):
@@ -101,6 +123,14 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kernel_max_t = 0  # > 0: the split-KV kernel takes up to this many queries (use_attention_kernel)
+
+    def uses_kernel(self, cache: KVCache | None, block_len: int, kv_len: int | None) -> bool:
+        """Whether this pass attends through the kernel: switched on for this layer, a cache to write the block
+        into, a block the kernel takes (<= MAX_T queries), and (an eager pass, kv_len = the anchor) room for the
+        block's slots; the drafter's cache has block_size spare slots, so the static step always has room."""
+        return (cache is not None and block_len <= self.kernel_max_t
+                and (kv_len is None or kv_len + block_len <= cache.max_seq_len))
 
     def _kv(self, x: torch.Tensor, cos, sin):
         B, T, _ = x.shape
@@ -108,7 +138,8 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, positions_ctx, cache: KVCache | None, kv_len, mask):
+    def forward(self, x, ctx, rope_blk, rope_ctx, positions_ctx, cache: KVCache | None, kv_len, mask,
+                positions_blk=None):  # positions_blk: needed with a cache only (the kernel writes the block there)
         B, S, _ = x.shape
         cos_b, sin_b = rope_blk
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -118,6 +149,13 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
             if cache is not None:
                 cache.write(self.layer_idx, positions_ctx, k_ctx, v_ctx)
+        if self.uses_kernel(cache, S, kv_len):
+            # after the context write: static padding rows share slots with the block, the block must win there
+            cache.write(self.layer_idx, positions_blk, k_blk, v_blk)
+            keys, values = cache.read(self.layer_idx, None)  # the kernel skips slices above the last position
+            last = positions_blk[:, -1:].expand(B, S)  # every query sees slots <= anchor + S - 1 (non-causal)
+            out = _kernel_op()(q, keys, values, last)
+            return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
         if cache is not None:
             k_ctx, v_ctx = cache.read(self.layer_idx, kv_len)
         elif not ctx.shape[1]:
@@ -137,8 +175,9 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, mask)
+    def forward(self, x, ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, mask, positions_blk=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, mask,
+                               positions_blk)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -166,6 +205,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attention_kernel = False  # use_attention_kernel() switches cached draft passes to the split-KV kernel
 
     @property
     def block_size(self) -> int:
@@ -174,6 +214,22 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    def use_attention_kernel(self, on: bool = True) -> "DFlashDrafter":
+        """Cached draft passes of at most 16 tokens attend through the split-KV Triton kernel instead of masked SDPA
+        over cat(cache, block), in the layers it can serve: non-causal, no sliding window, a power-of-two head_dim
+        >= 16 (the others keep SDPA). Same numbers; passes without a cache (training) keep SDPA."""
+        # imported here, not at the top: importing Triton stays off the model's import
+        from specpilot.kernels.decode_attention import MAX_T
+
+        if on and _kernel_op() is None:
+            raise ConfigError("the attention kernel needs Triton, which is not installed")
+        self.attention_kernel = on
+        cfg, d = self.config, self.config.head_dim
+        for i, layer in enumerate(self.layers):
+            ok = not cfg.layer_is_causal(i) and cfg.layer_window(i) is None and d >= 16 and not d & (d - 1)
+            layer.self_attn.kernel_max_t = MAX_T if on and ok else 0
+        return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         """The draft cache: context K/V of every draft layer, slot p = position p."""
@@ -243,7 +299,8 @@ class DFlashDrafter(nn.Module):
 
         Without a cache the context must hold every position the draft should see (the reference with no past).
         With a cache, the context K/V are written at `positions_ctx` first, then the block attends to all slots
-        below its anchor position plus itself; feed each committed position once, in any later step."""
+        below its anchor position plus itself; feed each committed position once, in any later step. The block's
+        positions must be consecutive (anchor .. anchor + S - 1): the attention kernel's mask relies on it."""
         x = block_embeds
         ctx = context.to(x.dtype)
         rope_blk = self._rope(positions_block, x.dtype)
@@ -251,9 +308,13 @@ class DFlashDrafter(nn.Module):
         masks = {}
         for i, layer in enumerate(self.layers):
             key = (self.config.layer_is_causal(i), self.config.layer_window(i))
-            if key not in masks:
-                masks[key] = self._mask(i, positions_ctx, positions_block, cache, kv_len)
-            x = layer(x, ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, masks[key])
+            if layer.self_attn.uses_kernel(cache, x.shape[1], kv_len):
+                mask = None  # the kernel's positional mask (DFlashAttention.forward)
+            else:
+                if key not in masks:
+                    masks[key] = self._mask(i, positions_ctx, positions_block, cache, kv_len)
+                mask = masks[key]
+            x = layer(x, ctx, rope_blk, rope_ctx, positions_ctx, cache, kv_len, mask, positions_block)
         return self.norm(x)
 
 
