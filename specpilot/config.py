@@ -54,6 +54,9 @@ class EngineConfig:
     gemv_kernel: bool = False  # few-token projections through our Triton GEMV instead of cuBLAS (CUDA only)
     attention_kernel: bool = True  # CUDA: steps of <= 16 tokens attend through the split-KV Triton kernel (x1.15-
     # x1.28 on whole H200 runs, BENCHMARKS.md session 8) instead of masked SDPA over the whole pool; ignored elsewhere
+    draft_attention_kernel: bool = False  # CUDA: the DFlash draft block attends through the same kernel (its
+    # masked SDPA over the whole draft pool was 0.36 of a 0.82 ms draft pass on the H200, session 10); off until the
+    # loop validates it on a GPU
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):

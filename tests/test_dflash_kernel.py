@@ -144,13 +144,12 @@ def test_training_pass_keeps_sdpa(target, monkeypatch):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_greedy_with_kernel_equals_ar(target, static, monkeypatch):
-    """Speculative decoding with the drafter's kernel on gives AR's tokens, eager draft steps (build_drafter on the
-    CPU) and static ones (what the GPU captures as a graph). (The target keeps SDPA: its kernel has its own tests,
+    """Speculative decoding with the drafter's kernel on gives AR's tokens, eager draft steps and static ones (what the GPU captures as a graph). (The target keeps SDPA: its kernel has its own tests,
     and interpreted it would double this test's time.)"""
     net = _net(5).use_attention_kernel()
     calls = _count_kernel_calls(monkeypatch)
     cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=4, max_new_tokens=16, max_seq_len=96, ignore_eos=True)
-    drafter = DFlashBlockDrafter(net, target, 96, static=True) if static else build_drafter(cfg, net, target)
+    drafter = DFlashBlockDrafter(net, target, 96, static=static)  # (build_drafter switches it off on the CPU)
     spec, ar = Engine(target, cfg, drafter), Engine(target, cfg.with_(drafter_kind="none"))
     g = torch.Generator().manual_seed(1)
     for n in (3, 11):
@@ -161,14 +160,16 @@ def test_greedy_with_kernel_equals_ar(target, static, monkeypatch):
     assert len(calls) >= 2 * 4  # two layers, every draft step
 
 
-def test_engine_switches_the_drafter_kernel_with_the_target(target, monkeypatch):
-    """build_drafter turns the drafter's kernel on exactly when the engine's attention_kernel applies (CUDA)."""
+def test_engine_switches_the_drafter_kernel_by_its_own_field(target, monkeypatch):
+    """build_drafter turns the drafter's kernel on exactly when `draft_attention_kernel` applies (CUDA), whatever
+    the target's `attention_kernel` says, and off again for a network that had it on."""
     import specpilot.engine as engine
 
-    cfg = EngineConfig(drafter_kind="dflash", max_seq_len=64)
+    cfg = EngineConfig(drafter_kind="dflash", max_seq_len=64, draft_attention_kernel=True)
     assert not build_drafter(cfg, _net(), target).network.attention_kernel  # the CPU: off
-    monkeypatch.setattr(engine, "_attention_kernel_on", lambda config: config.attention_kernel)
-    net = build_drafter(cfg, _net(), target).network
+    monkeypatch.setattr(engine, "_attention_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    net = build_drafter(cfg.with_(attention_kernel=False), _net(), target).network
     assert net.attention_kernel and all(layer.self_attn.kernel_max_t == 16 for layer in net.layers)
     assert copy.deepcopy(net).attention_kernel  # copies still work (validate_tau copies networks)
-    assert not build_drafter(cfg.with_(attention_kernel=False), _net(), target).network.attention_kernel
+    assert not build_drafter(cfg.with_(draft_attention_kernel=False), net, target).network.attention_kernel
+    assert not EngineConfig().draft_attention_kernel  # off by default until a GPU run validates it

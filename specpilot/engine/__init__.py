@@ -28,14 +28,14 @@ __all__ = ["Engine", "GenerationResult", "build_drafter", "load_target"]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _attention_kernel_on(config: EngineConfig) -> bool:
-    """Whether `attention_kernel` applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
-    if not (config.attention_kernel and str(config.device).startswith("cuda")):
+def _attention_kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
+    """Whether an attention-kernel field applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
+    if not (getattr(config, field) and str(config.device).startswith("cuda")):
         return False
     try:
         import triton  # noqa: F401
     except ImportError:  # on by default, so a GPU without Triton falls back to SDPA rather than failing
-        warnings.warn("attention_kernel needs Triton, which is not installed: attention stays on SDPA",
+        warnings.warn(f"{field} needs Triton, which is not installed: attention stays on SDPA",
                       RuntimeWarning, stacklevel=3)
         return False
     return True
@@ -74,8 +74,8 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
             raise ConfigError("drafter 'dflash' needs a DFlash checkpoint (--drafter PATH)")
         network = drafter_model if not isinstance(drafter_model, (str, bytes)) else load_dflash(
             resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
-        if _attention_kernel_on(config):  # with the target's kernel; before the draft step is captured as a graph
-            network.use_attention_kernel()  # (a given network too: only its cached passes change, same numbers)
+        # before the draft step is captured as a graph; a given network too (only its cached passes change)
+        network.use_attention_kernel(_attention_kernel_on(config, "draft_attention_kernel"))
         return DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")

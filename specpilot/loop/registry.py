@@ -166,6 +166,11 @@ register(Mechanism(
     "few-token steps attend through the split-KV Triton kernel (GQA group per program, early exit above the "
     "context) instead of SDPA with a mask over the whole pool"))
 register(Mechanism(
+    "draft_attention_kernel", ("draft",), {"draft_attention_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.drafter_kind == "dflash",
+    "the DFlash draft block attends through the split-KV kernel (block K/V written into the draft cache, every "
+    "query at the block's last position: non-causal inside the block) instead of SDPA over the whole draft pool"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
