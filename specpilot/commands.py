@@ -265,6 +265,8 @@ def cmd_profile(args) -> int:
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
         kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,  # SDPA reads the pool
         attention_kernel=cfg.attention_kernel,
+        draft_kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.draft_attention_kernel else None,
+        draft_attention_kernel=cfg.draft_attention_kernel,
     )
     drafter_cfg = (spec.drafter.runner.model.config if model_drafter
                    else spec.drafter.network.config if dflash else None)

@@ -379,3 +379,28 @@ def test_predicted_gain_prices_compile_and_draft_length():
     # n-gram drafting costs no device pass: a longer draft only widens the verify pass a little
     assert gain(StepKnobs(8, fused=True), kind="ngram", d=None) > 1.0
     assert gain(StepKnobs(4, fused=True, compiled=True), kind="model", d=None) is None  # drafter shapes unknown
+
+
+def test_predicted_gain_prices_the_draft_attention_kernel():
+    """A graphed DFlash block with SDPA attends over the whole draft pool (0.18 ms a call on the H200); through the
+    split-KV kernel it costs the kernel's measured time: the switch is priced as a gain, and only for DFlash."""
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
+                           intermediate_size=2048)
+    hw = dataclasses.replace(FAKE_HW, sdpa_fixed_s=10e-6, sdpa_per_key_s=1e-9, sdpa16_fixed_s=40e-6,
+                             sdpa16_per_key_s=3.5e-8, attn_kernel_t1_s=10e-6, attn_kernel_t16_s=24e-6)
+    prof = StepProfile(draft_s=1.3e-3, verify_s=4.2e-3, accept_s=1e-4, other_s=1.5e-4, tau=2.2, num_draft_tokens=15,
+                       drafter_passes=1, context_len=600, attention_kernel=True, draft_kv_pool_len=4096)
+    now = StepKnobs(15, fused=True, attention_kernel=True, draft_pool_len=4096)
+    on = dataclasses.replace(now, draft_attention_kernel=True)
+    gain = predicted_gain(target, d, prof, hw, kind="dflash", now=now, new=on)
+    saved = 2 * (40e-6 + 3.5e-8 * (4096 + 16) - 24e-6)  # two draft layers: SDPA over the pool -> the kernel
+    assert gain == pytest.approx(prof.step_s / (prof.step_s - saved), rel=1e-6) and gain > 1.02
+    rep_on = analyze(target, d, dataclasses.replace(prof, draft_attention_kernel=True, draft_kv_pool_len=None), hw,
+                     drafter_kind="dflash")
+    rep_off = analyze(target, d, prof, hw, drafter_kind="dflash")
+    assert rep_off.stages["draft"].predicted_s - rep_on.stages["draft"].predicted_s == pytest.approx(saved)
+    assert rep_on.stages["verify"].predicted_s == rep_off.stages["verify"].predicted_s  # the target's unchanged

@@ -86,6 +86,10 @@ class StepProfile:
     acceptance_by_position: tuple[float, ...] | None = None  # P(draft i accepted), i = 0..K-1
     ar_step_s: float | None = None  # optional: measured plain autoregressive step on the same setup
     attention_kernel: bool = False  # few-token passes attend through the split-KV kernel (EngineConfig field)
+    # a DFlash draft pass: graphed, its block attends over the whole draft pool with SDPA (None: the context only),
+    # or through the split-KV kernel (EngineConfig.draft_attention_kernel)
+    draft_kv_pool_len: int | None = None
+    draft_attention_kernel: bool = False
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -185,7 +189,7 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
         if drafter_cfg is None:
             raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
         return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)),
-                                 pool_len=profile.kv_pool_len)]
+                                 pool_len=profile.draft_kv_pool_len)]
     if kind != "model":
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
@@ -204,9 +208,10 @@ def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len)
     kern = profile.attention_kernel
+    draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
     return {
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
-                           draft_host_s + sum(pass_predicted_s(c, hw, graphed, kern) for c in drafts)),
+                           draft_host_s + sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)),
         "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed, kern)),
         "accept": StageCost(profile.accept_s, 0.0, ACCEPT_LAUNCHES * hw.launch_s),
         "other": StageCost(profile.other_s, 0.0, hw.host_sync_s or 0.0),

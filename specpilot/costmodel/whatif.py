@@ -37,6 +37,8 @@ class StepKnobs:
     fused: bool = False  # fused_projections
     attention_kernel: bool = False  # attention_kernel (the split-KV Triton kernel for <= 16-token passes)
     pool_len: int | None = None  # graphed SDPA attends over this whole KV pool (None: the profile's)
+    draft_attention_kernel: bool = False  # a DFlash draft block through the split-KV kernel
+    draft_pool_len: int | None = None  # a graphed DFlash draft block with SDPA attends over this whole draft pool
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
@@ -78,7 +80,8 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
         out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)
                 for t in (first,) + (1,) * (k - 1)]
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
-        out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=pool))
+        draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len
+        out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=draft_pool))
     return out
 
 
@@ -102,8 +105,9 @@ def predicted_gain(target_cfg: ModelConfig, drafter_cfg, profile: StepProfile, h
     def device_s(k: str, knobs: StepKnobs, tau: float) -> tuple[float, float]:  # (verify, draft) predictions
         verify, *drafts = _passes(target_cfg, drafter_cfg, k, knobs, profile, tau)
         kern = knobs.attention_kernel
+        draft_kern = knobs.draft_attention_kernel if k == "dflash" else kern
         return (pass_predicted_s(verify, hw, knobs.graphed, kern),
-                sum(pass_predicted_s(c, hw, knobs.graphed, kern) for c in drafts))
+                sum(pass_predicted_s(c, hw, knobs.graphed, draft_kern) for c in drafts))
 
     (v_now, d_now), (v_new, d_new) = device_s(kind, now, profile.tau), device_s(new_kind, new, new_tau)
     verify = profile.verify_s + v_new - v_now

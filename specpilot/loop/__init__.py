@@ -97,6 +97,8 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
                        kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,
                        attention_kernel=cfg.attention_kernel,
+                       draft_kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.draft_attention_kernel else None,
+                       draft_attention_kernel=cfg.draft_attention_kernel,
                        acceptance_by_position=tuple(acceptance) if acceptance else None)
 
 
@@ -105,7 +107,8 @@ def _knobs(cfg: EngineConfig):
 
     sdpa_pool = cfg.cuda_graphs and not cfg.attention_kernel  # graphed SDPA reads the whole pool
     return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
-                     cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None)
+                     cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None,
+                     cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None)
 
 
 class CostHooks(NamedTuple):
