@@ -54,6 +54,8 @@ class EngineConfig:
     gemv_kernel: bool = False  # few-token projections through our Triton GEMV instead of cuBLAS (CUDA only)
     attention_kernel: bool = True  # CUDA: steps of <= 16 tokens attend through the split-KV Triton kernel (x1.15-
     # x1.28 on whole H200 runs, BENCHMARKS.md session 8) instead of masked SDPA over the whole pool; ignored elsewhere
+    fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
+    # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):
