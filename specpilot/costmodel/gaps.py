@@ -200,7 +200,9 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
 
 # Host-side stages, predicted from measured host costs: greedy chain acceptance launches ~6 small eager kernels
 # (argmax, compare, cast, cumprod, sum, gather; verify/chain.py) at `launch_s` each; the commit is the step's one
-# host sync (`host_sync_s`) plus bookkeeping, which is not modelled.
+# host sync (`host_sync_s`) plus bookkeeping, which is not modelled. With `EngineConfig.fused_accept` (greedy) the
+# verdict is computed inside the verify step (its CUDA graph), so a graphed run measures accept ~0 and its few
+# kernels land in verify: this prediction is then an upper bound.
 ACCEPT_LAUNCHES = 6
 
 

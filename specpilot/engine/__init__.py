@@ -101,7 +101,8 @@ class Engine:
         self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,
                                   capture_layers=getattr(drafter, "target_layers", None),
-                                  feature_fn=getattr(drafter, "features", None))
+                                  feature_fn=getattr(drafter, "features", None),
+                                  greedy_verdict=drafter is not None and config.sampling.greedy and config.fused_accept)
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

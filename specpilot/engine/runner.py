@@ -5,33 +5,49 @@ Graphed steps attend over the whole KV pool (static shapes) with the positional 
 than its bucket is padded with junk tokens at the following positions: their K/V land in slots no real query may
 see yet, and are overwritten before they could be (see models/cache.py). Logits returned by a graphed step live in
 a static buffer: consume them before the next step of the same runner.
+
+Greedy speculative steps ask for `step_greedy_verdict(block, start)` instead: the same forward, then the chain
+verdict (verify/chain.py `greedy_verdict_packed`) on its logits, all in the step's graph when the runner was built
+with `greedy_verdict=True`: one small long tensor [num_accepted, next_token, d_1 .. d_K], no extra launches.
+`static=True` runs the bucketed steps from their static buffers without capturing them (any device): the code a
+graph records, run eagerly, so CPU tests can hold it to the plain eager path.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from specpilot.engine.graphs import capture
 from specpilot.models import DenseLM, KVCache
+from specpilot.verify import greedy_verdict_packed
 
 
 class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
-                 compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None):
+                 compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None,
+                 greedy_verdict: bool = False, static: bool = False):
         self.model, self.cache = model, cache
         # with capture_layers (even empty), features of every processed token are kept after each call in
         # `last_hidden` [T, F]: `feature_fn(final_hidden, layer_outputs)` or, by default, the layer outputs
         # concatenated. A drafter conditioned on the target (DFlash) reads them.
         self.capture_layers, self.feature_fn = capture_layers, feature_fn
         self.last_hidden: torch.Tensor | None = None
+        # greedy_verdict: each bucketed step also computes the greedy chain verdict (see step_greedy_verdict)
+        self.greedy_verdict = greedy_verdict
         # torch.compile fuses the many small elementwise kernels (norms, RoPE, SiLU) that otherwise dominate a
         # graphed decode step at small shapes; captured into the same CUDA graphs afterwards.
         self._fwd = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = model.lm_head.weight.device
-        self.graphs: dict[int, tuple] = {}  # T -> (graph, ids buffer, positions buffer, logits, captured hidden)
+        # T -> (graph or None when static and not captured, ids buffer, positions buffer, drafts-count buffer (None
+        #       without the verdict), outputs: (logits, captured hidden, packed verdict or None); None when static)
+        self.graphs: dict[int, tuple] = {}
+        self._num_drafts: dict[int, int] = {}  # bucket -> the value its drafts-count buffer holds now
         self._arange = torch.arange(max(buckets, default=1), device=self.device)
-        if cuda_graphs and self.device.type == "cuda":
-            self._capture(sorted(set(buckets), reverse=True))
+        graphs = cuda_graphs and self.device.type == "cuda"
+        if graphs or static:
+            self._build(sorted(set(buckets), reverse=True), graphs)
 
     def _run(self, ids, pos, kv_len=None, logits=True):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)
@@ -45,15 +61,54 @@ class ModelRunner:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor):
         return self._run(ids, pos)
 
+    def _bucket_step(self, ids: torch.Tensor, pos: torch.Tensor, num_drafts: torch.Tensor | None):
+        # what a bucket's graph records: the forward over the padded block (whole KV pool), then, given the
+        # drafts-count buffer (greedy_verdict), the verdict on its logits. Only the forward is compiled
+        # (torch.compile); the verdict's few small ops are recorded into the same graph as they are.
+        logits, feats = self._fwd(ids, pos)
+        packed = greedy_verdict_packed(ids[0], logits, num_drafts) if num_drafts is not None else None
+        return logits, feats, packed
+
     @torch.inference_mode()
-    def _capture(self, buckets: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()  # largest first, one shared pool: later graphs reuse its blocks
-        for T in buckets:
+    def _build(self, buckets: list[int], graphs: bool) -> None:
+        pool = torch.cuda.graph_pool_handle() if graphs else None  # largest first, one shared pool: later graphs
+        for T in buckets:                                         # reuse its blocks
             ids = torch.zeros(1, T, dtype=torch.long, device=self.device)
             pos = torch.arange(T, device=self.device)[None].clone()
-            # 3 warm-ups: torch.compile (when on) recompiles once more before its code settles
-            g, (logits, feats) = capture(lambda: self._fwd(ids, pos), warmup=3, pool=pool)
-            self.graphs[T] = (g, ids, pos, logits, feats)
+            num_drafts = torch.full((1,), T - 1, dtype=torch.long, device=self.device) if self.greedy_verdict else None
+            self._num_drafts[T] = T - 1
+            g, outputs = None, None
+            if graphs:  # 3 warm-ups: torch.compile (when on) recompiles once more before its code settles
+                try:
+                    g, outputs = capture(lambda: self._bucket_step(ids, pos, num_drafts), warmup=3, pool=pool)
+                except RuntimeError as e:
+                    if num_drafts is None:
+                        raise
+                    # not expected (its ops never read the device on the host: tests/test_fused_accept.py); if it
+                    # happens, the bucket keeps its graphed forward and step_greedy_verdict computes
+                    # the verdict eagerly from the logits (slower, same tokens) rather than the engine failing
+                    warnings.warn(f"greedy verdict in the T={T} step graph: capture failed ({e}); it runs eagerly",
+                                  RuntimeWarning, stacklevel=2)
+                    num_drafts = None
+                    g, outputs = capture(lambda: self._bucket_step(ids, pos, None), warmup=3, pool=pool)
+            self.graphs[T] = (g, ids, pos, num_drafts, outputs)
+
+    def _pick_bucket(self, T: int, start: int) -> int | None:
+        return min((b for b in self.graphs if b >= T and start + b <= self.cache.max_seq_len), default=None)
+
+    def _replay(self, bucket: int, ids: torch.Tensor, start: int):
+        # -> the bucket's outputs (logits [bucket, V], hidden, packed verdict or None), for ids [T] padded to it
+        g, ids_buf, pos_buf, num_drafts, outputs = self.graphs[bucket]
+        T = ids.shape[0]
+        ids_buf[0, :T].copy_(ids)
+        torch.add(self._arange[:bucket], start, out=pos_buf[0])  # device-side: no host sync
+        if num_drafts is not None and self._num_drafts[bucket] != T - 1:  # rarely changes: write only then
+            num_drafts.fill_(T - 1)  # a kernel with the value as its argument: no host sync
+            self._num_drafts[bucket] = T - 1
+        if g is None:
+            return self._bucket_step(ids_buf, pos_buf, num_drafts)
+        g.replay()
+        return outputs
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
@@ -65,14 +120,30 @@ class ModelRunner:
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """ids [T] long on the device, at positions [start, start + T) -> logits [T, V] fp32."""
         T = ids.shape[0]
-        bucket = min((b for b in self.graphs if b >= T and start + b <= self.cache.max_seq_len), default=None)
+        bucket = self._pick_bucket(T, start)
         if bucket is None:
             pos = torch.arange(start, start + T, device=self.device)[None]
             logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
             return logits
-        g, ids_buf, pos_buf, logits, feats = self.graphs[bucket]
-        ids_buf[0, :T].copy_(ids)
-        torch.add(self._arange[:bucket], start, out=pos_buf[0])  # device-side: no host sync
-        g.replay()
+        logits, feats, _ = self._replay(bucket, ids, start)
         self.last_hidden = feats[:T] if feats is not None else None
         return logits[:T]
+
+    @torch.inference_mode()
+    def step_greedy_verdict(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The greedy verify step: ids [T] = [last committed token, d_1 .. d_K] at positions [start, start + T)
+        -> [K + 2] long on the device = [num_accepted, next_token, d_1 .. d_K] (verify/chain.py
+        `greedy_verdict_packed`); `last_hidden` is set as by `step`. From a bucket built with greedy_verdict, the
+        verdict was computed inside the step (its graph on CUDA) and the result is a view of the bucket's static
+        output: read it before the next step of this runner. Otherwise it is computed here from the logits."""
+        T = ids.shape[0]
+        bucket = self._pick_bucket(T, start)
+        if bucket is None:
+            pos = torch.arange(start, start + T, device=self.device)[None]
+            logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
+            return greedy_verdict_packed(ids, logits)
+        logits, feats, packed = self._replay(bucket, ids, start)
+        self.last_hidden = feats[:T] if feats is not None else None
+        if packed is None:
+            return greedy_verdict_packed(ids, logits[:T])
+        return packed[: T + 1]

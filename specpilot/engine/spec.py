@@ -7,6 +7,10 @@ commit  -> the accepted prefix and that token join the context, cut by the stop 
 Host sync: exactly one per step, the `.tolist()` in commit that brings the verdict and the draft to the host
 (the stop rule and the drafter's context need them there). The verify block starts from the last committed token
 as a device tensor (the previous verdict's), not a fresh host-to-device copy, which would synchronize too.
+Greedy (with `EngineConfig.fused_accept`, the default): verify and accept are one runner call,
+`step_greedy_verdict`, whose result is already the packed [num_accepted, next_token, d_1 .. d_K] (on CUDA computed
+inside the verify step's graph), so accept launches nothing and commit reads that one tensor; the accept stage then
+measures ~0. Sampling keeps the separate accept stage (`verify_chain` on the step's logits).
 Greedy output equals AR output token for token; sampled output has the target's distribution.
 """
 
@@ -30,8 +34,9 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     if conditioned and len(prompt_ids) > 1:
         drafter.observe(s.runner.last_hidden)  # features of prompt[:-1]
     out, checked = res.output_ids, 0
-    last = s.tensor(ids[-1:])  # the last committed token on the device; then each step's verdict.next_token
+    last = s.tensor(ids[-1:])  # the last committed token on the device; then each step's next token (next_dev)
     sampling = s.config.sampling
+    fused = sampling.greedy and s.config.fused_accept  # verify + accept in one runner call (see the docstring)
     timer = s.stage_timer()
     with s.clock(res, "decode_s"):
         while True:
@@ -46,21 +51,30 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             timer.mark("draft")
             # verify
             block = torch.cat([last, d_ids])
-            logits = s.runner.step(block, len(ids) - 1)  # [K+1, V]
-            res.num_target_forwards += 1
-            timer.mark("verify")
-            # accept
-            if sampling.greedy:
-                verdict = verify_chain(d_ids, logits)
+            if fused:  # verify + accept: the verdict comes packed with the drafts, [a, next, d_1 .. d_K]
+                packed = s.runner.step_greedy_verdict(block, len(ids) - 1)
+                res.num_target_forwards += 1
+                timer.mark("verify")
+                timer.mark("accept")  # nothing left to launch: the verdict was part of the step
+                next_dev = packed[1:2]
             else:
-                d_probs = draft.probs[: len(d_ids)] if draft is not None and draft.probs is not None else None
-                verdict = verify_chain(
-                    d_ids, logits, target_probs=probs_from_logits(logits, sampling), draft_probs=d_probs,
-                    generator=s.generator,
-                )
-            timer.mark("accept")
+                logits = s.runner.step(block, len(ids) - 1)  # [K+1, V]
+                res.num_target_forwards += 1
+                timer.mark("verify")
+                # accept
+                if sampling.greedy:
+                    verdict = verify_chain(d_ids, logits)
+                else:
+                    d_probs = draft.probs[: len(d_ids)] if draft is not None and draft.probs is not None else None
+                    verdict = verify_chain(
+                        d_ids, logits, target_probs=probs_from_logits(logits, sampling), draft_probs=d_probs,
+                        generator=s.generator,
+                    )
+                timer.mark("accept")
+                packed = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids])
+                next_dev = verdict.next_token.view(1)
             # commit
-            a, nxt, *drafted = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids]).tolist()
+            a, nxt, *drafted = packed.tolist()  # the step's one host sync
             if conditioned:  # the last committed token and the accepted drafts: their features are now final
                 drafter.observe(s.runner.last_hidden[: a + 1])
             res.drafted_lengths.append(len(drafted))
@@ -76,6 +90,10 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             if reason:
                 res.finish_reason = reason
                 break
-            last = verdict.next_token.view(1)  # == ids[-1]: nothing was cut (a cut ends the loop)
+            # == ids[-1]: nothing was cut (a cut ends the loop). On the fused path with CUDA graphs `next_dev` is a
+            # view of the bucket's static output, which the bucket's next replay overwrites. That is safe: the next
+            # step's torch.cat copies it into a fresh block before the replay is enqueued, and both run in order on
+            # the one stream; nothing else replays the target runner in between (drafters have their own runners).
+            last = next_dev
     res.stage_s = timer.totals()
     return res
