@@ -4,7 +4,7 @@
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
 the split-KV attention kernel, at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
 pass grows with its tokens: the cost model prices draft lengths with it)
-(`--no-compile` skips the compiled variants);
+(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel);
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
@@ -41,6 +41,8 @@ def main(shapes, flags=()) -> int:
         variants = [(False, False), (False, True), (True, False), (True, True)]  # (compiled, attention kernel)
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
+        if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
+            variants = [v for v in variants if not v[0] or v[1]]
         for compiled, kernel in variants:
             model.use_attention_kernel(kernel)
             t0 = time.time()
