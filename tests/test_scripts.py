@@ -40,3 +40,25 @@ def test_dflash_step_diagnostic_runs_on_cpu():
     assert all(out.get(k) is not None for k in figures), r.stderr  # a failed measurement reads None
     assert out["smoke"] and out["draft_graph_captured"] is False and out["profile"]["kernels_per_propose"] > 0
     assert set(out["engine_stage_ms_per_step"]) >= {"draft", "verify", "accept"}
+
+
+def test_regen_cache_script_round_trip(tmp_path):
+    """scripts/regen_cache.py pack | unpack, as the GPU session runs it (a failure there would lose the data)."""
+    from specpilot.train.regenerate import META, read_cache
+
+    src = tmp_path / "regen"
+    src.mkdir()
+    (src / META).write_text(json.dumps({"target": "/tmp/models/q15", "max_new_tokens": 384}))
+    recs = [{"id": f"sharegpt/{i}", "prompt_ids": [1, 2, i], "response_ids": list(range(i, i + 50))} for i in range(40)]
+    recs.append({"id": "long/0", "prompt_ids": [9] * 5, "response_ids": None})
+    (src / "shard-1-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent)}
+    run = lambda *a: subprocess.run([sys.executable, str(SCRIPTS / "regen_cache.py"), *a], capture_output=True,  # noqa: E731
+                                    text=True, env=env, check=True).stdout
+    parts = run("pack", str(src), str(tmp_path / "out" / "regen-q15")).split()
+    assert parts and all(Path(p).name.startswith("regen-q15.") for p in parts)
+    assert "41 records" in run("unpack", str(tmp_path / "seeded"), *parts)
+    got = read_cache(tmp_path / "seeded")
+    assert {k: r["response_ids"] for k, r in got.items()} == {r["id"]: r["response_ids"] for r in recs}
+    assert all(r["prompt_ids"] is None for r in got.values())  # re-encoded from the prompts on use
+    assert json.loads((tmp_path / "seeded" / META).read_text())["target"] == "/tmp/models/q15"
