@@ -55,18 +55,25 @@ class DFlashBlockDrafter:
     def _init_static(self, max_seq_len: int) -> None:
         B, dev = self.network.block_size, self.device
         self.base = torch.arange(B, device=dev)
-        self.anchor = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.masks = torch.full((1, B - 1), self.network.mask_token_id, dtype=torch.long, device=dev)
         self.ctx = torch.zeros(1, B, self.network.fc.in_features, dtype=self.network.fc.weight.dtype, device=dev)
-        self.pos_ctx = (max_seq_len + self.base)[None].clone()  # the spare tail slots: harmless before first use
-        self.pos_blk = (max_seq_len + self.base)[None].clone()
+        # the step's scalars [anchor id, fed, new context rows c, anchor position], written with one copy per step
+        # (the positions are derived from them inside the step: in its graph, not as ~8 eager launches, which were
+        # most of propose()'s 0.26 ms of host time on the H200, session 10). Start: the spare tail slots, harmless.
+        self.scalars = torch.tensor([0, max_seq_len, 0, max_seq_len], dtype=torch.long, device=dev)
+        self._scalars_host = torch.zeros(4, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._copied = None  # a CUDA event after the last copy out of the pinned buffer
         self.drafts = None
 
     def _static_step(self) -> torch.Tensor:
         embed_w, lm_head = _target_io(self.target)
-        ids = torch.cat((self.anchor, self.masks), dim=1)
-        hidden = self.network(self.network.embed(ids, embed_w), self.network.project_context(self.ctx), self.pos_ctx,
-                              self.pos_blk, self.cache, kv_len=None)
+        anchor_id, fed, c, anchor_pos = self.scalars.unbind()
+        # rows [0, c): the new context at fed..anchor-1; rows [c, B): padding at anchor..anchor+B-c-1
+        pos_ctx = torch.where(self.base < c, self.base + fed, self.base - c + anchor_pos)[None]
+        pos_blk = (self.base + anchor_pos)[None]
+        ids = torch.cat((anchor_id.view(1, 1), self.masks), dim=1)
+        hidden = self.network(self.network.embed(ids, embed_w), self.network.project_context(self.ctx), pos_ctx,
+                              pos_blk, self.cache, kv_len=None)
         return self.network.compute_logits(hidden[:, 1:], lm_head).argmax(dim=-1)[0]
 
     @torch.inference_mode()
@@ -75,11 +82,15 @@ class DFlashBlockDrafter:
 
     def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
         c = ctx.shape[0]
-        self.anchor.fill_(anchor_id)
         self.ctx[0, :c].copy_(ctx)
-        # rows [0, c): the new context at fed..anchor-1; rows [c, B): padding at anchor..anchor+B-c-1
-        self.pos_ctx.copy_(torch.where(self.base < c, self.base + self.fed, self.base - c + anchor_pos)[None])
-        self.pos_blk.copy_((self.base + anchor_pos)[None])
+        host = self._scalars_host
+        if self._copied is not None:  # the last copy out of the pinned buffer has run before it is rewritten
+            self._copied.synchronize()  # (in the engine it has: the step synced since; this costs nothing then)
+        host[0], host[1], host[2], host[3] = anchor_id, self.fed, c, anchor_pos
+        self.scalars.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         if self.graph is not None:
             self.graph.replay()
             return self.drafts.clone()
