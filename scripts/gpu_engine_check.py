@@ -79,6 +79,17 @@ def main() -> int:
             if not result[name]["equal"]:
                 problems.append(name)
 
+    def norm_kernel():
+        fast = copy.deepcopy(target).use_norm_kernel()  # every RMSNorm in one Triton launch: same greedy tokens
+        for name, c in (("ar_norm_kernel", base),
+                        ("spec_ngram_norm_kernel", base.with_(drafter_kind="ngram")),
+                        ("spec_ngram_norm_kernel_compiled", base.with_(drafter_kind="ngram", compile=True))):
+            outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
+            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
+            print(name, result[name], flush=True)
+            if not result[name]["equal"]:
+                problems.append(name)
+
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -117,7 +128,8 @@ def main() -> int:
             if outs != ref:
                 problems.append(name)
 
-    for name, fn in (("attention_kernel", attention_kernel), ("dflash", dflash), ("batch", batch)):
+    for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("dflash", dflash),
+                     ("batch", batch)):
         section(name, fn)
     result["problems"] = problems
     print(json.dumps(result))

@@ -28,8 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # DenseLM.use_norm_kernel: the one-launch Triton op (same numbers) instead of 8 kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -171,6 +174,7 @@ class DenseLM(nn.Module):
         self.config = cfg
         self.model = DenseBody(cfg)
         self.attention_kernel = False  # use_attention_kernel() switches few-token steps to the split-KV kernel
+        self.norm_kernel = False  # use_norm_kernel() switches every RMSNorm to the Triton kernel
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -205,6 +209,19 @@ class DenseLM(nn.Module):
         self.attention_kernel = on
         for layer in self.model.layers:
             layer.self_attn.decode_attention = decode_attention_op if on else None
+        return self
+
+    def use_norm_kernel(self, on: bool = True) -> "DenseLM":
+        """Every RMSNorm (input/post-attention, q/k, final) through the one-launch Triton kernel
+        (kernels/rmsnorm.py, a custom op opaque to torch.compile) instead of 8 eager kernels; same numbers."""
+        from specpilot.kernels.rmsnorm import rmsnorm_op
+
+        if on and rmsnorm_op is None:
+            raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
+        self.norm_kernel = on
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rmsnorm_op if on else None
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
