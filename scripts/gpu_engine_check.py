@@ -80,10 +80,14 @@ def main() -> int:
                 problems.append(name)
 
     def norm_kernel():
-        fast = copy.deepcopy(target).use_norm_kernel()  # every RMSNorm in one Triton launch: same greedy tokens
-        for name, c in (("ar_norm_kernel", base),
-                        ("spec_ngram_norm_kernel", base.with_(drafter_kind="ngram")),
-                        ("spec_ngram_norm_kernel_compiled", base.with_(drafter_kind="ngram", compile=True))):
+        # every RMSNorm in one Triton launch, RoPE of q and k in another: same greedy tokens, alone and together
+        norm = copy.deepcopy(target).use_norm_kernel()
+        rope = copy.deepcopy(target).use_rope_kernel()
+        both = copy.deepcopy(target).use_norm_kernel().use_rope_kernel()
+        for name, c, fast in (("ar_norm_kernel", base, norm), ("ar_rope_kernel", base, rope),
+                              ("spec_ngram_norm_rope_kernels", base.with_(drafter_kind="ngram"), both),
+                              ("spec_ngram_norm_rope_kernels_compiled", base.with_(drafter_kind="ngram", compile=True),
+                               both)):
             outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
             result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
             print(name, result[name], flush=True)

@@ -264,3 +264,94 @@ def test_rmsnorm_is_one_opaque_op_under_torch_compile():
     assert torch.allclose(fn(x, w), 2 * rmsnorm_reference(x, w, 1e-6), atol=1e-5)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("specpilot.rmsnorm" in t for t in targets) == 1, targets
+
+
+# --- RoPE (kernels/rope.py) -------------------------------------------------------------------------------------
+
+
+def _rope_inputs(B, H, Hkv, T, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)  # as the model: a transposed view
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    ang = 50 * torch.rand(B, 1, T, D // 2, generator=g)
+    ang = torch.cat((ang, ang), dim=-1)
+    return q, k, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,D", [(1, 4, 2, 1, 16), (2, 12, 2, 3, 128), (1, 3, 3, 5, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_apply_rope(B, H, Hkv, T, D, dtype):
+    """`apply_rope`'s numbers (both products, then the sum, rounded to the input dtype): equal on CPU."""
+    from specpilot.kernels.rope import rope, rope_reference
+    from specpilot.models.dense import apply_rope
+
+    q, k, cos, sin = _rope_inputs(B, H, Hkv, T, D, dtype, seed=B + H + T + D)
+    got_q, got_k = rope(q, k, cos, sin)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert got_q.dtype == dtype and got_q.shape == q.shape and got_k.shape == k.shape
+    assert all(torch.equal(a, b) for a, b in zip(rope_reference(q, k, cos, sin), (want_q, want_k)))
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    assert (got_q.float() - want_q.float()).abs().max().item() <= tol
+    assert (got_k.float() - want_k.float()).abs().max().item() <= tol
+
+
+def test_rope_strided_inputs_shared_tables_and_bad_shapes():
+    from specpilot.kernels.rope import rope, rope_reference
+
+    q, k, cos, sin = _rope_inputs(2, 4, 2, 3, 16, torch.float32)
+    qkv = torch.randn(2, 3, 8 * 16)  # q and k straight out of a fused qkv projection, [B, T, H, D] -> [B, H, T, D]
+    qs = qkv[..., : 4 * 16].reshape(2, 3, 4, 16).transpose(1, 2)
+    ks = qkv[..., 4 * 16: 6 * 16].reshape(2, 3, 2, 16).transpose(1, 2)
+    for args in ((qs, ks, cos, sin), (q, k, cos[:1], sin[:1]), (q.contiguous(), k, cos, sin)):
+        for got, want in zip(rope(*args), rope_reference(*args)):
+            assert got.is_contiguous() and (got - want).abs().max().item() < 1e-6
+    with pytest.raises(ValueError):
+        rope(q, k[:, :, :2], cos, sin)  # k with fewer tokens than q
+    with pytest.raises(ValueError):
+        rope(q[..., :12], k[..., :12], cos[..., :12], sin[..., :12])  # head_dim not a power of two
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_model_with_rope_and_norm_kernels_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family):
+    from specpilot.config import EngineConfig
+    from specpilot.engine import Engine, _apply_layout, build_drafter
+    from specpilot.models import load_model
+
+    path = tiny_model_dir(family)
+    ref = load_model(path)
+    fast = load_model(path).use_rope_kernel().use_norm_kernel().use_attention_kernel()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pos = torch.arange(10)[None]
+    for model in (ref, fast):
+        cache = model.new_cache(1, 48)
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
+        model.out = model.logits(model(ids[:, 6:], pos[:, 6:], cache, kv_len=None))
+    assert (fast.out - ref.out).abs().max().item() < 1e-4
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
+    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
+    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert all(layer.self_attn.rope is None for layer in fast.use_rope_kernel(False).model.layers)
+    _apply_layout(ref, cfg.with_(rope_kernel=True))  # CUDA only
+    assert not ref.rope_kernel and all(layer.self_attn.rope is None for layer in ref.model.layers)
+
+
+def test_rope_is_one_opaque_op_under_torch_compile():
+    from specpilot.kernels.rope import rope_op, rope_reference
+
+    q, k, cos, sin = _rope_inputs(1, 4, 2, 3, 16, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, c, s):
+        a, b = rope_op(q, k, c, s)
+        return a * 2, b + 1
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, cos, sin)
+    want_q, want_k = rope_reference(q, k, cos, sin)
+    assert torch.allclose(got[0], 2 * want_q, atol=1e-6) and torch.allclose(got[1], want_k + 1, atol=1e-6)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.rope" in t for t in targets) == 1, targets

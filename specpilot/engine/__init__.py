@@ -29,7 +29,7 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 
 
 def _attention_kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
-    """Whether a Triton-kernel field (attention, norm) applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
+    """Whether a Triton-kernel field (attention, norm, RoPE) applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
     if not (getattr(config, field) and str(config.device).startswith("cuda")):
         return False
     try:
@@ -51,6 +51,8 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_attention_kernel()
     if _attention_kernel_on(config, "norm_kernel"):
         model.use_norm_kernel()
+    if _attention_kernel_on(config, "rope_kernel"):
+        model.use_rope_kernel()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

@@ -78,6 +78,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.rope = None  # DenseLM.use_rope_kernel: q and k rotated in one Triton launch (same numbers)
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one (same numbers, one GEMM instead of three: fewer, larger kernels)."""
@@ -107,7 +108,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None:
+            q, k = self.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
         if mask is None and not is_causal:  # the positional mask, applied inside the split-KV kernel
@@ -175,6 +179,7 @@ class DenseLM(nn.Module):
         self.model = DenseBody(cfg)
         self.attention_kernel = False  # use_attention_kernel() switches few-token steps to the split-KV kernel
         self.norm_kernel = False  # use_norm_kernel() switches every RMSNorm to the Triton kernel
+        self.rope_kernel = False  # use_rope_kernel() rotates q and k in one Triton kernel per layer
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -222,6 +227,18 @@ class DenseLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rmsnorm_op if on else None
+        return self
+
+    def use_rope_kernel(self, on: bool = True) -> "DenseLM":
+        """RoPE of q and k in one Triton launch per layer (kernels/rope.py, a custom op opaque to torch.compile)
+        instead of 10 eager kernels; same numbers."""
+        from specpilot.kernels.rope import rope_op
+
+        if on and rope_op is None:
+            raise ConfigError("the RoPE kernel needs Triton, which is not installed")
+        self.rope_kernel = on
+        for layer in self.model.layers:
+            layer.self_attn.rope = rope_op if on else None
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
