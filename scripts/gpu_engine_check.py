@@ -79,6 +79,21 @@ def main() -> int:
             if not result[name]["equal"]:
                 problems.append(name)
 
+    def norm_kernel():
+        # every RMSNorm in one Triton launch, RoPE of q and k in another: same greedy tokens, alone and together
+        norm = copy.deepcopy(target).use_norm_kernel()
+        rope = copy.deepcopy(target).use_rope_kernel()
+        both = copy.deepcopy(target).use_norm_kernel().use_rope_kernel()
+        for name, c, fast in (("ar_norm_kernel", base, norm), ("ar_rope_kernel", base, rope),
+                              ("spec_ngram_norm_rope_kernels", base.with_(drafter_kind="ngram"), both),
+                              ("spec_ngram_norm_rope_kernels_compiled", base.with_(drafter_kind="ngram", compile=True),
+                               both)):
+            outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
+            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
+            print(name, result[name], flush=True)
+            if not result[name]["equal"]:
+                problems.append(name)
+
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -117,7 +132,8 @@ def main() -> int:
             if outs != ref:
                 problems.append(name)
 
-    for name, fn in (("attention_kernel", attention_kernel), ("dflash", dflash), ("batch", batch)):
+    for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("dflash", dflash),
+                     ("batch", batch)):
         section(name, fn)
     result["problems"] = problems
     print(json.dumps(result))

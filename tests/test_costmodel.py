@@ -404,3 +404,57 @@ def test_predicted_gain_prices_the_draft_attention_kernel():
     rep_off = analyze(target, d, prof, hw, drafter_kind="dflash")
     assert rep_off.stages["draft"].predicted_s - rep_on.stages["draft"].predicted_s == pytest.approx(saved)
     assert rep_on.stages["verify"].predicted_s == rep_off.stages["verify"].predicted_s  # the target's unchanged
+
+
+def test_norm_kernel_cuts_seven_kernels_per_rmsnorm_and_is_priced_as_a_gain():
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+
+    q2, q3 = synthetic_config("qwen2.5-1.5b"), synthetic_config("qwen2.5-1.5b")
+    q3 = dataclasses.replace(q3, qk_norm=True)
+    for cfg, norms in ((q2, 2), (q3, 4)):
+        plain, norm = forward_cost(cfg, 1, 512), forward_cost(cfg, 1, 512, norm_kernel=True)
+        L = cfg.num_hidden_layers
+        assert plain.num_kernels - norm.num_kernels == 7 * (L * norms + 1)  # + the final norm
+        assert norm.num_linear_kernels == plain.num_linear_kernels and norm.total_bytes == plain.total_bytes
+        # under torch.compile a norm is already one fused kernel: the flag changes nothing there
+        assert forward_cost(cfg, 1, 512, compiled=True, norm_kernel=True).num_kernels == \
+            forward_cost(cfg, 1, 512, compiled=True).num_kernels
+    prof = StepProfile(draft_s=1e-4, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
+                       drafter_passes=0, context_len=600)
+    now = StepKnobs(4, fused=True)
+    on = dataclasses.replace(now, norm_kernel=True)
+    gain = predicted_gain(q2, None, prof, FAKE_HW, kind="ngram", now=now, new=on)
+    saved = 7 * (28 * 2 + 1) * FAKE_HW.graph_kernel_s
+    assert gain == pytest.approx(prof.step_s / (prof.step_s - saved), rel=1e-6) and gain > 1.0
+    assert predicted_gain(q2, None, prof, FAKE_HW, kind="ngram", now=on, new=now) < 1.0
+
+
+def test_loop_knobs_carry_the_norm_kernel():
+    from specpilot.config import EngineConfig
+    from specpilot.loop import _knobs
+    from specpilot.loop.registry import REGISTRY
+
+    assert _knobs(EngineConfig(norm_kernel=True)).norm_kernel and not _knobs(EngineConfig()).norm_kernel
+    assert REGISTRY["norm_kernel"].fields == {"norm_kernel": [True, False]}
+
+
+def test_rope_kernel_cuts_nine_kernels_per_layer_and_is_priced_as_a_gain():
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    plain, rope = forward_cost(cfg, 1, 512), forward_cost(cfg, 1, 512, rope_kernel=True)
+    both = forward_cost(cfg, 1, 512, rope_kernel=True, norm_kernel=True)
+    assert plain.num_kernels - rope.num_kernels == 9 * 28 and rope.total_bytes == plain.total_bytes
+    assert plain.num_kernels - both.num_kernels == 9 * 28 + 7 * (2 * 28 + 1)
+    assert forward_cost(cfg, 1, 512, compiled=True, rope_kernel=True).num_kernels == \
+        forward_cost(cfg, 1, 512, compiled=True).num_kernels
+    prof = StepProfile(draft_s=1e-4, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
+                       drafter_passes=0, context_len=600)
+    now = StepKnobs(4, fused=True)
+    on = dataclasses.replace(now, rope_kernel=True)
+    gain = predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=now, new=on)
+    assert gain == pytest.approx(prof.step_s / (prof.step_s - 9 * 28 * FAKE_HW.graph_kernel_s), rel=1e-6)
+    from specpilot.config import EngineConfig
+    from specpilot.loop import _knobs
+
+    assert _knobs(EngineConfig(rope_kernel=True)).rope_kernel and not _knobs(EngineConfig()).rope_kernel

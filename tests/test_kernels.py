@@ -162,3 +162,196 @@ def test_decode_attention_is_one_opaque_op_under_torch_compile():
     assert torch.allclose(out, 2 * decode_attention_reference(q, k, v, pos), atol=1e-4)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert any("specpilot.decode_attention" in t for t in targets), targets
+
+
+# --- RMSNorm (kernels/rmsnorm.py) -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [64, 128, 896, 1536, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_the_eager_module(N, dtype):
+    """Same rounding order as `RMSNorm.forward`: fp32 statistics, normalized value cast to the input dtype, then
+    times the weight in that dtype. bf16 is bit-exact here (the kernel rounds to nearest even like torch); fp32
+    differs only by the mean's summation order."""
+    from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+    from specpilot.models.dense import RMSNorm
+
+    g = torch.Generator().manual_seed(N)
+    norm = RMSNorm(N, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(N, generator=g))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(3, N, generator=g)).to(dtype)
+    with torch.no_grad():
+        want = norm(x)
+    got = rmsnorm(x, norm.weight.detach(), 1e-6)
+    assert got.dtype == want.dtype == dtype and got.shape == x.shape
+    assert torch.equal(want, rmsnorm_reference(x, norm.weight.detach(), 1e-6))
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 2e-6 * want.abs().max().item()
+    else:  # within 1 bf16 ulp of the eager result (in practice equal)
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+def test_rmsnorm_strided_leading_shapes_and_mixed_weight_dtype():
+    from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+
+    g = torch.Generator().manual_seed(3)
+    D = 16
+    qkv = torch.randn(2, 3, 8 * D, generator=g)  # q of a fused qkv output, as [B, T, H, D]: rows not one stride
+    q = qkv[..., : 4 * D].reshape(2, 3, 4, D)
+    w = 1 + 0.2 * torch.randn(D, generator=g)
+    from specpilot.kernels.rmsnorm import _rows_view
+
+    rows = qkv[..., 4 * D: 5 * D]  # one row stride (8 * D): read in place, no copy
+    assert _rows_view(rows, D) is not None and _rows_view(rows, D).data_ptr() == rows.data_ptr()
+    for x in (q, q.transpose(1, 2), rows, torch.randn(2, 5, D, generator=g)[:, ::2]):
+        got = rmsnorm(x, w, 1e-5)
+        assert got.shape == x.shape and got.is_contiguous()
+        assert (got - rmsnorm_reference(x, w, 1e-5)).abs().max().item() < 1e-5
+    xt = torch.randn(D, 4, generator=g).t()  # last dimension not unit-stride: copied first
+    assert (rmsnorm(xt, w, 1e-5) - rmsnorm_reference(xt, w, 1e-5)).abs().max().item() < 1e-5
+    xb = torch.randn(4, D, generator=g).bfloat16()  # bf16 input, fp32 weight: fp32 out, as eager promotion
+    got = rmsnorm(xb, w, 1e-5)
+    assert got.dtype == torch.float32 and torch.equal(got, rmsnorm_reference(xb, w, 1e-5))
+    with pytest.raises(ValueError):
+        rmsnorm(torch.randn(2, D), torch.ones(D + 1), 1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_model_with_norm_kernel_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family):
+    """Every RMSNorm (layers', q/k on Qwen3, final) through the kernel: same logits, same greedy output."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import Engine, build_drafter
+    from specpilot.models import load_model
+    from specpilot.models.dense import RMSNorm
+
+    path = tiny_model_dir(family)
+    ref, fast = load_model(path), load_model(path).use_norm_kernel()
+    norms = [m for m in fast.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 2 + (2 * 2 if family == "qwen3" else 0) + 1 and all(m.kernel for m in norms)
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pos = torch.arange(10)[None]
+    for model in (ref, fast):
+        cache = model.new_cache(1, 48)
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
+        model.out = model.logits(model(ids[:, 6:], pos[:, 6:], cache, kv_len=None))
+    assert (fast.out - ref.out).abs().max().item() < 1e-5
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
+    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
+    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert not any(m.kernel for m in fast.use_norm_kernel(False).modules() if isinstance(m, RMSNorm))
+    from specpilot.engine import _apply_layout
+
+    _apply_layout(ref, cfg.with_(norm_kernel=True))  # the engine applies it on CUDA only (an interpreted op on CPU)
+    assert not ref.norm_kernel and not any(m.kernel for m in ref.modules() if isinstance(m, RMSNorm))
+
+
+def test_rmsnorm_is_one_opaque_op_under_torch_compile():
+    from specpilot.kernels.rmsnorm import rmsnorm_op, rmsnorm_reference
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 4, 16), torch.randn(16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda x, w: rmsnorm_op(x, w, 1e-6) * 2, backend=backend, fullgraph=True)
+    assert torch.allclose(fn(x, w), 2 * rmsnorm_reference(x, w, 1e-6), atol=1e-5)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.rmsnorm" in t for t in targets) == 1, targets
+
+
+# --- RoPE (kernels/rope.py) -------------------------------------------------------------------------------------
+
+
+def _rope_inputs(B, H, Hkv, T, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)  # as the model: a transposed view
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    ang = 50 * torch.rand(B, 1, T, D // 2, generator=g)
+    ang = torch.cat((ang, ang), dim=-1)
+    return q, k, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,D", [(1, 4, 2, 1, 16), (2, 12, 2, 3, 128), (1, 3, 3, 5, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_apply_rope(B, H, Hkv, T, D, dtype):
+    """`apply_rope`'s numbers (both products, then the sum, rounded to the input dtype): equal on CPU."""
+    from specpilot.kernels.rope import rope, rope_reference
+    from specpilot.models.dense import apply_rope
+
+    q, k, cos, sin = _rope_inputs(B, H, Hkv, T, D, dtype, seed=B + H + T + D)
+    got_q, got_k = rope(q, k, cos, sin)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert got_q.dtype == dtype and got_q.shape == q.shape and got_k.shape == k.shape
+    assert all(torch.equal(a, b) for a, b in zip(rope_reference(q, k, cos, sin), (want_q, want_k)))
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    assert (got_q.float() - want_q.float()).abs().max().item() <= tol
+    assert (got_k.float() - want_k.float()).abs().max().item() <= tol
+
+
+def test_rope_strided_inputs_shared_tables_and_bad_shapes():
+    from specpilot.kernels.rope import rope, rope_reference
+
+    q, k, cos, sin = _rope_inputs(2, 4, 2, 3, 16, torch.float32)
+    qkv = torch.randn(2, 3, 8 * 16)  # q and k straight out of a fused qkv projection, [B, T, H, D] -> [B, H, T, D]
+    qs = qkv[..., : 4 * 16].reshape(2, 3, 4, 16).transpose(1, 2)
+    ks = qkv[..., 4 * 16: 6 * 16].reshape(2, 3, 2, 16).transpose(1, 2)
+    for args in ((qs, ks, cos, sin), (q, k, cos[:1], sin[:1]), (q.contiguous(), k, cos, sin)):
+        for got, want in zip(rope(*args), rope_reference(*args)):
+            assert got.is_contiguous() and (got - want).abs().max().item() < 1e-6
+    with pytest.raises(ValueError):
+        rope(q, k[:, :, :2], cos, sin)  # k with fewer tokens than q
+    with pytest.raises(ValueError):
+        rope(q[..., :12], k[..., :12], cos[..., :12], sin[..., :12])  # head_dim not a power of two
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_model_with_rope_and_norm_kernels_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family):
+    from specpilot.config import EngineConfig
+    from specpilot.engine import Engine, _apply_layout, build_drafter
+    from specpilot.models import load_model
+
+    path = tiny_model_dir(family)
+    ref = load_model(path)
+    fast = load_model(path).use_rope_kernel().use_norm_kernel().use_attention_kernel()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pos = torch.arange(10)[None]
+    for model in (ref, fast):
+        cache = model.new_cache(1, 48)
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
+        model.out = model.logits(model(ids[:, 6:], pos[:, 6:], cache, kv_len=None))
+    assert (fast.out - ref.out).abs().max().item() < 1e-4
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
+    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
+    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert all(layer.self_attn.rope is None for layer in fast.use_rope_kernel(False).model.layers)
+    _apply_layout(ref, cfg.with_(rope_kernel=True))  # CUDA only
+    assert not ref.rope_kernel and all(layer.self_attn.rope is None for layer in ref.model.layers)
+
+
+def test_rope_is_one_opaque_op_under_torch_compile():
+    from specpilot.kernels.rope import rope_op, rope_reference
+
+    q, k, cos, sin = _rope_inputs(1, 4, 2, 3, 16, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, c, s):
+        a, b = rope_op(q, k, c, s)
+        return a * 2, b + 1
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, cos, sin)
+    want_q, want_k = rope_reference(q, k, cos, sin)
+    assert torch.allclose(got[0], 2 * want_q, atol=1e-6) and torch.allclose(got[1], want_k + 1, atol=1e-6)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.rope" in t for t in targets) == 1, targets

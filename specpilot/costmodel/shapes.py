@@ -27,7 +27,10 @@ from specpilot.models.config import ModelConfig
 #   attention 4 (bool mask -> additive mask ~3, fused SDPA 1); head merge copy 1; 2 residual adds;
 #   MLP 5 (gate, up, silu, mul, down). Qwen3's q/k RMSNorm adds 2 * 8.
 _NORM_KERNELS = 8
-_LAYER_KERNELS = 2 * _NORM_KERNELS + 4 + 10 + 2 + 4 + 1 + 2 + 5  # = 44
+_NORM_KERNEL_LAUNCHES = 1  # one RMSNorm through the Triton kernel (kernels/rmsnorm.py, EngineConfig.norm_kernel)
+_ROPE_KERNELS = 10
+_ROPE_KERNEL_LAUNCHES = 1  # q and k of one layer through the Triton kernel (kernels/rope.py, EngineConfig.rope_kernel)
+_LAYER_KERNELS = 2 * _NORM_KERNELS + 4 + _ROPE_KERNELS + 2 + 4 + 1 + 2 + 5  # = 44
 _QK_NORM_KERNELS = 2 * _NORM_KERNELS
 # Per pass: embedding 1, RoPE tables 7 (positions to fp32, * inv_freq, cat, cos, sin, 2 casts), causal mask 2
 # (arange, compare), final RMSNorm 8, LM head 1, logits to fp32 1.
@@ -115,30 +118,39 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
     return 2.0 * linear * T + cfg.num_hidden_layers * attn
 
 
-def kernels_per_layer(cfg: ModelConfig) -> int:
-    return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0)
+def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False) -> int:
+    norms = 2 + (2 if cfg.qk_norm else 0)
+    saved = norms * (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES) if norm_kernel else 0
+    saved += _ROPE_KERNELS - _ROPE_KERNEL_LAUNCHES if rope_kernel else 0
+    return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0) - saved
 
 
-def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool) -> tuple[int, int]:
-    """(all kernels, GEMM kernels) of one pass: fused projections cut GEMMs, compilation the elementwise kernels."""
+def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool, norm_kernel: bool = False,
+                   rope_kernel: bool = False) -> tuple[int, int]:
+    """(all kernels, GEMM kernels) of one pass: fused projections cut GEMMs, compilation the elementwise kernels,
+    the RMSNorm kernel 7 of each norm's 8, the RoPE kernel 9 of a layer's 10 (under compile both are already
+    fused into neighbouring kernels: no change)."""
     L = cfg.num_hidden_layers
     linear = L * (_FUSED_LINEARS_PER_LAYER if fused else _LINEARS_PER_LAYER) + 1  # + LM head
     if compiled:
         other = L * _COMPILED_LAYER_OTHER_KERNELS + _COMPILED_HEAD_OTHER_KERNELS
     else:
-        other = L * (kernels_per_layer(cfg) - _LINEARS_PER_LAYER) + _HEAD_KERNELS - 1
+        head = _HEAD_KERNELS - (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES if norm_kernel else 0)
+        other = L * (kernels_per_layer(cfg, norm_kernel, rope_kernel) - _LINEARS_PER_LAYER) + head - 1
     return linear + other, linear
 
 
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
-                 pool_len: int | None = None, *, fused: bool = False, compiled: bool = False) -> PassCost:
+                 pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
+                 norm_kernel: bool = False, rope_kernel: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
-    `fused` (q/k/v and gate/up projections fused) and `compiled` (torch.compile) change only the kernel counts."""
+    `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
+    Triton launch) and `rope_kernel` (a layer's RoPE one launch) change only the kernel counts."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
-    kernels = _kernel_counts(cfg, fused, compiled)
+    kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,

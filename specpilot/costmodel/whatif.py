@@ -39,6 +39,8 @@ class StepKnobs:
     pool_len: int | None = None  # graphed SDPA attends over this whole KV pool (None: the profile's)
     draft_attention_kernel: bool = False  # a DFlash draft block through the split-KV kernel
     draft_pool_len: int | None = None  # a graphed DFlash draft block with SDPA attends over this whole draft pool
+    norm_kernel: bool = False  # norm_kernel (each RMSNorm one Triton launch instead of 8 kernels)
+    rope_kernel: bool = False  # rope_kernel (a layer's RoPE of q and k one Triton launch instead of 10 kernels)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
@@ -74,10 +76,12 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
             tau: float) -> list[PassCost]:
     k, ctx = knobs.num_draft_tokens, profile.context_len
     pool = knobs.pool_len if knobs.pool_len is not None else None if knobs.attention_kernel else profile.kv_pool_len
-    out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)]
+    out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
+                        norm_kernel=knobs.norm_kernel, rope_kernel=knobs.rope_kernel)]
     if kind == "model" and drafter_cfg is not None and k > 0:  # catch-up pass with ~tau tokens, then 1 per token
         first = max(1, round(tau))
-        out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled)
+        out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
+                             norm_kernel=knobs.norm_kernel, rope_kernel=knobs.rope_kernel)
                 for t in (first,) + (1,) * (k - 1)]
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len

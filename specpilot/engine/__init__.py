@@ -29,13 +29,13 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 
 
 def _attention_kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
-    """Whether an attention-kernel field applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
+    """Whether a Triton-kernel field (attention, norm, RoPE) applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
     if not (getattr(config, field) and str(config.device).startswith("cuda")):
         return False
     try:
         import triton  # noqa: F401
     except ImportError:  # on by default, so a GPU without Triton falls back to SDPA rather than failing
-        warnings.warn(f"{field} needs Triton, which is not installed: attention stays on SDPA",
+        warnings.warn(f"{field} needs Triton, which is not installed: the eager PyTorch path stays",
                       RuntimeWarning, stacklevel=3)
         return False
     return True
@@ -49,6 +49,10 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_gemv_kernel()
     if _attention_kernel_on(config):
         model.use_attention_kernel()
+    if _attention_kernel_on(config, "norm_kernel"):
+        model.use_norm_kernel()
+    if _attention_kernel_on(config, "rope_kernel"):
+        model.use_rope_kernel()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

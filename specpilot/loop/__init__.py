@@ -54,7 +54,8 @@ class EngineMeasure:
     model with the config's layout, or a DFlash checkpoint); loading stays outside the timed region.
     """
 
-    LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel", "attention_kernel")
+    LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel", "attention_kernel", "norm_kernel",
+              "rope_kernel")
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
         self.load_target, self.drafter, self.tokenizer = load_target, drafter, tokenizer
@@ -108,7 +109,8 @@ def _knobs(cfg: EngineConfig):
     sdpa_pool = cfg.cuda_graphs and not cfg.attention_kernel  # graphed SDPA reads the whole pool
     return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
                      cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None,
-                     cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None)
+                     cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None,
+                     norm_kernel=cfg.norm_kernel, rope_kernel=cfg.rope_kernel)
 
 
 class CostHooks(NamedTuple):

@@ -171,6 +171,14 @@ register(Mechanism(
     "the DFlash draft block attends through the split-KV kernel (block K/V written into the draft cache, every "
     "query at the block's last position: non-causal inside the block) instead of SDPA over the whole draft pool"))
 register(Mechanism(
+    "norm_kernel", ("verify", "draft"), {"norm_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "every RMSNorm in one Triton launch (fp32 row statistics, same rounding order) instead of 8 eager kernels"))
+register(Mechanism(
+    "rope_kernel", ("verify", "draft"), {"rope_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "RoPE of q and k in one Triton launch per layer (same rounding as the eager ops) instead of 10 eager kernels"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))

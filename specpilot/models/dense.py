@@ -28,8 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # DenseLM.use_norm_kernel: the one-launch Triton op (same numbers) instead of 8 kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,6 +78,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.rope = None  # DenseLM.use_rope_kernel: q and k rotated in one Triton launch (same numbers)
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one (same numbers, one GEMM instead of three: fewer, larger kernels)."""
@@ -104,7 +108,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None:
+            q, k = self.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
         if mask is None and not is_causal:  # the positional mask, applied inside the split-KV kernel
@@ -171,6 +178,8 @@ class DenseLM(nn.Module):
         self.config = cfg
         self.model = DenseBody(cfg)
         self.attention_kernel = False  # use_attention_kernel() switches few-token steps to the split-KV kernel
+        self.norm_kernel = False  # use_norm_kernel() switches every RMSNorm to the Triton kernel
+        self.rope_kernel = False  # use_rope_kernel() rotates q and k in one Triton kernel per layer
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -205,6 +214,31 @@ class DenseLM(nn.Module):
         self.attention_kernel = on
         for layer in self.model.layers:
             layer.self_attn.decode_attention = decode_attention_op if on else None
+        return self
+
+    def use_norm_kernel(self, on: bool = True) -> "DenseLM":
+        """Every RMSNorm (input/post-attention, q/k, final) through the one-launch Triton kernel
+        (kernels/rmsnorm.py, a custom op opaque to torch.compile) instead of 8 eager kernels; same numbers."""
+        from specpilot.kernels.rmsnorm import rmsnorm_op
+
+        if on and rmsnorm_op is None:
+            raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
+        self.norm_kernel = on
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rmsnorm_op if on else None
+        return self
+
+    def use_rope_kernel(self, on: bool = True) -> "DenseLM":
+        """RoPE of q and k in one Triton launch per layer (kernels/rope.py, a custom op opaque to torch.compile)
+        instead of 10 eager kernels; same numbers."""
+        from specpilot.kernels.rope import rope_op
+
+        if on and rope_op is None:
+            raise ConfigError("the RoPE kernel needs Triton, which is not installed")
+        self.rope_kernel = on
+        for layer in self.model.layers:
+            layer.self_attn.rope = rope_op if on else None
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:

@@ -1,0 +1,112 @@
+"""RMSNorm over the last dimension in one Triton launch (one program per row).
+
+Why: the eager `RMSNorm` (models/dense.py) is 8 small kernels (to fp32, pow, mean, +eps, rsqrt, mul, to dtype,
+*weight); in a CUDA-graphed decode step each costs >= ~1.1 us plus its memory traffic, twice per layer (four
+times with Qwen3's q/k norms) and once more for the final norm.
+
+Numbers: the same rounding order as the eager module: the row in fp32, `x * rsqrt(mean(x^2) + eps)`, cast to the
+input dtype, THEN multiplied by the weight (the product of two bf16/fp16 values is exact in fp32, so computing it
+in fp32 and rounding once equals the eager dtype multiply). The output dtype is torch's promotion of the input's
+and the weight's (a bf16 input with an fp32 weight gives fp32, as eager). Only the mean's summation order differs
+(a tree in the kernel), so fp32 results agree to ~1e-6 and bf16 ones to within 1 ulp.
+
+`rmsnorm_reference` is the plain-PyTorch twin the tests compare against (TRITON_INTERPRET=1 runs the kernel on
+CPU). `rmsnorm_op` is the kernel as the torch custom op "specpilot::rmsnorm" (opaque to torch.compile).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path only
+    triton = None
+
+MAX_DIM = 16384  # one row per program, held in registers in one block
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Exactly `RMSNorm.forward` (models/dense.py)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_dtype(v, dtype: tl.constexpr):
+        """fp32 v rounded to `dtype` to nearest even. bf16 by hand: the CPU interpreter truncates fp32 -> bf16 (the
+        GPU's cvt rounds to nearest even, which is what this computes, so both give torch's numbers)."""
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN kept as is
+        return v.to(dtype)
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, N, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        valid = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=valid, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # as torch.rsqrt (the mean's sum is a tree here)
+        y = _to_dtype(x * rstd, x_ptr.dtype.element_ty)  # rounded to the input dtype first, as the eager module
+        w = tl.load(w_ptr + cols, mask=valid, other=0.0)
+        out = y.to(tl.float32) * w.to(tl.float32)  # exact in fp32 for 16-bit operands: one rounding below
+        tl.store(out_ptr + row * N + cols, _to_dtype(out, out_ptr.dtype.element_ty), mask=valid)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., N] with weight [N] -> same shape, contiguous, dtype promote(x, weight).
+
+    Any leading shape; rows may be strided (a view such as q of a fused qkv output) as long as the last dimension
+    is unit-stride and the leading ones flatten to one row stride, otherwise x is copied contiguous first.
+    Static shapes, no host sync: safe inside CUDA graphs."""
+    if triton is None:
+        raise RuntimeError("rmsnorm needs triton")
+    N = x.shape[-1]
+    if weight.shape != (N,) or N > MAX_DIM or N < 1:
+        raise ValueError(f"rmsnorm: unsupported shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rows = x.numel() // N if N else 0
+    if rows == 0:
+        return out
+    x2 = _rows_view(x, N)
+    if x2 is None:
+        x2 = x.contiguous().view(rows, N)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    _rmsnorm_kernel[(rows,)](x2, w, out, x2.stride(0), N, eps, BLOCK=triton.next_power_of_2(N),
+                             num_warps=4 if N <= 2048 else 8)
+    return out
+
+
+def _rows_view(x: torch.Tensor, N: int) -> torch.Tensor | None:
+    """x as a [rows, N] view with unit stride along N, or None when no such view exists without a copy."""
+    if x.stride(-1) != 1 and N > 1:
+        return None
+    try:
+        return x.view(-1, N)
+    except RuntimeError:  # the leading dims do not flatten to one stride
+        return None
+
+
+def _register_op():
+    """The kernel as a torch custom op, so torch.compile treats it as one opaque call (see decode_attention.py for
+    why: Inductor re-compiling user Triton kernels failed on the H200)."""
+
+    @torch.library.custom_op("specpilot::rmsnorm", mutates_args=())
+    def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm(x, weight, eps)
+
+    @rmsnorm_op.register_fake
+    def _(x, weight, eps):
+        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+    return rmsnorm_op
+
+
+rmsnorm_op = _register_op() if triton is not None else None
