@@ -331,9 +331,9 @@ def test_model_with_rope_and_norm_kernels_matches_eager_and_greedy_is_unchanged(
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
     spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
     assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
-    assert all(layer.self_attn.rope is None for layer in fast.use_rope_kernel(False).model.layers)
+    assert all(not layer.self_attn.rope_kernel for layer in fast.use_rope_kernel(False).model.layers)
     _apply_layout(ref, cfg.with_(rope_kernel=True))  # CUDA only
-    assert not ref.rope_kernel and all(layer.self_attn.rope is None for layer in ref.model.layers)
+    assert not ref.rope_kernel and all(not layer.self_attn.rope_kernel for layer in ref.model.layers)
 
 
 def test_rope_is_one_opaque_op_under_torch_compile():
@@ -355,3 +355,19 @@ def test_rope_is_one_opaque_op_under_torch_compile():
     assert torch.allclose(got[0], 2 * want_q, atol=1e-6) and torch.allclose(got[1], want_k + 1, atol=1e-6)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("specpilot.rope" in t for t in targets) == 1, targets
+
+
+def test_models_with_kernels_on_still_deep_copy(tiny_model_dir):
+    """Kernel switches are flags on the modules (the ops are looked up at call time): a model with every kernel on
+    deep-copies (an op object held by a module does not pickle), and the copy keeps its switches and numbers."""
+    import copy
+
+    from specpilot.models import load_model
+
+    m = load_model(tiny_model_dir("qwen3")).use_norm_kernel().use_rope_kernel().use_attention_kernel()
+    c = copy.deepcopy(m)
+    assert c.norm_kernel and c.rope_kernel and c.attention_kernel
+    ids, pos = torch.tensor([[3, 9, 27, 4]]), torch.arange(4)[None]
+    a = m(ids, pos, m.new_cache(1, 16), kv_len=None)
+    b = c(ids, pos, c.new_cache(1, 16), kv_len=None)
+    assert torch.equal(a, b)

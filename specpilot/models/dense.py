@@ -23,16 +23,30 @@ from specpilot.models.cache import KVCache
 from specpilot.models.config import ModelConfig
 
 
+_KERNEL_OPS: dict[str, object] = {}
+
+
+def kernel_op(name: str):
+    """The torch custom op of kernels/<name>.py (`<name>_op`), imported once. Modules keep a flag and ask here at
+    call time rather than holding the op: an op object on a module makes `copy.deepcopy` of the model fail."""
+    op = _KERNEL_OPS.get(name)
+    if op is None:
+        import importlib
+
+        op = _KERNEL_OPS[name] = getattr(importlib.import_module(f"specpilot.kernels.{name}"), f"{name}_op")
+    return op
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = None  # DenseLM.use_norm_kernel: the one-launch Triton op (same numbers) instead of 8 kernels
+        self.kernel = False  # DenseLM.use_norm_kernel: the one-launch Triton op (same numbers) instead of 8 kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps)
+        if self.kernel:
+            return kernel_op("rmsnorm")(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,7 +92,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = None  # DenseLM.use_rope_kernel: q and k rotated in one Triton launch (same numbers)
+        self.rope_kernel = False  # DenseLM.use_rope_kernel: q and k rotated in one Triton launch (same numbers)
+        self.attention_kernel = False  # DenseLM.use_attention_kernel: few-token steps through the split-KV kernel
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one (same numbers, one GEMM instead of three: fewer, larger kernels)."""
@@ -108,14 +123,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        if self.rope is not None:
-            q, k = self.rope(q, k, cos, sin)
+        if self.rope_kernel:
+            q, k = kernel_op("rope")(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, positions, k, v)
         keys, values = cache.read(self.layer_idx, kv_len)  # [B, Hkv, S, D]
         if mask is None and not is_causal:  # the positional mask, applied inside the split-KV kernel
-            out = self.decode_attention(q, keys, values, positions)  # (DenseLM.use_attention_kernel)
+            out = kernel_op("decode_attention")(q, keys, values, positions)  # (DenseLM.use_attention_kernel)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         # GQA via enable_gqa: folding the query heads into the query length instead was measured slower on the H200
         # (cuDNN attention already handles GQA with a mask; BENCHMARKS.md, 2026-11-30)
@@ -206,14 +221,15 @@ class DenseLM(nn.Module):
     def use_attention_kernel(self, on: bool = True) -> "DenseLM":
         """Steps of at most 16 tokens under the positional causal mask attend through the split-KV Triton kernel
         (kernels/decode_attention.py) instead of SDPA with a mask tensor; prefill and custom masks keep SDPA."""
-        # the custom-op wrapper: opaque to torch.compile (resolved once, not per layer call)
-        from specpilot.kernels.decode_attention import decode_attention_op
+        from specpilot.kernels.decode_attention import decode_attention_op  # a custom op: opaque to torch.compile
 
         if on and decode_attention_op is None:
             raise ConfigError("the attention kernel needs Triton, which is not installed")
+        if on:
+            kernel_op("decode_attention")  # resolved now: torch.compile then traces a plain dict lookup
         self.attention_kernel = on
         for layer in self.model.layers:
-            layer.self_attn.decode_attention = decode_attention_op if on else None
+            layer.self_attn.attention_kernel = on
         return self
 
     def use_norm_kernel(self, on: bool = True) -> "DenseLM":
@@ -223,10 +239,12 @@ class DenseLM(nn.Module):
 
         if on and rmsnorm_op is None:
             raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
+        if on:
+            kernel_op("rmsnorm")
         self.norm_kernel = on
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.kernel = rmsnorm_op if on else None
+                module.kernel = on
         return self
 
     def use_rope_kernel(self, on: bool = True) -> "DenseLM":
@@ -236,9 +254,11 @@ class DenseLM(nn.Module):
 
         if on and rope_op is None:
             raise ConfigError("the RoPE kernel needs Triton, which is not installed")
+        if on:
+            kernel_op("rope")
         self.rope_kernel = on
         for layer in self.model.layers:
-            layer.self_attn.rope = rope_op if on else None
+            layer.self_attn.rope_kernel = on
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
