@@ -2,7 +2,7 @@
 """AR decode-step time vs the bytes/bandwidth floor at real shapes with random weights (bf16, H200).
 
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
-the split-KV attention kernel, at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
+the split-KV attention kernel (and, uncompiled, with the RMSNorm and RoPE kernels too), at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
 pass grows with its tokens: the cost model prices draft lengths with it)
 (`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel);
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
@@ -27,6 +27,7 @@ def median_ms(fn, repeats=100) -> float:
     return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
 
+_KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels"}
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
@@ -38,13 +39,15 @@ def main(shapes, flags=()) -> int:
         model = random_model(cfg)
         model.fuse_projections()
         res = {}
-        variants = [(False, False), (False, True), (True, False), (True, True)]  # (compiled, attention kernel)
+        # (compiled, attention kernel); "all": the attention, RMSNorm and RoPE kernels together
+        variants = [(False, False), (False, True), (False, "all"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
             variants = [v for v in variants if not v[0] or v[1]]
         for compiled, kernel in variants:
-            model.use_attention_kernel(kernel)
+            model.use_attention_kernel(bool(kernel))
+            model.use_norm_kernel(kernel == "all").use_rope_kernel(kernel == "all")
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -54,10 +57,10 @@ def main(shapes, flags=()) -> int:
                 ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
                 ms = median_ms(lambda: runner.step(ids, 512))
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
-                key = f"{'compiled' if compiled else 'graphed'}{'_attnkernel' if kernel else ''}_T{T}"
+                key = f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
-            res[f"{'compiled' if compiled else 'graphed'}{'_attnkernel' if kernel else ''}_setup_s"] = round(setup, 1)
+            res[f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_setup_s"] = round(setup, 1)
             del runner
             torch.cuda.empty_cache()
         out["shapes"][name] = res
