@@ -329,6 +329,16 @@ def test_gemv_rate_follows_matrix_size_and_sdpa_has_a_multi_token_fit():
     assert hw.sdpa_s(4096) == pytest.approx(10e-6 + 4096e-9)
     assert hw.sdpa_s(4096, tokens=5) == hw.sdpa_s(4096, tokens=16) == pytest.approx(60e-6 + 2 * 4096e-9)
     assert dataclasses.replace(hw, sdpa16_fixed_s=None).sdpa_s(4096, tokens=5) == hw.sdpa_s(4096)
+    # a third, 0.5B-like chain: smaller layers interpolate towards it, below it the rate is held
+    from specpilot.costmodel.hardware import TINY_CHAIN
+
+    three = dataclasses.replace(hw, gemv_tiny_bytes_per_s=1.2e12)
+    tiny = _chain_size(TINY_CHAIN)[1] / TINY_CHAIN[0]
+    assert 1 / three.weight_s_per_byte(1, tiny) == pytest.approx(1.2e12)
+    assert 1 / three.weight_s_per_byte(1, tiny / 10) == pytest.approx(1.2e12)
+    assert 1.2e12 < 1 / three.weight_s_per_byte(1, (tiny * small) ** 0.5) < 1.8e12
+    assert 1 / three.weight_s_per_byte(1, large) == pytest.approx(3.8e12)  # the rest unchanged
+    assert 1 / hw.weight_s_per_byte(1, tiny) == pytest.approx(1.8e12)  # not measured: the small chain's, held
 
 
 # --- what-if: predicted gains of config changes (costmodel/whatif.py) --------------------------------------------

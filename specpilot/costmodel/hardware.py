@@ -39,6 +39,8 @@ GEMV_LAYERS = 28  # the 1.5B-like chain used to calibrate decode GEMV bandwidth
 GEMV_HIDDEN, GEMV_KV, GEMV_INTER = 1536, 256, 8960
 SMALL_CHAIN = (GEMV_LAYERS, GEMV_HIDDEN, GEMV_KV, GEMV_INTER)
 LARGE_CHAIN = (8, 4096, 1024, 12288)  # (layers, hidden, kv, intermediate): Qwen3-8B-like, ~3.1 GB of bf16
+TINY_CHAIN = (24, 896, 128, 4864)  # Qwen2.5-0.5B-like
+CHAINS = (TINY_CHAIN, SMALL_CHAIN, LARGE_CHAIN)
 REPEATS = 7
 
 
@@ -74,6 +76,9 @@ class HardwareCeilings:
     # 10: the 8B step over-predicted by 35-41%); the rate is interpolated by bytes per layer between the chains.
     gemv_large_bytes_per_s: float | None = None
     gemv16_large_bytes_per_s: float | None = None  # the large chain at M = 16
+    # and a Qwen2.5-0.5B-like chain (a small AR drafter's shapes: 896-wide, slower still), at M = 1 and 16
+    gemv_tiny_bytes_per_s: float | None = None
+    gemv16_tiny_bytes_per_s: float | None = None
     # masked SDPA per layer with 16 query tokens (a verify block): another kernel than at T = 1, ~2x the step
     # (1.5B, graphed, 4096-slot pool: 6.0 ms at T = 4 vs 3.4 ms at T = 1). Used for every T > 1.
     sdpa16_fixed_s: float | None = None
@@ -88,21 +93,30 @@ class HardwareCeilings:
             return 0.0
         return self.sdpa_fixed_s + self.sdpa_per_key_s * keys
 
-    def _by_size(self, small: float, large: float | None, layer_bytes: float) -> float:
-        """A rate measured on both chains, interpolated in log(bytes per layer) between them (held beyond)."""
-        if large is None or layer_bytes <= 0:
-            return small
-        lo, hi = (_chain_size(c)[1] / c[0] for c in (SMALL_CHAIN, LARGE_CHAIN))
-        f = min(max((math.log(layer_bytes) - math.log(lo)) / (math.log(hi) - math.log(lo)), 0.0), 1.0)
-        return small + f * (large - small)
+    @staticmethod
+    def _by_size(rates: tuple, layer_bytes: float) -> float:
+        """Rates measured on the tiny / small / large chains (None: not measured; the small one always is),
+        piecewise-linear in log(bytes per layer) between the measured ones, held beyond them."""
+        pts = sorted((math.log(_chain_size(c)[1] / c[0]), r) for c, r in zip(CHAINS, rates) if r is not None)
+        if layer_bytes <= 0:
+            return rates[1]
+        x = math.log(layer_bytes)
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return r0 + (x - x0) / (x1 - x0) * (r1 - r0)
+        return pts[-1][1]
 
     def weight_s_per_byte(self, tokens: int, layer_bytes: float = 0.0) -> float:
         """Seconds per weight byte of a graphed pass of `tokens` rows through layers of `layer_bytes` bytes (0:
         the small chain's): the M = 1 and M = 16 chain rates, interpolated in T (held beyond 16) and by size."""
-        at1 = 1.0 / self._by_size(self.gemv_bytes_per_s, self.gemv_large_bytes_per_s, layer_bytes)
+        at1 = 1.0 / self._by_size((self.gemv_tiny_bytes_per_s, self.gemv_bytes_per_s, self.gemv_large_bytes_per_s),
+                                  layer_bytes)
         if self.gemv16_bytes_per_s is None:
             return at1
-        at16 = 1.0 / self._by_size(self.gemv16_bytes_per_s, self.gemv16_large_bytes_per_s, layer_bytes)
+        at16 = 1.0 / self._by_size((self.gemv16_tiny_bytes_per_s, self.gemv16_bytes_per_s,
+                                    self.gemv16_large_bytes_per_s), layer_bytes)
         return at1 + (at16 - at1) * _frac16(tokens)
 
     def weights_s(self, weight_bytes: float, layers: int, tokens: int) -> float:
@@ -342,6 +356,8 @@ def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
             gemv16_bytes_per_s=_gemv_bytes_per_s(dev, rows=16),
             gemv_large_bytes_per_s=_gemv_bytes_per_s(dev, chain=LARGE_CHAIN),
             gemv16_large_bytes_per_s=_gemv_bytes_per_s(dev, rows=16, chain=LARGE_CHAIN),
+            gemv_tiny_bytes_per_s=_gemv_bytes_per_s(dev, chain=TINY_CHAIN),
+            gemv16_tiny_bytes_per_s=_gemv_bytes_per_s(dev, rows=16, chain=TINY_CHAIN),
             **dict(zip(("sdpa16_fixed_s", "sdpa16_per_key_s"), _sdpa_fit(dev, tokens=16))),
             attn_kernel_t1_s=_attn_kernel_layer_s(dev, 1),
             attn_kernel_t16_s=_attn_kernel_layer_s(dev, 16),
