@@ -48,7 +48,7 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
     """
-    memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens)
+    memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens, cost.head_bytes)
                 + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:

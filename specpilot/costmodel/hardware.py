@@ -119,9 +119,12 @@ class HardwareCeilings:
                                     self.gemv16_large_bytes_per_s), layer_bytes)
         return at1 + (at16 - at1) * _frac16(tokens)
 
-    def weights_s(self, weight_bytes: float, layers: int, tokens: int) -> float:
-        """Seconds to stream `weight_bytes` (over `layers` layers) through graphed GEMMs of `tokens` rows."""
-        return weight_bytes * self.weight_s_per_byte(tokens, weight_bytes / layers if layers else 0.0)
+    def weights_s(self, weight_bytes: float, layers: int, tokens: int, head_bytes: float = 0.0) -> float:
+        """Seconds to stream `weight_bytes` through graphed GEMMs of `tokens` rows: the layers' share at the rate of
+        their size per layer, the LM head's `head_bytes` (one matrix) at its own size's rate."""
+        body = weight_bytes - head_bytes
+        out = body * self.weight_s_per_byte(tokens, body / layers if layers else 0.0)
+        return out + (head_bytes * self.weight_s_per_byte(tokens, head_bytes) if head_bytes else 0.0)
 
     def attention_kernel_s(self, tokens: int) -> float | None:
         """Per-layer time of the split-KV kernel at `tokens` query tokens (None: not measured)."""
@@ -234,38 +237,38 @@ def _graph_kernel_s(dev: torch.device) -> float:
 
 
 def _chain_shapes(chain) -> list[tuple[int, int]]:
-    """[out, in] of one layer's q, k, v, o, gate, up, down."""
+    """[out, in] of one layer's GEMMs as the engine runs them by default (fused projections): qkv, o, gate+up,
+    down (cuBLAS picks its kernel by shape, so the chain uses the engine's shapes)."""
     _, h, kv, inter = chain
-    return [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    return [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)]
 
 
 def _chain_size(chain) -> tuple[int, int]:
     """(GEMMs, bf16 weight bytes) of a chain."""
-    return 7 * chain[0], 2 * chain[0] * sum(o * i for o, i in _chain_shapes(chain))
+    shapes = _chain_shapes(chain)
+    return len(shapes) * chain[0], 2 * chain[0] * sum(o * i for o, i in shapes)
 
 
 def _gemv_chain_weights(dev: torch.device, chain=SMALL_CHAIN) -> list[torch.Tensor]:
-    """Per layer, in execution order: q, k, v, o, gate, up, down as [out, in] bf16, scaled to keep values O(1)."""
+    """Per layer, in execution order: qkv, o, gate+up, down as [out, in] bf16, scaled to keep values O(1)."""
     return [torch.randn(o, i, dtype=torch.bfloat16, device=dev) * i**-0.5
             for _ in range(chain[0]) for o, i in _chain_shapes(chain)]
 
 
 def _gemv_bytes_per_s(dev: torch.device, rows: int = 1, chain=SMALL_CHAIN) -> float:
     weights = _gemv_chain_weights(dev, chain)
-    x = torch.randn(rows, chain[1], dtype=torch.bfloat16, device=dev)  # [M, hidden]
+    layers, h, _, inter = chain
+    x = torch.randn(rows, h, dtype=torch.bfloat16, device=dev)  # [M, hidden]
 
     def chain_fn():
-        h = x
-        for layer in range(chain[0]):
-            wq, wk, wv, wo, wg, wu, wd = weights[7 * layer: 7 * layer + 7]
-            q = torch.nn.functional.linear(h, wq)
-            torch.nn.functional.linear(h, wk)
-            torch.nn.functional.linear(h, wv)
-            a = torch.nn.functional.linear(q, wo)
-            g = torch.nn.functional.linear(a, wg)
-            torch.nn.functional.linear(a, wu)
-            h = torch.nn.functional.linear(g, wd)
-        return h
+        y = x
+        for layer in range(layers):
+            w_qkv, w_o, w_gu, w_down = weights[4 * layer: 4 * layer + 4]
+            q = torch.nn.functional.linear(y, w_qkv)[:, :h]
+            a = torch.nn.functional.linear(q, w_o)
+            g = torch.nn.functional.linear(a, w_gu)[:, :inter]
+            y = torch.nn.functional.linear(g, w_down)
+        return y
 
     graph = _capture(chain_fn)
     seconds = time_median_s(graph.replay)

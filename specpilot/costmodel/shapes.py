@@ -56,6 +56,7 @@ class PassCost:
     num_linear_kernels: int  # of which GEMM/GEMV launches (7 per layer + LM head)
     num_layers: int = 0  # attention calls in the pass
     attn_keys: int = 0  # key slots each attention call covers: context + T, or the whole pool when graphed
+    head_bytes: float = 0.0  # of weight_bytes, the LM head's: one large GEMV, streamed at a large matrix's rate
 
     @property
     def total_bytes(self) -> float:
@@ -162,6 +163,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_linear_kernels=kernels[1],
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
+        head_bytes=_lm_head_params(cfg) * dtype_bytes,
     )
 
 
@@ -199,6 +201,7 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         num_linear_kernels=base.num_linear_kernels + 1 + 2 * dcfg.num_hidden_layers,
         num_layers=base.num_layers,
         attn_keys=base.attn_keys,
+        head_bytes=base.head_bytes,
     )
 
 
