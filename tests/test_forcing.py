@@ -146,3 +146,34 @@ def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
     with pytest.raises(DatasetError, match="max-seq-len"):
         run_benchmark("x", prompts[1:2], lambda p: [7] * 50, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
                       max_prompt_tokens=10)
+
+
+def test_bench_rotates_which_system_meets_a_prompt_first():
+    """Systems sharing a target share its first-call costs for a new prompt length: whoever runs first pays. The
+    order rotates by prompt, so over the prompts each system goes first equally often (AR always going first
+    flattered the speculative system)."""
+    from specpilot.engine.result import GenerationResult
+    from specpilot.evaluator.bench import run_benchmark
+    from specpilot.evaluator.datasets import Prompt
+
+    prompts = [Prompt(f"x/{n}", "x", "x", ({"role": "user", "content": "a" * n},)) for n in range(3, 9)]
+    firsts, seen = {}, set()
+
+    def make(name):
+        def gen(ids):
+            if len(ids) not in seen:  # first meeting of this length: a shared cost
+                seen.add(len(ids))
+                firsts[name] = firsts.get(name, 0) + 1
+            return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
+        return gen
+
+    def scorer(ids):
+        logits = torch.zeros(len(ids), 4)
+        for i, t in enumerate(ids[1:] + [2]):
+            logits[i, t if t in (1, 2) else 1] = 5.0
+        return logits
+
+    run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
+                  {"ar": make("ar"), "stock": make("stock"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
+    # the warm-up prompt (x/3) went to ar; the other five lengths are met first in rotation
+    assert firsts == {"ar": 2, "stock": 2, "specpilot": 2}, firsts

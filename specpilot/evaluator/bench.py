@@ -5,7 +5,7 @@ Systems: `ar` (our AR, the denominator of every speedup), `specpilot` (our specu
 it reports tau (tokens committed per target forward), per-position acceptance, tokens/s of each system, speedups
 over our AR and over stock (on the prompts both ran), and the token-forcing verdict over every output token.
 Timing: each system is warmed up once on the first prompt; then prompt by prompt every system generates once (interleaved, so drift
-hits all alike); tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU. A system may be
+hits all alike; the order rotates from prompt to prompt, so no system always meets a new prompt shape first); tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU. A system may be
 limited to the first N prompts (slow peers); its comparisons then use only those prompts.
 """
 
@@ -71,9 +71,13 @@ def run_benchmark(
     results = {s: [] for s in systems}
     verdicts = {s: [] for s in systems}
     records = []
+    names = list(systems)
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
         rec = {"id": p.id, "category": p.category, "prompt_tokens": len(ids)}
-        for s, gen in systems.items():
+        # the order rotates by prompt: the first system to meet a new prompt length pays its new prefill shapes
+        # (kernel choices, attention plans) for every system sharing the target model (ours share it)
+        for s in names[i % len(names):] + names[:i % len(names)]:
+            gen = systems[s]
             if i >= limits.get(s, len(prompts)):
                 continue
             r = gen(ids)
