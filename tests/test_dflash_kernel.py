@@ -173,3 +173,9 @@ def test_engine_switches_the_drafter_kernel_by_its_own_field(target, monkeypatch
     assert copy.deepcopy(net).attention_kernel  # copies still work (validate_tau copies networks)
     assert not build_drafter(cfg.with_(draft_attention_kernel=False), net, target).network.attention_kernel
     assert not EngineConfig().draft_attention_kernel  # off by default until a GPU run validates it
+    from specpilot.models.dense import RMSNorm
+
+    norms = lambda n: [m.kernel for m in n.modules() if isinstance(m, RMSNorm)]  # noqa: E731
+    net = build_drafter(cfg.with_(norm_kernel=True), _net(), target).network
+    assert norms(net) and all(norms(net))  # the drafter's RMSNorms follow the target's norm_kernel
+    assert not any(norms(build_drafter(cfg, net, target).network))
