@@ -468,3 +468,17 @@ def test_rope_kernel_cuts_nine_kernels_per_layer_and_is_priced_as_a_gain():
     from specpilot.loop import _knobs
 
     assert _knobs(EngineConfig(rope_kernel=True)).rope_kernel and not _knobs(EngineConfig()).rope_kernel
+
+
+def test_dflash_pass_counts_fewer_kernels_with_the_norm_kernel():
+    from specpilot.costmodel.shapes import dflash_pass_cost
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
+                           intermediate_size=2048)
+    plain, fast = dflash_pass_cost(d, target, 600, 3), dflash_pass_cost(d, target, 600, 3, norm_kernel=True)
+    # per layer: input, post-attention, q and k norms of the block, k norm of the context; then the final and
+    # the hidden (context projection) norms: 7 launches fewer each
+    assert plain.num_kernels - fast.num_kernels == (2 * 5 + 2) * 7
+    assert plain.total_bytes == fast.total_bytes

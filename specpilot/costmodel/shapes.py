@@ -176,16 +176,19 @@ _DFLASH_HEAD_KERNELS = 1 + _NORM_KERNELS + 6
 
 
 def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_context: int,
-                     dtype_bytes: int = 2, pool_len: int | None = None) -> PassCost:
+                     dtype_bytes: int = 2, pool_len: int | None = None, *, norm_kernel: bool = False) -> PassCost:
     """One DFlash draft pass (models/dflash.py): the block (block_size tokens: anchor + masks) through the draft
     layers, attending over the draft cache's `context_len` slots; `new_context` target feature rows projected
-    (fc), turned into K/V and written; the block's hidden states through the target's LM head."""
+    (fc), turned into K/V and written; the block's hidden states through the target's LM head. `norm_kernel`:
+    every RMSNorm one launch (the drafter's follow the engine's switch)."""
     B = dcfg.block_size
     dense = ModelConfig(model_type="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=dcfg.hidden_size,
                         intermediate_size=dcfg.intermediate_size, num_hidden_layers=dcfg.num_hidden_layers,
                         num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
                         head_dim=dcfg.head_dim, qk_norm=True)
-    base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None)
+    base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None,
+                        norm_kernel=norm_kernel)
+    saved = (dcfg.num_hidden_layers + 1) * (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES) if norm_kernel else 0  # k, hidden
     feat = len(dcfg.target_layer_ids) * dcfg.hidden_size
     fc = feat * dcfg.hidden_size
     kv_proj = dcfg.num_hidden_layers * 2 * dcfg.hidden_size * dcfg.num_key_value_heads * dcfg.head_dim
@@ -197,7 +200,7 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         kv_bytes=base.kv_bytes + kv_write,
         activation_bytes=base.activation_bytes + new_context * feat * dtype_bytes,
         flops=base.flops + 2.0 * (fc + kv_proj) * new_context,
-        num_kernels=base.num_kernels + dcfg.num_hidden_layers * _DFLASH_CTX_KERNELS + _DFLASH_HEAD_KERNELS,
+        num_kernels=base.num_kernels + dcfg.num_hidden_layers * _DFLASH_CTX_KERNELS + _DFLASH_HEAD_KERNELS - saved,
         num_linear_kernels=base.num_linear_kernels + 1 + 2 * dcfg.num_hidden_layers,
         num_layers=base.num_layers,
         attn_keys=base.attn_keys,

@@ -85,7 +85,8 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
                 for t in (first,) + (1,) * (k - 1)]
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len
-        out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=draft_pool))
+        out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=draft_pool,
+                                    norm_kernel=knobs.norm_kernel))
     return out
 
 
