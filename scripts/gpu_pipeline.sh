@@ -96,7 +96,9 @@ if [ $MODE = ddp ]; then
   else  # nothing shipped: the loop (on the committed drafter) on GPU 0 beside the checks on GPU 1
     (export CUDA_VISIBLE_DEVICES=0; loop_runs; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     # GPU 1 has time for the compiled steps with the kernel (issue 3's AR-step bars: the best the engine runs)
-    (export CUDA_VISIBLE_DEVICES=1 STEP_S=${STEP_S:-400} STEP_FLAGS=${STEP_FLAGS:---compiled-kernel-only}; checks
+    # (Inductor's compile workers limited: the loop times runs on GPU 0 of the same host meanwhile)
+    (export CUDA_VISIBLE_DEVICES=1 STEP_S=${STEP_S:-400} STEP_FLAGS=${STEP_FLAGS:---compiled-kernel-only} \
+       TORCHINDUCTOR_COMPILE_THREADS=8; checks
      echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   fi
   wait
