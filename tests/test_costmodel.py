@@ -416,9 +416,19 @@ def test_predicted_gain_prices_the_draft_attention_kernel():
     assert rep_on.stages["verify"].predicted_s == rep_off.stages["verify"].predicted_s  # the target's unchanged
 
 
-def test_norm_kernel_cuts_seven_kernels_per_rmsnorm_and_is_priced_as_a_gain():
+def _ngram_switch_gains(cfg, field):
+    """(profile, predicted gain of switching `field` on, and of switching it back off) for a graphed n-gram step."""
     from specpilot.costmodel.whatif import StepKnobs, predicted_gain
 
+    prof = StepProfile(draft_s=1e-4, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
+                       drafter_passes=0, context_len=600)
+    off = StepKnobs(4, fused=True)
+    on = dataclasses.replace(off, **{field: True})
+    return (prof, predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=off, new=on),
+            predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=on, new=off))
+
+
+def test_norm_kernel_cuts_seven_kernels_per_rmsnorm_and_is_priced_as_a_gain():
     q2, q3 = synthetic_config("qwen2.5-1.5b"), synthetic_config("qwen2.5-1.5b")
     q3 = dataclasses.replace(q3, qk_norm=True)
     for cfg, norms in ((q2, 2), (q3, 4)):
@@ -429,14 +439,10 @@ def test_norm_kernel_cuts_seven_kernels_per_rmsnorm_and_is_priced_as_a_gain():
         # under torch.compile a norm is already one fused kernel: the flag changes nothing there
         assert forward_cost(cfg, 1, 512, compiled=True, norm_kernel=True).num_kernels == \
             forward_cost(cfg, 1, 512, compiled=True).num_kernels
-    prof = StepProfile(draft_s=1e-4, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
-                       drafter_passes=0, context_len=600)
-    now = StepKnobs(4, fused=True)
-    on = dataclasses.replace(now, norm_kernel=True)
-    gain = predicted_gain(q2, None, prof, FAKE_HW, kind="ngram", now=now, new=on)
+    prof, gain, back = _ngram_switch_gains(q2, "norm_kernel")
     saved = 7 * (28 * 2 + 1) * FAKE_HW.graph_kernel_s
     assert gain == pytest.approx(prof.step_s / (prof.step_s - saved), rel=1e-6) and gain > 1.0
-    assert predicted_gain(q2, None, prof, FAKE_HW, kind="ngram", now=on, new=now) < 1.0
+    assert back < 1.0
 
 
 def test_loop_knobs_carry_the_norm_kernel():
@@ -449,8 +455,6 @@ def test_loop_knobs_carry_the_norm_kernel():
 
 
 def test_rope_kernel_cuts_nine_kernels_per_layer_and_is_priced_as_a_gain():
-    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
-
     cfg = synthetic_config("qwen2.5-1.5b")
     plain, rope = forward_cost(cfg, 1, 512), forward_cost(cfg, 1, 512, rope_kernel=True)
     both = forward_cost(cfg, 1, 512, rope_kernel=True, norm_kernel=True)
@@ -458,11 +462,7 @@ def test_rope_kernel_cuts_nine_kernels_per_layer_and_is_priced_as_a_gain():
     assert plain.num_kernels - both.num_kernels == 9 * 28 + 7 * (2 * 28 + 1)
     assert forward_cost(cfg, 1, 512, compiled=True, rope_kernel=True).num_kernels == \
         forward_cost(cfg, 1, 512, compiled=True).num_kernels
-    prof = StepProfile(draft_s=1e-4, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
-                       drafter_passes=0, context_len=600)
-    now = StepKnobs(4, fused=True)
-    on = dataclasses.replace(now, rope_kernel=True)
-    gain = predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=now, new=on)
+    prof, gain, _ = _ngram_switch_gains(cfg, "rope_kernel")
     assert gain == pytest.approx(prof.step_s / (prof.step_s - 9 * 28 * FAKE_HW.graph_kernel_s), rel=1e-6)
     from specpilot.config import EngineConfig
     from specpilot.loop import _knobs

@@ -89,26 +89,35 @@ def test_decode_attention_reads_strided_queries_and_rejects_bad_shapes():
         decode_attention(torch.randn(1, 3, 1, 16), k, v, pos[:, :1])  # 3 heads over 2 KV heads
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_model_with_attention_kernel_matches_sdpa_and_greedy_is_unchanged(tiny_model_dir, family):
-    """The kernel replaces SDPA only for <= 16-token steps under the positional mask; prefill keeps SDPA."""
+def _step_outputs_and_greedy(ref, fast, *, logits: bool):
+    """(max |fast - ref| over a 4-token step after a 6-token prefill, the hidden states or their logits; fast's
+    greedy n-gram speculative run, checked equal to ref's AR). The step attends over the whole pool, as graphed."""
     from specpilot.config import EngineConfig
     from specpilot.engine import Engine, build_drafter
-    from specpilot.models import load_model
 
-    path = tiny_model_dir(family)
-    ref, fast = load_model(path), load_model(path).use_attention_kernel()
     ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
     pos = torch.arange(10)[None]
+    outs = []
     for model in (ref, fast):
         cache = model.new_cache(1, 48)
         model(ids[:, :6], pos[:, :6], cache, kv_len=6)  # prefill (SDPA in both)
-        model.out = model(ids[:, 6:], pos[:, 6:], cache, kv_len=None)  # a 4-token step over the whole pool
-    assert (fast.out - ref.out).abs().max().item() < 1e-4
+        hidden = model(ids[:, 6:], pos[:, 6:], cache, kv_len=None)
+        outs.append(model.logits(hidden) if logits else hidden)
     cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
     spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)  # multi-token verify steps
     assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    return (outs[1] - outs[0]).abs().max().item(), spec
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_with_attention_kernel_matches_sdpa_and_greedy_is_unchanged(tiny_model_dir, family):
+    """The kernel replaces SDPA only for <= 16-token steps under the positional mask; prefill keeps SDPA."""
+    from specpilot.models import load_model
+
+    path = tiny_model_dir(family)
+    err, spec = _step_outputs_and_greedy(load_model(path), load_model(path).use_attention_kernel(), logits=False)
+    assert err < 1e-4
     assert spec.num_target_forwards < len(spec.output_ids) or max(spec.drafted_lengths) > 0
 
 
@@ -223,7 +232,7 @@ def test_rmsnorm_strided_leading_shapes_and_mixed_weight_dtype():
 def test_model_with_norm_kernel_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family):
     """Every RMSNorm (layers', q/k on Qwen3, final) through the kernel: same logits, same greedy output."""
     from specpilot.config import EngineConfig
-    from specpilot.engine import Engine, build_drafter
+    from specpilot.engine import _apply_layout
     from specpilot.models import load_model
     from specpilot.models.dense import RMSNorm
 
@@ -231,21 +240,9 @@ def test_model_with_norm_kernel_matches_eager_and_greedy_is_unchanged(tiny_model
     ref, fast = load_model(path), load_model(path).use_norm_kernel()
     norms = [m for m in fast.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 2 * 2 + (2 * 2 if family == "qwen3" else 0) + 1 and all(m.kernel for m in norms)
-    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
-    pos = torch.arange(10)[None]
-    for model in (ref, fast):
-        cache = model.new_cache(1, 48)
-        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
-        model.out = model.logits(model(ids[:, 6:], pos[:, 6:], cache, kv_len=None))
-    assert (fast.out - ref.out).abs().max().item() < 1e-5
-    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
-    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
-    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert _step_outputs_and_greedy(ref, fast, logits=True)[0] < 1e-5
     assert not any(m.kernel for m in fast.use_norm_kernel(False).modules() if isinstance(m, RMSNorm))
-    from specpilot.engine import _apply_layout
-
-    _apply_layout(ref, cfg.with_(norm_kernel=True))  # the engine applies it on CUDA only (an interpreted op on CPU)
+    _apply_layout(ref, EngineConfig(norm_kernel=True))  # the engine applies it on CUDA only (an interpreted op on CPU)
     assert not ref.norm_kernel and not any(m.kernel for m in ref.modules() if isinstance(m, RMSNorm))
 
 
@@ -314,25 +311,15 @@ def test_rope_strided_inputs_shared_tables_and_bad_shapes():
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_model_with_rope_and_norm_kernels_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family):
     from specpilot.config import EngineConfig
-    from specpilot.engine import Engine, _apply_layout, build_drafter
+    from specpilot.engine import _apply_layout
     from specpilot.models import load_model
 
     path = tiny_model_dir(family)
     ref = load_model(path)
     fast = load_model(path).use_rope_kernel().use_norm_kernel().use_attention_kernel()
-    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
-    pos = torch.arange(10)[None]
-    for model in (ref, fast):
-        cache = model.new_cache(1, 48)
-        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
-        model.out = model.logits(model(ids[:, 6:], pos[:, 6:], cache, kv_len=None))
-    assert (fast.out - ref.out).abs().max().item() < 1e-4
-    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
-    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)
-    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    assert _step_outputs_and_greedy(ref, fast, logits=True)[0] < 1e-4
     assert all(not layer.self_attn.rope_kernel for layer in fast.use_rope_kernel(False).model.layers)
-    _apply_layout(ref, cfg.with_(rope_kernel=True))  # CUDA only
+    _apply_layout(ref, EngineConfig(rope_kernel=True))  # CUDA only
     assert not ref.rope_kernel and all(not layer.self_attn.rope_kernel for layer in ref.model.layers)
 
 
