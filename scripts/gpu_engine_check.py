@@ -40,16 +40,20 @@ def main() -> int:
         "spec_ngram": (base.with_(drafter_kind="ngram"), None),
         "spec_other_compiled": (base.with_(drafter_kind="model", compile=True), other),
     }
+
+    def record(name, outs, **extra):
+        """One check: the outputs of `outs` (GenerationResults, one per prompt) against eager AR's."""
+        result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref)), **extra}
+        print(name, result[name], flush=True)
+        if not result[name]["equal"]:
+            problems.append(name)
+
     for name, (c, dm) in variants.items():
         t0 = time.time()
         eng = Engine(target, c, build_drafter(c, dm, target))
         outs = [eng.generate(p) for p in prompts]
-        same = [o.output_ids == r for o, r in zip(outs, ref)]
-        result[name] = {"equal": all(same), "tau": round(sum(o.num_output_tokens for o in outs) /
-                        sum(o.num_target_forwards for o in outs), 3), "setup_and_run_s": round(time.time() - t0, 1)}
-        print(name, result[name], flush=True)
-        if not all(same):
-            problems.append(name)
+        tau = sum(o.num_output_tokens for o in outs) / sum(o.num_target_forwards for o in outs)
+        record(name, outs, tau=round(tau, 3), setup_and_run_s=round(time.time() - t0, 1))
     import copy
     import traceback
     import warnings
@@ -67,32 +71,25 @@ def main() -> int:
             if "capture failed" in str(w.message):
                 problems.append(f"{name}: {w.message}"[:300])
 
+    def same_tokens(cases):
+        for name, c, model in cases:
+            record(name, [Engine(model, c, build_drafter(c, None, model)).generate(p) for p in prompts])
+
+    ngram = base.with_(drafter_kind="ngram")
+
     def attention_kernel():
         fast = copy.deepcopy(target).use_attention_kernel()  # the split-KV attention kernel: same greedy tokens
-        for name, c in (("ar_attention_kernel", base),
-                        ("spec_ngram_attention_kernel", base.with_(drafter_kind="ngram")),
-                        # the kernel under torch.compile: a custom op since the loop's compile trial failed there
-                        ("spec_ngram_attention_kernel_compiled", base.with_(drafter_kind="ngram", compile=True))):
-            outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
-            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
-            print(name, result[name], flush=True)
-            if not result[name]["equal"]:
-                problems.append(name)
+        same_tokens((("ar_attention_kernel", base, fast), ("spec_ngram_attention_kernel", ngram, fast),
+                     # the kernel under torch.compile: a custom op since the loop's compile trial failed there
+                     ("spec_ngram_attention_kernel_compiled", ngram.with_(compile=True), fast)))
 
     def norm_kernel():
         # every RMSNorm in one Triton launch, RoPE of q and k in another: same greedy tokens, alone and together
-        norm = copy.deepcopy(target).use_norm_kernel()
-        rope = copy.deepcopy(target).use_rope_kernel()
         both = copy.deepcopy(target).use_norm_kernel().use_rope_kernel()
-        for name, c, fast in (("ar_norm_kernel", base, norm), ("ar_rope_kernel", base, rope),
-                              ("spec_ngram_norm_rope_kernels", base.with_(drafter_kind="ngram"), both),
-                              ("spec_ngram_norm_rope_kernels_compiled", base.with_(drafter_kind="ngram", compile=True),
-                               both)):
-            outs = [Engine(fast, c, build_drafter(c, None, fast)).generate(p) for p in prompts]
-            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
-            print(name, result[name], flush=True)
-            if not result[name]["equal"]:
-                problems.append(name)
+        same_tokens((("ar_norm_kernel", base, copy.deepcopy(target).use_norm_kernel()),
+                     ("ar_rope_kernel", base, copy.deepcopy(target).use_rope_kernel()),
+                     ("spec_ngram_norm_rope_kernels", ngram, both),
+                     ("spec_ngram_norm_rope_kernels_compiled", ngram.with_(compile=True), both)))
 
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
@@ -107,16 +104,10 @@ def main() -> int:
             outs = [Engine(target, c, build_drafter(c, net, target)).generate(p) for p in prompts]
             name = f"spec_dflash_{'graphed' if graphs else 'eager'}{'_draft_kernel' if kern else ''}"
             if kern:  # the draft block through the split-KV kernel: same verified output
-                result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref))}
-                print(name, result[name], flush=True)
-                if not result[name]["equal"]:
-                    problems.append(name)
+                record(name, outs)
                 continue
             taus[graphs] = [o.tau for o in outs]
-            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref)), "tau": taus[graphs]}
-            print(name, result[name], flush=True)
-            if not result[name]["equal"]:
-                problems.append(name)
+            record(name, outs, tau=taus[graphs])
         if taus[False] != taus[True]:
             problems.append("dflash_graphed_drafts_differ")
 
