@@ -116,18 +116,22 @@ class ModelRunner:
         pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]
         _, self.last_hidden = self._run(ids[None], pos, kv_len=start + ids.shape[0], logits=False)
 
-    @torch.inference_mode()
-    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """ids [T] long on the device, at positions [start, start + T) -> logits [T, V] fp32."""
+    def _step(self, ids: torch.Tensor, start: int):
+        # -> (logits [T, V], the packed greedy verdict [T + 1] when its bucket computed one, else None)
         T = ids.shape[0]
         bucket = self._pick_bucket(T, start)
         if bucket is None:
             pos = torch.arange(start, start + T, device=self.device)[None]
             logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
-            return logits
-        logits, feats, _ = self._replay(bucket, ids, start)
+            return logits, None
+        logits, feats, packed = self._replay(bucket, ids, start)
         self.last_hidden = feats[:T] if feats is not None else None
-        return logits[:T]
+        return logits[:T], (packed[: T + 1] if packed is not None else None)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [T] long on the device, at positions [start, start + T) -> logits [T, V] fp32."""
+        return self._step(ids, start)[0]
 
     @torch.inference_mode()
     def step_greedy_verdict(self, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -136,14 +140,5 @@ class ModelRunner:
         `greedy_verdict_packed`); `last_hidden` is set as by `step`. From a bucket built with greedy_verdict, the
         verdict was computed inside the step (its graph on CUDA) and the result is a view of the bucket's static
         output: read it before the next step of this runner. Otherwise it is computed here from the logits."""
-        T = ids.shape[0]
-        bucket = self._pick_bucket(T, start)
-        if bucket is None:
-            pos = torch.arange(start, start + T, device=self.device)[None]
-            logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
-            return greedy_verdict_packed(ids, logits)
-        logits, feats, packed = self._replay(bucket, ids, start)
-        self.last_hidden = feats[:T] if feats is not None else None
-        if packed is None:
-            return greedy_verdict_packed(ids, logits[:T])
-        return packed[: T + 1]
+        logits, packed = self._step(ids, start)
+        return packed if packed is not None else greedy_verdict_packed(ids, logits)
