@@ -109,6 +109,15 @@ class StepProfile:
         return self.drafter_pass_tokens if self.drafter_pass_tokens is not None else (1,) * self.drafter_passes
 
 
+def attention_fields(cfg) -> dict:
+    """StepProfile's attention fields for an engine config (duck-typed: no engine import): a graphed pass with SDPA
+    attends over the whole KV pool; through the split-KV kernel, over the context only."""
+    pool = cfg.max_seq_len if cfg.cuda_graphs else None
+    return {"kv_pool_len": None if cfg.attention_kernel else pool, "attention_kernel": cfg.attention_kernel,
+            "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
+            "draft_attention_kernel": cfg.draft_attention_kernel}
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 

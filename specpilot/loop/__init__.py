@@ -87,6 +87,7 @@ class EngineMeasure:
 
 def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int, acceptance=None):
     from specpilot.costmodel import StepProfile
+    from specpilot.costmodel.gaps import attention_fields
 
     if not stage_s or sum(stage_s.values()) <= 0:
         return None
@@ -96,10 +97,7 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
                        context_len=context_len,
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
-                       kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.attention_kernel else None,
-                       attention_kernel=cfg.attention_kernel,
-                       draft_kv_pool_len=cfg.max_seq_len if cfg.cuda_graphs and not cfg.draft_attention_kernel else None,
-                       draft_attention_kernel=cfg.draft_attention_kernel,
+                       **attention_fields(cfg),
                        acceptance_by_position=tuple(acceptance) if acceptance else None)
 
 
