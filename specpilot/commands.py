@@ -236,7 +236,7 @@ def cmd_profile(args) -> int:
     """Measure AR and speculative steps on real prompts, then let the cost model rank the gaps to the ceiling."""
     from specpilot.cli import engine_config
     from specpilot.costmodel import StepProfile, analyze, load_or_measure
-    from specpilot.costmodel.gaps import attention_fields
+    from specpilot.costmodel.gaps import engine_fields
     from specpilot.evaluator import datasets
 
     cfg = engine_config(args)
@@ -264,7 +264,7 @@ def cmd_profile(args) -> int:
         context_len=int(sum(len(r.prompt_ids) + r.num_output_tokens / 2 for r in spec_res) / len(spec_res)),
         drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
-        **attention_fields(cfg),
+        **engine_fields(cfg),
     )
     drafter_cfg = (spec.drafter.runner.model.config if model_drafter
                    else spec.drafter.network.config if dflash else None)

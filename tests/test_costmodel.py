@@ -482,3 +482,20 @@ def test_dflash_pass_counts_fewer_kernels_with_the_norm_kernel():
     # the hidden (context projection) norms: 7 launches fewer each
     assert plain.num_kernels - fast.num_kernels == (2 * 5 + 2) * 7
     assert plain.total_bytes == fast.total_bytes
+
+
+def test_engine_fields_follow_the_config():
+    """The pools each attention path reads, and acceptance fused into the verify step (predicted to launch
+    nothing), as profile and the loop derive them from an EngineConfig."""
+    from specpilot.config import EngineConfig, SamplingConfig
+    from specpilot.costmodel.gaps import engine_fields
+
+    f = engine_fields(EngineConfig(max_seq_len=2048, cuda_graphs=True, attention_kernel=False))
+    assert f["kv_pool_len"] == 2048 and f["draft_kv_pool_len"] == 2048 and f["fused_accept"]
+    f = engine_fields(EngineConfig(attention_kernel=True, draft_attention_kernel=True,
+                                   sampling=SamplingConfig(temperature=0.7)))
+    assert f["kv_pool_len"] is None and f["draft_kv_pool_len"] is None and not f["fused_accept"]
+    cfg = synthetic_config("qwen2.5-1.5b")
+    fused = analyze(cfg, None, _profile(drafter_passes=0, fused_accept=True), FAKE_HW, drafter_kind="ngram")
+    eager = analyze(cfg, None, _profile(drafter_passes=0), FAKE_HW, drafter_kind="ngram")
+    assert fused.stages["accept"].predicted_s == 0 < eager.stages["accept"].predicted_s

@@ -90,6 +90,7 @@ class StepProfile:
     # or through the split-KV kernel (EngineConfig.draft_attention_kernel)
     draft_kv_pool_len: int | None = None
     draft_attention_kernel: bool = False
+    fused_accept: bool = False  # greedy acceptance inside the verify step (EngineConfig.fused_accept): no launches
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -109,13 +110,15 @@ class StepProfile:
         return self.drafter_pass_tokens if self.drafter_pass_tokens is not None else (1,) * self.drafter_passes
 
 
-def attention_fields(cfg) -> dict:
-    """StepProfile's attention fields for an engine config (duck-typed: no engine import): a graphed pass with SDPA
-    attends over the whole KV pool; through the split-KV kernel, over the context only."""
+def engine_fields(cfg) -> dict:
+    """StepProfile's fields that follow from an engine config (duck-typed: no engine import): a graphed pass with
+    SDPA attends over the whole KV pool, through the split-KV kernel over the context only; greedy acceptance
+    fused into the verify step launches nothing of its own."""
     pool = cfg.max_seq_len if cfg.cuda_graphs else None
     return {"kv_pool_len": None if cfg.attention_kernel else pool, "attention_kernel": cfg.attention_kernel,
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
-            "draft_attention_kernel": cfg.draft_attention_kernel}
+            "draft_attention_kernel": cfg.draft_attention_kernel,
+            "fused_accept": cfg.fused_accept and cfg.sampling.greedy}
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -209,9 +212,8 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
 
 # Host-side stages, predicted from measured host costs: greedy chain acceptance launches ~6 small eager kernels
 # (argmax, compare, cast, cumprod, sum, gather; verify/chain.py) at `launch_s` each; the commit is the step's one
-# host sync (`host_sync_s`) plus bookkeeping, which is not modelled. With `EngineConfig.fused_accept` (greedy) the
-# verdict is computed inside the verify step (its CUDA graph), so a graphed run measures accept ~0 and its few
-# kernels land in verify: this prediction is then an upper bound.
+# host sync (`host_sync_s`) plus bookkeeping, which is not modelled. With `fused_accept` (greedy) the verdict is
+# computed inside the verify step (its CUDA graph): nothing is launched for it, and accept is predicted 0.
 ACCEPT_LAUNCHES = 6
 
 
@@ -224,7 +226,7 @@ def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
                            draft_host_s + sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)),
         "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed, kern)),
-        "accept": StageCost(profile.accept_s, 0.0, ACCEPT_LAUNCHES * hw.launch_s),
+        "accept": StageCost(profile.accept_s, 0.0, 0.0 if profile.fused_accept else ACCEPT_LAUNCHES * hw.launch_s),
         "other": StageCost(profile.other_s, 0.0, hw.host_sync_s or 0.0),
     }
 

@@ -87,7 +87,7 @@ class EngineMeasure:
 
 def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int, acceptance=None):
     from specpilot.costmodel import StepProfile
-    from specpilot.costmodel.gaps import attention_fields
+    from specpilot.costmodel.gaps import engine_fields
 
     if not stage_s or sum(stage_s.values()) <= 0:
         return None
@@ -97,7 +97,7 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
                        context_len=context_len,
                        drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
-                       **attention_fields(cfg),
+                       **engine_fields(cfg),
                        acceptance_by_position=tuple(acceptance) if acceptance else None)
 
 
