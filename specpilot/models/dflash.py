@@ -56,7 +56,7 @@ from torch import nn
 
 from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.cache import KVCache
-from specpilot.models.dense import MLP, RMSNorm, apply_rope, rope_inv_freq
+from specpilot.models.dense import MLP, RMSNorm, apply_rope, kernel_op, rope_inv_freq
 
 from specpilot.models.dflash_config import ARCHITECTURE, DFlashConfig, build_target_layer_ids  # noqa: F401
 
@@ -95,20 +95,6 @@ def context_features(final_hidden: torch.Tensor | None, captured, target_layer_i
 
 # ----------------------------------------------------------------------------------------------------------
 # the network
-
-# The split-KV attention custom op (kernels/decode_attention.py), resolved once on first use. A module global, not
-# a module attribute: the op object cannot be deep-copied or pickled, and networks are copied (train/loop.py).
-_decode_attention_op = None
-
-
-def _kernel_op():
-    global _decode_attention_op
-    if _decode_attention_op is None:
-        from specpilot.kernels.decode_attention import decode_attention_op
-
-        _decode_attention_op = decode_attention_op
-    return _decode_attention_op
-
 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int):
@@ -154,7 +140,7 @@ class DFlashAttention(nn.Module):
             cache.write(self.layer_idx, positions_blk, k_blk, v_blk)
             keys, values = cache.read(self.layer_idx, None)  # the kernel skips slices above the last position
             last = positions_blk[:, -1:].expand(B, S)  # every query sees slots <= anchor + S - 1 (non-causal)
-            out = _kernel_op()(q, keys, values, last)
+            out = kernel_op("decode_attention")(q, keys, values, last)
             return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
         if cache is not None:
             k_ctx, v_ctx = cache.read(self.layer_idx, kv_len)
@@ -222,7 +208,7 @@ class DFlashDrafter(nn.Module):
         # imported here, not at the top: importing Triton stays off the model's import
         from specpilot.kernels.decode_attention import MAX_T
 
-        if on and _kernel_op() is None:
+        if on and kernel_op("decode_attention") is None:
             raise ConfigError("the attention kernel needs Triton, which is not installed")
         self.attention_kernel = on
         cfg, d = self.config, self.config.head_dim
