@@ -167,7 +167,7 @@ def test_engine_switches_the_drafter_kernel_by_its_own_field(target, monkeypatch
 
     cfg = EngineConfig(drafter_kind="dflash", max_seq_len=64, draft_attention_kernel=True)
     assert not build_drafter(cfg, _net(), target).network.attention_kernel  # the CPU: off
-    monkeypatch.setattr(engine, "_attention_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    monkeypatch.setattr(engine, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
     net = build_drafter(cfg.with_(attention_kernel=False), _net(), target).network
     assert net.attention_kernel and all(layer.self_attn.kernel_max_t == 16 for layer in net.layers)
     assert copy.deepcopy(net).attention_kernel  # copies still work (validate_tau copies networks)

@@ -29,8 +29,8 @@ __all__ = ["Engine", "GenerationResult", "build_drafter", "load_target"]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _attention_kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
-    """Whether a Triton-kernel field (attention, norm, RoPE) applies: asked for, on a GPU (a Triton kernel), and Triton installed."""
+def _kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
+    """Whether a Triton-kernel field (attention, norm, RoPE) applies: asked for, on a GPU, and Triton installed."""
     if not (getattr(config, field) and str(config.device).startswith("cuda")):
         return False
     try:
@@ -48,11 +48,11 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.fuse_projections()
     if config.gemv_kernel:
         model.use_gemv_kernel()
-    if _attention_kernel_on(config):
+    if _kernel_on(config):
         model.use_attention_kernel()
-    if _attention_kernel_on(config, "norm_kernel"):
+    if _kernel_on(config, "norm_kernel"):
         model.use_norm_kernel()
-    if _attention_kernel_on(config, "rope_kernel"):
+    if _kernel_on(config, "rope_kernel"):
         model.use_rope_kernel()
 
 
@@ -80,8 +80,8 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         network = drafter_model if not isinstance(drafter_model, (str, bytes)) else load_dflash(
             resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
         # before the draft step is captured as a graph; a given network too (only its cached passes change)
-        network.use_attention_kernel(_attention_kernel_on(config, "draft_attention_kernel"))
-        norm_on = _attention_kernel_on(config, "norm_kernel")  # the drafter's RMSNorms follow the target's switch
+        network.use_attention_kernel(_kernel_on(config, "draft_attention_kernel"))
+        norm_on = _kernel_on(config, "norm_kernel")  # the drafter's RMSNorms follow the target's switch
         for module in network.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = norm_on
