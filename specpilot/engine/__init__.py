@@ -21,7 +21,7 @@ from specpilot.engine.spec import generate_spec
 from specpilot.engine.stops import StopRule
 from specpilot.errors import ConfigError
 from specpilot.models import DenseLM, load_model
-from specpilot.models.dense import RMSNorm
+from specpilot.models.dense import use_norm_kernel
 from specpilot.tokenizer import Tokenizer
 
 __all__ = ["Engine", "GenerationResult", "build_drafter", "load_target"]
@@ -81,10 +81,7 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
             resolve_model(drafter_model), dtype=DTYPE[config.dtype], device=config.device)
         # before the draft step is captured as a graph; a given network too (only its cached passes change)
         network.use_attention_kernel(_kernel_on(config, "draft_attention_kernel"))
-        norm_on = _kernel_on(config, "norm_kernel")  # the drafter's RMSNorms follow the target's switch
-        for module in network.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = norm_on
+        use_norm_kernel(network, _kernel_on(config, "norm_kernel"))  # the drafter's RMSNorms follow the target's
         return DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")

@@ -53,6 +53,16 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def use_norm_kernel(model: nn.Module, on: bool = True) -> None:
+    """Every RMSNorm inside `model` (a target, a DFlash drafter) through the one-launch Triton kernel
+    (kernels/rmsnorm.py, a custom op opaque to torch.compile) instead of 8 eager kernels; same numbers."""
+    if on and kernel_op("rmsnorm") is None:  # resolved now: torch.compile then traces a plain dict lookup
+        raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = on
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -235,16 +245,8 @@ class DenseLM(nn.Module):
     def use_norm_kernel(self, on: bool = True) -> "DenseLM":
         """Every RMSNorm (input/post-attention, q/k, final) through the one-launch Triton kernel
         (kernels/rmsnorm.py, a custom op opaque to torch.compile) instead of 8 eager kernels; same numbers."""
-        from specpilot.kernels.rmsnorm import rmsnorm_op
-
-        if on and rmsnorm_op is None:
-            raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
-        if on:
-            kernel_op("rmsnorm")
         self.norm_kernel = on
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = on
+        use_norm_kernel(self, on)
         return self
 
     def use_rope_kernel(self, on: bool = True) -> "DenseLM":
