@@ -41,17 +41,20 @@ ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB; not when a war
     --max-shard-mb 15 && echo "shipped ${NAME[$1]}"
 }
 
-checks() {  # the engine's GPU parity check, AR step times, the cost model's profile (issue 3)
+checks() {  # the engine's GPU parity check, the cost model's profiles, AR step times, the GEMV kernel (issue 3)
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   tail -1 $R/engine_check.log
+  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
+  for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
   timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
-  for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
+  echo "[$(date +%T)] Triton GEMV vs cuBLAS (kernels/gemv.py: bandwidth at real shapes, graphed step)"
+  timeout 180 python3 scripts/gpu_gemv_check.py > $R/gemv_check.log 2>&1
+  tail -1 $R/gemv_check.log | cut -c1-300
   echo "[$(date +%T)] DFlash step breakdown (draft graph vs host work, random weights at the 1.5B shapes)"
-  timeout 180 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
+  timeout 150 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
   tail -1 $R/dflash_step.log
 }
 
@@ -97,7 +100,7 @@ if [ $MODE = ddp ]; then
     (export CUDA_VISIBLE_DEVICES=0; loop_runs; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     # GPU 1 has time for the compiled steps with the kernel (issue 3's AR-step bars: the best the engine runs)
     # (Inductor's compile workers limited: the loop times runs on GPU 0 of the same host meanwhile)
-    (export CUDA_VISIBLE_DEVICES=1 STEP_S=${STEP_S:-400} STEP_FLAGS=${STEP_FLAGS:---compiled-kernel-only} \
+    (export CUDA_VISIBLE_DEVICES=1 STEP_S=${STEP_S:-300} STEP_FLAGS=${STEP_FLAGS:---compiled-kernel-only} \
        TORCHINDUCTOR_COMPILE_THREADS=8; checks
      echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   fi
