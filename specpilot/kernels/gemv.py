@@ -1,18 +1,25 @@
-"""Skinny matmul for decode and verification: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 8 tokens.
+"""Skinny matmul for decode and verification: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 16 tokens.
 
-Why: at bs 1 a decode step is a chain of GEMVs, and cuBLAS reaches only ~1.7 TB/s of weights at 1.5B-class shapes
-on an H200 (40% of the copy bandwidth, BENCHMARKS.md). Here each program streams a [BLOCK_N, K] slab of W once with
-wide loads and reuses it for all M rows; split-K adds programs when N alone cannot fill the GPU, combining the
-partial sums with fp32 atomics into a zeroed fp32 output (order of additions may vary between runs: results are
-within fp32 rounding, not bitwise fixed — fine for a drafter, which never changes outputs; the target keeps the
-deterministic path unless `EngineConfig.gemv_kernel` asks otherwise).
+Why: at bs 1 a decode or verify step is a chain of weight-bound GEMVs, and cuBLAS reaches only ~1.7 TB/s of weights
+at 1.5B-class shapes on an H200 whose HBM does ~4.2 TB/s (BENCHMARKS.md).
 
-v1 (split-K into a zeroed fp32 buffer, then a cast) measured *slower* than cuBLAS on the H200 (0.09 vs 0.23 TB/s
-at the 1.5B qkv shape: too few programs, plus two extra launches per call). So when N alone gives enough output
-tiles (N >= 8 x SMs: every 1.5B/8B projection), `gemv_direct` runs instead: one launch, output in the input
-dtype with the bias fused, and its tile sizes and warps autotuned per shape on the GPU. Split-K stays for narrow N.
+v1 measured *slower* than cuBLAS everywhere (e.g. 1.5B gate_up M=1: 0.76 vs 1.71 TB/s; M=5: 0.31 vs 1.70). Its inner
+loop reduced a 3-D broadcast product `tl.sum(x[:, None, :] * w[None, :, :], axis=2)` every K step (a reduction per
+iteration and heavy register pressure), and it capped M at 8, too few for a 16-token block-drafter verify step.
 
-`gemv_reference` is the plain-PyTorch twin the tests compare against (TRITON_INTERPRET=1 runs the kernel on CPU).
+v2 (this file; its speed on the H200 is whatever scripts/gpu_gemv_check.py reports, nothing here is a claim):
+- M == 1: each program owns BLOCK_N output rows and accumulates an fp32 [BLOCK_N, BLOCK_K] tile of elementwise
+  products over K, reducing it once after the loop. Narrow N (e.g. the 1.5B "down" projection, N = 1536) is served
+  by small BLOCK_N (down to 1 row per program) in the tuning list instead of split-K: no atomics, no zero-fill,
+  deterministic, one launch.
+- 2 <= M <= 16: `tl.dot` on a 16-row tile (rows >= M masked to zero); each [BLOCK_N, BLOCK_K] weight tile is loaded
+  once and used for every row. fp32 inputs use IEEE precision (no TF32), so the numbers match the reference
+  (the CPU interpreter always takes that fp32 path: its bf16 tl.dot is broken, so CPU tests do not cover bf16 dots).
+- Both store in x's dtype with the bias fused. On a GPU the tile sizes, warps and stages are autotuned once per
+  (N, K) (and dtype) outside CUDA-graph capture (the engine warms every step up first); under TRITON_INTERPRET=1
+  (CPU tests) one fixed configuration runs.
+
+`gemv_reference` is the plain-PyTorch twin the tests compare against.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ try:
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
-MAX_M = 8
+MAX_M = 16
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,113 +49,94 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_m1_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
-        k_start = pid_k * k_per_split
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        m_offs = tl.arange(0, BLOCK_M)
-        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             k_offs = k0 + tl.arange(0, BLOCK_K)
             k_mask = k_offs < K
+            x = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n_offs[:, None] * stride_wn + k_offs[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-            x = tl.load(x_ptr + m_offs[:, None] * stride_xm + k_offs[None, :],
-                        mask=(m_offs[:, None] < M) & k_mask[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
-        ptrs = y_ptr + m_offs[:, None] * stride_ym + n_offs[None, :]
-        mask = (m_offs[:, None] < M) & n_mask[None, :]
-        if SPLIT == 1:
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(ptrs, acc, mask=mask)
-
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)  # one reduction, after the loop
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n_offs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
     @triton.jit
-    def _gemv_direct_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        # one program: BLOCK_N outputs for all M rows over the whole K; stores in y's dtype, bias fused (one
-        # launch per projection: at decode, launches and zero-fills cost as much as small weight reads)
-        pid_n = tl.program_id(0)
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
         m_offs = tl.arange(0, BLOCK_M)
+        m_mask = m_offs < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_offs = k0 + tl.arange(0, BLOCK_K)
             k_mask = k_offs < K
             w = tl.load(w_ptr + n_offs[:, None] * stride_wn + k_offs[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK], read once for all rows
             x = tl.load(x_ptr + m_offs[:, None] * stride_xm + k_offs[None, :],
-                        mask=(m_offs[:, None] < M) & k_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(w.dtype)  # [BM, BK]
+            if IEEE:  # fp32 inputs (and the CPU interpreter, whose bf16 tl.dot returns garbage in Triton 3.x)
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
         if HAS_BIAS:
             acc += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        ptrs = y_ptr + m_offs[:, None] * stride_ym + n_offs[None, :]
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m_offs[:, None] < M) & n_mask[None, :])
+        tl.store(y_ptr + m_offs[:, None] * stride_ym + n_offs[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
-    # On a GPU the direct kernel's tile sizes are chosen by timing, once per (M, N, K) (outside any CUDA-graph
-    # capture: the engine warms every step up first); the CPU interpreter runs one fixed configuration.
-    _DIRECT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                       for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)
-                       if bn * bk <= 8192]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _gemv_direct = None
+    _M1_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                   for bn, bk in ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512), (16, 256))
+                   for w in (2, 4) for s in (1, 3)]
+    _DOT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                    for bn, bk in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128))
+                    for w in (4,) for s in (2, 3, 4)] + [
+                    triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=2),
+                    triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=2, num_stages=4)]
+    if _INTERPRET:  # CPU tests: one fixed configuration each (small, so masks on N and K get exercised)
+        _m1, _dot = _gemv_m1_kernel, _gemv_dot_kernel
     else:
-        _gemv_direct = triton.autotune(configs=_DIRECT_CONFIGS, key=["M", "N", "K"])(_gemv_direct_kernel)
-
-
-def gemv_direct(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The single-pass kernel (no split-K): x [M, K] (M <= 8), weight [N, K] contiguous -> [M, N] in x's dtype."""
-    M, K = x.shape
-    N = weight.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    bm = 1 if M == 1 else (2 if M == 2 else (4 if M <= 4 else 8))
-    args = (x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0))
-    if _gemv_direct is None:  # interpreter: a fixed configuration
-        _gemv_direct_kernel[(triton.cdiv(N, 16),)](*args, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=16,
-                                                   BLOCK_K=128)
-    else:
-        _gemv_direct[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, BLOCK_M=bm)
-    return y
-
-
-def _blocks(M: int, N: int, K: int, num_sms: int) -> tuple[int, int, int, int]:
-    block_m = 1 if M == 1 else (2 if M == 2 else (4 if M <= 4 else 8))
-    block_n = 16 if block_m <= 2 else 8
-    block_k = 512 if block_m <= 2 else 256
-    tiles = triton.cdiv(N, block_n)
-    split = 1
-    while tiles * split < 2 * num_sms and K // (split * 2) >= 4 * block_k:  # fill every SM at least twice
-        split *= 2
-    return block_m, block_n, block_k, split
+        _m1 = triton.autotune(configs=_M1_CONFIGS, key=["N", "K"])(_gemv_m1_kernel)
+        _dot = triton.autotune(configs=_DOT_CONFIGS, key=["N", "K"])(_gemv_dot_kernel)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8), weight [N, K] contiguous -> [M, N] in x's dtype."""
+    """x [M, K] (1 <= M <= 16, unit stride along K), weight [N, K] contiguous -> [M, N] in x's dtype."""
     if triton is None:
         raise RuntimeError("triton is not installed")
+    if x.dim() != 2 or weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(f"gemv: need x [M, K], weight [N, K], bias [N]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
     M, K = x.shape
     N, K2 = weight.shape
-    if K != K2 or M > MAX_M or not weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError(f"gemv: need x [M<={MAX_M}, K] with unit stride and contiguous weight [N, K]; "
+    if K != K2 or not 1 <= M <= MAX_M or not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"gemv: need x [1<=M<={MAX_M}, K] with unit stride and contiguous weight [N, K]; "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    if N >= 8 * num_sms:  # enough output tiles to fill the GPU without splitting K
-        return gemv_direct(x, weight, bias)
-    bm, bn, bk, split = _blocks(M, N, K, num_sms)
-    y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    grid = (triton.cdiv(N, bn), split)
-    _gemv_kernel[grid](x, weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    b = bias if bias is not None else weight  # dummy pointer when HAS_BIAS is off
+    if M == 1:
+        args = (x, weight, b, y, N, K, weight.stride(0))
+        if _INTERPRET:
+            _m1[(triton.cdiv(N, 4),)](*args, HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=64)
+        else:
+            _m1[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
+        return y
+    ieee = _INTERPRET or torch.float32 in (x.dtype, weight.dtype)
+    args = (x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0))
+    if _INTERPRET:
+        _dot[(triton.cdiv(N, 16),)](*args, HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+    else:
+        _dot[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, IEEE=ieee,
+                                                              BLOCK_M=16)
+    return y
 
 
 def _register_op():
@@ -176,6 +165,6 @@ class SkinnyLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         tokens = x.numel() // x.shape[-1]
-        if gemv_op is None or tokens > MAX_M or not (x.is_cuda or self.force_kernel):
+        if gemv_op is None or tokens == 0 or tokens > MAX_M or not (x.is_cuda or self.force_kernel):
             return super().forward(x)
         return gemv_op(x.reshape(tokens, x.shape[-1]), self.weight, self.bias).reshape(*lead, -1)
