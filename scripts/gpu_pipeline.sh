@@ -15,7 +15,7 @@
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
-# LR (peak; 3e-4 on a warm start), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
+# LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -78,7 +78,10 @@ bench15() {
 if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried from an earlier session
   python3 scripts/regen_cache.py unpack /tmp/runs/q15/regen /tmp/regen-parts/regen-q15.*.jsonl.gz > $R/regen_seed.log 2>&1
 fi
-if [ $MODE = ddp ]; then
+if [ $MODE = ddp ] && [ "$L15" = 0 ]; then  # no training (a short session): the loop beside the checks at once
+  echo "[$(date +%T)] no training (L15=0)" > $R/lane0.log
+fi
+if [ $MODE = ddp ] && [ "$L15" != 0 ]; then
   echo "[$(date +%T)] train q15 on 2 GPUs $(cat $R/regen_seed.log 2>/dev/null)" > $R/lane0.log
   timeout $((L15 + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m specpilot.cli train-drafter \
     --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON --time-limit-s $L15 --regen-budget-s $R15 $WARM15 \
@@ -93,6 +96,8 @@ if [ $MODE = ddp ]; then
   fi
   tail -2 /tmp/runs/q15.log >> $R/lane0.log
   ship q15 >> $R/lane0.log 2>&1
+fi
+if [ $MODE = ddp ]; then
   if [ -e /tmp/ship/${NAME[q15]}/config.json ]; then  # a new drafter: bench it on GPU 0, the rest on GPU 1
     (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
