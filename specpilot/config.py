@@ -57,11 +57,11 @@ class EngineConfig:
     draft_attention_kernel: bool = False  # CUDA: the DFlash draft block attends through the same kernel (its
     # masked SDPA over the whole draft pool was 0.36 of a 0.82 ms draft pass on the H200, session 10); off until the
     # loop validates it on a GPU
-    norm_kernel: bool = False  # CUDA: every RMSNorm through one Triton launch (kernels/rmsnorm.py) instead of 8 eager
-    # kernels (~32 per layer of a 1.5B graphed decode step, each >= ~1.1 us); same numbers; off until a GPU run
-    # validates it (the loop's `norm_kernel` mechanism tries it)
-    rope_kernel: bool = False  # CUDA: RoPE of q and k in one Triton launch per layer (kernels/rope.py) instead of
-    # 10 eager kernels (neg, cat, 2 mul, add, each for q and k); same numbers; off until a GPU run validates it
+    norm_kernel: bool = True  # CUDA: every RMSNorm through one Triton launch (kernels/rmsnorm.py) instead of 8 eager
+    # kernels (~32 per layer of a 1.5B graphed decode step, each >= ~1.1 us); same numbers. On since the H200 loop
+    # accepted it (x1.21 dev / x1.22 held-out, DFlash on the 1.5B; BENCHMARKS.md session 11)
+    rope_kernel: bool = True  # CUDA: RoPE of q and k in one Triton launch per layer (kernels/rope.py) instead of
+    # 10 eager kernels (neg, cat, 2 mul, add, each for q and k); same numbers. On since the loop accepted it (x1.16)
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

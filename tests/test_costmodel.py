@@ -450,7 +450,8 @@ def test_loop_knobs_carry_the_norm_kernel():
     from specpilot.loop import _knobs
     from specpilot.loop.registry import REGISTRY
 
-    assert _knobs(EngineConfig(norm_kernel=True)).norm_kernel and not _knobs(EngineConfig()).norm_kernel
+    assert _knobs(EngineConfig(norm_kernel=True)).norm_kernel
+    assert not _knobs(EngineConfig(norm_kernel=False)).norm_kernel
     assert REGISTRY["norm_kernel"].fields == {"norm_kernel": [True, False]}
 
 
@@ -467,7 +468,8 @@ def test_rope_kernel_cuts_nine_kernels_per_layer_and_is_priced_as_a_gain():
     from specpilot.config import EngineConfig
     from specpilot.loop import _knobs
 
-    assert _knobs(EngineConfig(rope_kernel=True)).rope_kernel and not _knobs(EngineConfig()).rope_kernel
+    assert _knobs(EngineConfig(rope_kernel=True)).rope_kernel
+    assert not _knobs(EngineConfig(rope_kernel=False)).rope_kernel
 
 
 def test_dflash_pass_counts_fewer_kernels_with_the_norm_kernel():

@@ -178,4 +178,4 @@ def test_engine_switches_the_drafter_kernel_by_its_own_field(target, monkeypatch
     norms = lambda n: [m.kernel for m in n.modules() if isinstance(m, RMSNorm)]  # noqa: E731
     net = build_drafter(cfg.with_(norm_kernel=True), _net(), target).network
     assert norms(net) and all(norms(net))  # the drafter's RMSNorms follow the target's norm_kernel
-    assert not any(norms(build_drafter(cfg, net, target).network))
+    assert not any(norms(build_drafter(cfg.with_(norm_kernel=False), net, target).network))

@@ -261,3 +261,36 @@ def test_compiled_static_step_keeps_the_verdict(models, monkeypatch):
     ar = Engine(target, cfg.with_(drafter_kind="none", compile=False))
     for p in _prompts()[:2]:
         assert eng.generate(p).output_ids == ar.generate(p).output_ids
+
+
+def test_failed_capture_runs_the_bucket_eagerly_and_never_reuses_the_broken_pool(models, monkeypatch):
+    """A CUDA-graph capture that fails (H200 session 11: compile + the norm/RoPE kernels) must leave a working
+    runner: the bucket runs eagerly with a warning, and later buckets capture into a fresh pool (a second capture
+    into the broken one raised `beginAllocateToPool: already recording`)."""
+    import specpilot.engine.runner as runner_mod
+
+    pools, used = iter(range(100)), []
+    monkeypatch.setattr(runner_mod.torch.cuda, "graph_pool_handle", lambda: next(pools))
+
+    def broken_capture(fn, *, warmup=2, pool=None):
+        if pool in used:
+            raise AssertionError("captured again into a pool whose capture failed")
+        used.append(pool)
+        fn()
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(runner_mod, "capture", broken_capture)
+    target = models["target"]
+    runner = ModelRunner(target, target.new_cache(1, 64), greedy_verdict=True)
+    runner._arange = torch.arange(5)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        runner._build([5, 1], graphs=True)
+    assert used == [0, 1] and all(runner.graphs[T][0] is None for T in (5, 1))
+    eager = ModelRunner(target, target.new_cache(1, 64))
+    p = [7, 8, 9, 10, 11, 12]
+    cont = reference_greedy(target, p, 5)
+    for r in (runner, eager):
+        r.prefill(torch.tensor(p[:-1]), 0)
+    block = torch.tensor([p[-1]] + cont[:4])
+    assert runner.step_greedy_verdict(block, len(p) - 1).tolist() == \
+        eager.step_greedy_verdict(block, len(p) - 1).tolist() == [4, cont[4]] + cont[:4]

@@ -57,7 +57,12 @@ def test_gemv_op_and_fake():
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (1, 5), (16,)])
-def test_skinny_linear_matches_linear(lead):
+def test_skinny_linear_matches_linear(lead, monkeypatch):
+    import specpilot.kernels.gemv as gemv_mod
+
+    monkeypatch.setattr(gemv_mod, "MIN_N_MULTI", 16)  # a small N takes the multi-token kernel path here too
+    calls = []
+    monkeypatch.setattr(gemv_mod, "gemv_op", lambda *a: calls.append(1) or gemv_op(*a))
     torch.manual_seed(0)
     ref = torch.nn.Linear(72, 20)
     fast = torch.nn.Linear(72, 20)
@@ -67,3 +72,14 @@ def test_skinny_linear_matches_linear(lead):
     x = torch.randn(*lead, 72)
     with torch.no_grad():
         assert (fast(x) - ref(x)).abs().max().item() < 1e-4
+    assert calls == [1]  # through the kernel, not the library fallback
+
+
+def test_kernel_only_where_it_measured_faster():
+    """M = 1 always; 2..16 tokens only for wide outputs (narrow ones lost to cuBLAS on the H200); prefill never."""
+    from specpilot.kernels.gemv import MIN_N_MULTI, uses_kernel
+
+    assert uses_kernel(1, 896) and uses_kernel(1, 151936)
+    assert uses_kernel(16, MIN_N_MULTI) and uses_kernel(2, 17920)
+    assert not uses_kernel(16, 2048) and not uses_kernel(5, 1536)
+    assert not uses_kernel(MAX_M + 1, 17920) and not uses_kernel(0, 17920)

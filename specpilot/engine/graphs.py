@@ -23,9 +23,19 @@ def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[to
             fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    except RuntimeError:
+        # a failed capture leaves the allocator routing its capture to `pool` through a callback on this graph
+        # object: keep the object alive (no dangling callback); never capture into that pool again (the runner
+        # takes a fresh one)
+        _FAILED.append(graph)
+        raise
     return graph, out
+
+
+_FAILED: list = []  # graphs whose capture failed (see `capture`)
 
 
 def or_eager(build: Callable[[], T], what: str) -> T | None:

@@ -156,15 +156,27 @@ def _register_op():
 gemv_op = _register_op() if triton is not None else None
 
 
+# Below this many outputs the tl.dot path (2 <= M <= 16) has too few output tiles to fill an H200 and loses to
+# cuBLAS (1.5B qkv 2048 x 1536 and down 1536 x 8960 at M = 16: 1.29 / 1.48 vs 1.37 / 2.28 TB/s); from 4096 up it
+# won at every measured shape; M = 1 won at every shape (BENCHMARKS.md, session 11).
+MIN_N_MULTI = 4096
+
+
+def uses_kernel(tokens: int, n: int) -> bool:
+    """Whether a projection of `tokens` rows and `n` outputs goes through the Triton GEMV (the measured wins)."""
+    return tokens == 1 or (2 <= tokens <= MAX_M and n >= MIN_N_MULTI)
+
+
 class SkinnyLinear(torch.nn.Linear):
-    """nn.Linear that routes inputs of at most MAX_M tokens to the Triton GEMV (same parameters, same numbers up
-    to fp32 rounding order); larger inputs (prefill) keep the library GEMM."""
+    """nn.Linear that routes few-token inputs to the Triton GEMV where it measured faster than cuBLAS
+    (`uses_kernel`; same parameters, same numbers up to fp32 rounding order); the rest (prefill, narrow
+    multi-token projections) keep the library GEMM."""
 
     force_kernel = False  # tests: use the kernel on CPU too (interpreted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         tokens = x.numel() // x.shape[-1]
-        if gemv_op is None or tokens == 0 or tokens > MAX_M or not (x.is_cuda or self.force_kernel):
+        if gemv_op is None or not uses_kernel(tokens, self.out_features) or not (x.is_cuda or self.force_kernel):
             return super().forward(x)
         return gemv_op(x.reshape(tokens, x.shape[-1]), self.weight, self.bias).reshape(*lead, -1)
