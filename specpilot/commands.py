@@ -277,7 +277,12 @@ def cmd_profile(args) -> int:
     report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs,
                      draft_host_s=host_s)
     out.print(report.table())
-    print(json.dumps({"profile": profile.__dict__, **report.to_dict()}, default=list))
+    runs = {"target": spec.runner.step_counts}
+    if model_drafter:
+        runs["drafter"] = spec.drafter.runner.step_counts
+    out.print("steps run (graphed / eager static bucket / no bucket): " +
+              ", ".join(f"{k} {v['graphed']} / {v['eager_bucket']} / {v['unbucketed']}" for k, v in runs.items()))
+    print(json.dumps({"profile": profile.__dict__, "step_counts": runs, **report.to_dict()}, default=list))
     return 0
 
 

@@ -158,3 +158,5 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
     assert sum(v["measured_s"] for v in st.values()) == pytest.approx(out["step_measured_s"])
     assert st["verify"]["predicted_s"] > 0 and out["tau"] >= 1.0
     assert (st["draft"]["floor_s"] > 0) == (kind == "dflash")  # a draft pass on the device only for DFlash
+    runs = out["step_counts"]["target"]  # how the target's steps ran: on CPU no graphs, every step eager
+    assert runs["graphed"] == runs["eager_bucket"] == 0 and runs["unbucketed"] > 0

@@ -45,6 +45,10 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self._num_drafts: dict[int, int] = {}  # bucket -> the value its drafts-count buffer holds now
         self._arange = torch.arange(max(buckets, default=1), device=self.device)
+        # how steps ran (the profile prints them: a graphed engine whose steps run eagerly is slow for no visible
+        # reason): replayed graphs, static buckets run eagerly (no graph, or its capture failed), and steps no
+        # bucket fits (eager, any shape)
+        self.step_counts = {"graphed": 0, "eager_bucket": 0, "unbucketed": 0}
         graphs = cuda_graphs and self.device.type == "cuda"
         if graphs or static:
             self._build(sorted(set(buckets), reverse=True), graphs)
@@ -103,7 +107,9 @@ class ModelRunner:
             num_drafts.fill_(T - 1)  # a kernel with the value as its argument: no host sync
             self._num_drafts[bucket] = T - 1
         if g is None:
+            self.step_counts["eager_bucket"] += 1
             return self._bucket_step(ids_buf, pos_buf, num_drafts)
+        self.step_counts["graphed"] += 1
         g.replay()
         return outputs
 
@@ -118,6 +124,7 @@ class ModelRunner:
         T = ids.shape[0]
         bucket = self._pick_bucket(T, start)
         if bucket is None:
+            self.step_counts["unbucketed"] += 1
             pos = torch.arange(start, start + T, device=self.device)[None]
             logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
             return logits, None
