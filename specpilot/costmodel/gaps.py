@@ -43,7 +43,8 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     """Calibrated prediction of one pass of our implementation (not a bound).
 
     Graphed: weights stream at the graphed GEMV chains' rate (1.5B- and 8B-like chains, interpolated by bytes per
-    layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each. Eager: every kernel pays
+    layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each, the
+    eager RMSNorm / RoPE chains' kernels `eager_kernel_s(T)` (fp32 casts and reductions, dearer, growing with T). Eager: every kernel pays
     the host launch `launch_s` (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
@@ -52,7 +53,9 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
                 + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
-        overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
+        eager = min(cost.num_eager_kernels, cost.num_kernels - cost.num_linear_kernels)
+        overhead_s = ((cost.num_kernels - cost.num_linear_kernels - eager) * hw.graph_kernel_s
+                      + eager * hw.eager_kernel_s(cost.num_tokens))
     else:
         overhead_s = cost.num_kernels * hw.launch_s
     # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
