@@ -501,3 +501,26 @@ def test_engine_fields_follow_the_config():
     fused = analyze(cfg, None, _profile(drafter_passes=0, fused_accept=True), FAKE_HW, drafter_kind="ngram")
     eager = analyze(cfg, None, _profile(drafter_passes=0), FAKE_HW, drafter_kind="ngram")
     assert fused.stages["accept"].predicted_s == 0 < eager.stages["accept"].predicted_s
+
+
+def test_eager_norm_and_rope_kernels_priced_at_their_own_graphed_rate():
+    """Session 11 (H200): removing the eager RMSNorm/RoPE chains saved ~1.7 us per kernel at T = 1 and ~2.3 us at
+    T = 16, not the 1.13 us of a tiny bf16 add: those kernels carry their own measured per-kernel cost."""
+    from specpilot.costmodel.shapes import eager_chain_kernels
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    assert eager_chain_kernels(cfg) == (28 * 2 + 1) * 8 + 28 * 10
+    assert eager_chain_kernels(cfg, norm_kernel=True, rope_kernel=True) == 0
+    assert eager_chain_kernels(cfg, compiled=True) == 0
+    assert eager_chain_kernels(synthetic_config("qwen3-8b"), rope_kernel=True) == (36 * 4 + 1) * 8
+    hw = dataclasses.replace(FAKE_HW, graph_kernel_s=1e-6, graph_eager_kernel_s=2e-6, graph_eager_kernel16_s=3e-6)
+    eager, kern = forward_cost(cfg, 1, 512), forward_cost(cfg, 1, 512, norm_kernel=True, rope_kernel=True)
+    assert eager.num_eager_kernels == eager_chain_kernels(cfg) and kern.num_eager_kernels == 0
+    # every eager-chain kernel pays 1 us more than the plain per-kernel figure at T = 1, 2 us more at T = 16
+    assert pass_predicted_s(eager, hw) - pass_predicted_s(eager, FAKE_HW) == pytest.approx(
+        (eager.num_kernels - eager.num_linear_kernels) * (1e-6 - 1.5e-6) + eager.num_eager_kernels * 1e-6)
+    e16 = forward_cost(cfg, 16, 512)
+    assert hw.eager_kernel_s(16) == 3e-6 and hw.eager_kernel_s(1) == 2e-6
+    assert FAKE_HW.eager_kernel_s(16) == FAKE_HW.graph_kernel_s  # not measured: the tiny-kernel figure
+    no_eager = dataclasses.replace(e16, num_eager_kernels=0)
+    assert pass_predicted_s(e16, hw) - pass_predicted_s(no_eager, hw) == pytest.approx(e16.num_eager_kernels * 2e-6)

@@ -43,7 +43,8 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     """Calibrated prediction of one pass of our implementation (not a bound).
 
     Graphed: weights stream at the graphed GEMV chains' rate (1.5B- and 8B-like chains, interpolated by bytes per
-    layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each. Eager: every kernel pays
+    layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each, the
+    eager RMSNorm / RoPE chains' kernels `eager_kernel_s(T)` (fp32 casts and reductions, dearer, growing with T). Eager: every kernel pays
     the host launch `launch_s` (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
@@ -52,7 +53,9 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
                 + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
-        overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
+        eager = min(cost.num_eager_kernels, cost.num_kernels - cost.num_linear_kernels)
+        overhead_s = ((cost.num_kernels - cost.num_linear_kernels - eager) * hw.graph_kernel_s
+                      + eager * hw.eager_kernel_s(cost.num_tokens))
     else:
         overhead_s = cost.num_kernels * hw.launch_s
     # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
@@ -91,6 +94,8 @@ class StepProfile:
     draft_kv_pool_len: int | None = None
     draft_attention_kernel: bool = False
     fused_accept: bool = False  # greedy acceptance inside the verify step (EngineConfig.fused_accept): no launches
+    norm_kernel: bool = False  # EngineConfig.norm_kernel / rope_kernel: the eager chains' kernels are not run
+    rope_kernel: bool = False
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -118,7 +123,8 @@ def engine_fields(cfg) -> dict:
     return {"kv_pool_len": None if cfg.attention_kernel else pool, "attention_kernel": cfg.attention_kernel,
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
-            "fused_accept": cfg.fused_accept and cfg.sampling.greedy}
+            "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
+            "norm_kernel": bool(getattr(cfg, "norm_kernel", False)), "rope_kernel": bool(getattr(cfg, "rope_kernel", False))}
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -219,7 +225,8 @@ ACCEPT_LAUNCHES = 6
 
 def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host_s=0.0) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
-    verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len)
+    verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len,
+                          norm_kernel=profile.norm_kernel, rope_kernel=profile.rope_kernel)
     kern = profile.attention_kernel
     draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
     return {
@@ -244,7 +251,8 @@ def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: S
     `draft_host_s`: host time of one proposal measured off the GPU (an n-gram lookup replayed on the outputs,
     drafters/ngram.replay), added to the draft stage's prediction."""
     stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed, draft_host_s)
-    ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len)
+    ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len,
+                      norm_kernel=profile.norm_kernel, rope_kernel=profile.rope_kernel)
     ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed, profile.attention_kernel)
     step = profile.step_s
     step_floor = sum(s.floor_s for s in stages.values())

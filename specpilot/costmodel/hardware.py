@@ -83,6 +83,12 @@ class HardwareCeilings:
     # (1.5B, graphed, 4096-slot pool: 6.0 ms at T = 4 vs 3.4 ms at T = 1). Used for every T > 1.
     sdpa16_fixed_s: float | None = None
     sdpa16_per_key_s: float | None = None
+    # per kernel of the eager model's elementwise / reduction chains (RMSNorm's 8 kernels: fp32 casts, pow, mean,
+    # rsqrt, ...; RoPE's 10) inside a replayed graph, at 1 and 16 rows: dearer than the bf16 add `graph_kernel_s`
+    # times (session 11, H200: the norm + RoPE kernels saved ~1.7 us per eager kernel at T = 1 and ~2.3 us at
+    # T = 16 at both shapes, against 1.13 us per tiny add). None: not measured, `graph_kernel_s` is used.
+    graph_eager_kernel_s: float | None = None
+    graph_eager_kernel16_s: float | None = None
 
     def sdpa_s(self, keys: int, tokens: int = 1) -> float:
         """Predicted time of one masked decode-attention call of `tokens` queries over `keys` key slots (0 if not
@@ -131,6 +137,13 @@ class HardwareCeilings:
         if self.attn_kernel_t1_s is None or self.attn_kernel_t16_s is None:
             return None
         return self.attn_kernel_t1_s + (self.attn_kernel_t16_s - self.attn_kernel_t1_s) * _frac16(tokens)
+
+    def eager_kernel_s(self, tokens: int) -> float:
+        """Per graphed kernel of an eager norm / RoPE chain at `tokens` rows (graph_kernel_s where not measured)."""
+        at1 = self.graph_eager_kernel_s if self.graph_eager_kernel_s is not None else self.graph_kernel_s
+        if self.graph_eager_kernel16_s is None:
+            return at1
+        return at1 + (self.graph_eager_kernel16_s - at1) * _frac16(tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -330,6 +343,27 @@ def _attn_kernel_layer_s(dev: torch.device, tokens: int) -> float | None:
     return time_median_s(graph.replay) / SDPA_LAYERS
 
 
+EAGER_NORMS = 28  # eager RMSNorms (8 kernels each) in the graphed chain
+
+
+def _graph_eager_kernel_s(dev: torch.device, rows: int = 1) -> float:
+    """Per kernel of a graphed chain of eager RMSNorms on [rows, 1536] bf16 (DenseLM's 8-kernel RMSNorm)."""
+    xs = [torch.randn(rows, GEMV_HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(EAGER_NORMS)]
+    w = torch.ones(GEMV_HIDDEN, dtype=torch.bfloat16, device=dev)
+
+    def chain():
+        for x in xs:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            w * h.to(x.dtype)
+
+    graph = _capture(chain)
+    return time_median_s(graph.replay) / (EAGER_NORMS * _NORM_CHAIN_KERNELS)
+
+
+_NORM_CHAIN_KERNELS = 8
+
+
 def _host_sync_s(dev: torch.device) -> float:
     """Wall seconds of a tiny kernel followed by `.tolist()` on an idle GPU: the floor of a host round trip."""
     x = torch.arange(4, device=dev)
@@ -365,6 +399,8 @@ def measure_ceilings(device: str | torch.device = "cuda") -> HardwareCeilings:
             attn_kernel_t1_s=_attn_kernel_layer_s(dev, 1),
             attn_kernel_t16_s=_attn_kernel_layer_s(dev, 16),
             host_sync_s=_host_sync_s(dev),
+            graph_eager_kernel_s=_graph_eager_kernel_s(dev),
+            graph_eager_kernel16_s=_graph_eager_kernel_s(dev, rows=16),
         )
         torch.cuda.empty_cache()
     return hw

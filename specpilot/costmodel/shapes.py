@@ -57,6 +57,9 @@ class PassCost:
     num_layers: int = 0  # attention calls in the pass
     attn_keys: int = 0  # key slots each attention call covers: context + T, or the whole pool when graphed
     head_bytes: float = 0.0  # of weight_bytes, the LM head's: one large GEMV, streamed at a large matrix's rate
+    # of num_kernels, the eager RMSNorm (8 each) and RoPE (10 a layer) kernels: fp32 elementwise / reduction
+    # chains that cost more per graphed kernel than a tiny add (HardwareCeilings.eager_kernel_s)
+    num_eager_kernels: int = 0
 
     @property
     def total_bytes(self) -> float:
@@ -141,6 +144,16 @@ def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool, norm_kernel: b
     return linear + other, linear
 
 
+def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: bool = False,
+                        rope_kernel: bool = False) -> int:
+    """Kernels of one pass spent in eager RMSNorms (every layer's, the final one) and RoPE (0 under compile:
+    Inductor fuses them; each Triton kernel replaces its chain)."""
+    if compiled:
+        return 0
+    norms = cfg.num_hidden_layers * (2 + (2 if cfg.qk_norm else 0)) + 1
+    return (0 if norm_kernel else norms * _NORM_KERNELS) + (0 if rope_kernel else cfg.num_hidden_layers * _ROPE_KERNELS)
+
+
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False) -> PassCost:
@@ -164,6 +177,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
         head_bytes=_lm_head_params(cfg) * dtype_bytes,
+        num_eager_kernels=eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel),
     )
 
 
@@ -205,6 +219,9 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         num_layers=base.num_layers,
         attn_keys=base.attn_keys,
         head_bytes=base.head_bytes,
+        # + per layer the k RMSNorm and RoPE of k (5 of the 10), per pass hidden_norm
+        num_eager_kernels=base.num_eager_kernels + (0 if norm_kernel else (dcfg.num_hidden_layers + 1) * _NORM_KERNELS)
+        + dcfg.num_hidden_layers * (_ROPE_KERNELS // 2),
     )
 
 
