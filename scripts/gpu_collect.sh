@@ -19,6 +19,8 @@ if [ -e $R/DONE ] && [ -d /tmp/runs/q15/regen ]; then  # the responses, for the 
     /tmp/runs/q15/regen /tmp/regen-pack/regen-q15 && touch /tmp/regen-pack/DONE; }
   cp /tmp/regen-pack/*.jsonl.gz $OUT/ 2>/dev/null
 fi
+# the measured ceilings (the cost model's inputs; cached per GPU model), next to the results they explain
+cp ${SPECPILOT_CACHE:-/tmp/specpilot-cache}/hardware/*.json $R/ 2>/dev/null  # (scripts/gpu_env.sh sets it)
 tar czf $OUT/results.tgz -C /tmp results 2>/dev/null
 (cd /tmp/runs && tar czf $OUT/train_logs.tgz $(ls -d *.log */log.jsonl */result.json */train_config.json 2>/dev/null))
 ls -la $OUT

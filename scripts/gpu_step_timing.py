@@ -34,6 +34,7 @@ POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kerne
 def main(shapes, flags=()) -> int:
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
+    print("hardware", json.dumps(out["hardware"]), flush=True)  # first: a run cut by its time limit keeps it
     for name in shapes:
         cfg = synthetic_config(name)
         model = random_model(cfg)
