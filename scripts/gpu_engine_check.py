@@ -86,10 +86,18 @@ def main() -> int:
     def norm_kernel():
         # every RMSNorm in one Triton launch, RoPE of q and k in another: same greedy tokens, alone and together
         both = copy.deepcopy(target).use_norm_kernel().use_rope_kernel()
+        # the MLP's silu*mul and each residual add + norm in one launch (off by default until this passes)
+        fused = copy.deepcopy(target).use_act_kernel().use_add_norm_kernel()
+        every = copy.deepcopy(both).use_act_kernel().use_add_norm_kernel()
         same_tokens((("ar_norm_kernel", base, copy.deepcopy(target).use_norm_kernel()),
                      ("ar_rope_kernel", base, copy.deepcopy(target).use_rope_kernel()),
                      ("spec_ngram_norm_rope_kernels", ngram, both),
-                     ("spec_ngram_norm_rope_kernels_compiled", ngram.with_(compile=True), both)))
+                     ("spec_ngram_norm_rope_kernels_compiled", ngram.with_(compile=True), both),
+                     ("ar_act_kernel", base, copy.deepcopy(target).use_act_kernel()),
+                     ("ar_add_norm_kernel", base, copy.deepcopy(target).use_add_norm_kernel()),
+                     ("spec_ngram_act_add_norm_kernels", ngram, fused),
+                     ("spec_ngram_all_kernels", ngram, every),
+                     ("spec_ngram_all_kernels_compiled", ngram.with_(compile=True), every)))
 
     def dflash():
         from specpilot.models.dflash import DFlashDrafter

@@ -40,7 +40,7 @@ def main(shapes, flags=()) -> int:
         model = random_model(cfg)
         model.fuse_projections()
         res = {}
-        # (compiled, attention kernel); "all": the attention, RMSNorm and RoPE kernels together
+        # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together
         variants = [(False, False), (False, True), (False, "all"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
@@ -49,6 +49,7 @@ def main(shapes, flags=()) -> int:
         for compiled, kernel in variants:
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(kernel == "all").use_rope_kernel(kernel == "all")
+            model.use_act_kernel(kernel == "all").use_add_norm_kernel(kernel == "all")
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)

@@ -62,6 +62,12 @@ class EngineConfig:
     # accepted it (x1.21 dev / x1.22 held-out, DFlash on the 1.5B; BENCHMARKS.md session 11)
     rope_kernel: bool = True  # CUDA: RoPE of q and k in one Triton launch per layer (kernels/rope.py) instead of
     # 10 eager kernels (neg, cat, 2 mul, add, each for q and k); same numbers. On since the loop accepted it (x1.16)
+    act_kernel: bool = False  # CUDA: the MLP's silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py)
+    # instead of 2 eager kernels (silu, mul; the gate+up halves read in place); bit-equal in bf16. Off until a GPU
+    # run (engine check, step timing, the loop) validates it
+    add_norm_kernel: bool = False  # CUDA: each residual add + the RMSNorm after it (post-attention; next layer's
+    # input norm / the final norm) in one Triton launch (kernels/add_rmsnorm.py) instead of the add + the norm's
+    # kernels, twice per layer; bit-equal in bf16. Off until a GPU run validates it
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -309,3 +309,174 @@ def test_models_with_kernels_on_still_deep_copy(tiny_model_dir):
     a = m(ids, pos, m.new_cache(1, 16), kv_len=None)
     b = c(ids, pos, c.new_cache(1, 16), kv_len=None)
     assert torch.equal(a, b)
+
+
+# --- silu(gate) * up (kernels/silu_mul.py) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [72, 96, 1000, 2304])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_the_eager_mlp_expression(N, dtype):
+    """The halves of a fused [.., 2N] gate+up output read in place (strided rows), several rows, odd widths: bf16
+    bit-equal to `F.silu(gate) * up` (silu rounded to the dtype before the multiply), fp32 within ~1 ulp."""
+    import torch.nn.functional as F
+
+    from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference
+
+    g = torch.Generator().manual_seed(N)
+    gu = (4 * torch.randn(2, 3, 2 * N, generator=g)).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.equal(want, silu_mul_reference(gate, up))
+    for a, b in ((gate, up), (gate.contiguous(), up.contiguous()), (gate[:, 1], up[:, 1])):
+        got = silu_mul(a, b)
+        ref = F.silu(a) * b
+        assert got.dtype == dtype and got.shape == a.shape and got.is_contiguous()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, ref)
+        else:
+            assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+def test_silu_mul_copies_unflattenable_inputs_and_rejects_bad_ones():
+    from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(40, 3, generator=g).t(), torch.randn(3, 40, generator=g)  # a: last dim not unit-stride
+    assert (silu_mul(a, b) - silu_mul_reference(a, b)).abs().max().item() < 1e-6
+    half = torch.randn(4, 24, generator=g).half()
+    assert (silu_mul(half, half).float() - silu_mul_reference(half, half).float()).abs().max().item() < 2e-3
+    with pytest.raises(ValueError):
+        silu_mul(torch.randn(2, 8), torch.randn(2, 9))
+    with pytest.raises(ValueError):
+        silu_mul(torch.randn(2, 8), torch.randn(2, 8).bfloat16())
+    with pytest.raises(ValueError):
+        silu_mul(torch.ones(2, 8, dtype=torch.int32), torch.ones(2, 8, dtype=torch.int32))
+
+
+# --- residual add + RMSNorm (kernels/add_rmsnorm.py) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [72, 96, 896])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_matches_the_eager_add_then_norm(N, dtype):
+    """The residual equals the eager add; the norm is computed from the rounded residual: bf16 bit-equal to
+    `RMSNorm(x + y)`, fp32 within the mean's summation order."""
+    from specpilot.kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
+    from specpilot.models.dense import RMSNorm
+
+    g = torch.Generator().manual_seed(N + 7)
+    norm = RMSNorm(N, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(N, generator=g))
+    norm = norm.to(dtype)
+    x, y = (3 * torch.randn(2, 3, N, generator=g)).to(dtype), torch.randn(2, 3, N, generator=g).to(dtype)
+    with torch.no_grad():
+        want_r = x + y
+        want = norm(want_r)
+    w = norm.weight.detach()
+    assert all(torch.equal(a, b) for a, b in zip(add_rmsnorm_reference(x, y, w, 1e-6), (want_r, want)))
+    r, got = add_rmsnorm(x, y, w, 1e-6)
+    assert r.dtype == got.dtype == dtype and r.shape == got.shape == x.shape
+    assert torch.equal(r, want_r)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max().item() < 2e-6 * want.abs().max().item()
+
+
+def test_add_rmsnorm_strided_mixed_weight_and_bad_shapes():
+    from specpilot.kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
+
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(4, 3 * 24, generator=g)
+    x, y = big[:, :24], big[:, 48:]  # strided rows, read in place
+    w = 1 + 0.2 * torch.randn(24, generator=g)
+    for a, b in ((x, y), (torch.randn(24, 4, generator=g).t(), y)):  # the second: last dim not unit-stride (copied)
+        for got, want in zip(add_rmsnorm(a, b, w, 1e-5), add_rmsnorm_reference(a, b, w, 1e-5)):
+            assert got.is_contiguous() and (got - want).abs().max().item() < 1e-5
+    xb, yb = x.bfloat16(), y.bfloat16()  # bf16 residual, fp32 weight: fp32 normed output, as eager promotion
+    r, out = add_rmsnorm(xb, yb, w, 1e-5)
+    want_r, want = add_rmsnorm_reference(xb, yb, w, 1e-5)
+    assert r.dtype == torch.bfloat16 and out.dtype == torch.float32
+    assert torch.equal(r, want_r) and torch.equal(out, want)
+    with pytest.raises(ValueError):
+        add_rmsnorm(x, y[:, :23], w, 1e-5)
+    with pytest.raises(ValueError):
+        add_rmsnorm(x, y, torch.ones(23), 1e-5)
+    with pytest.raises(ValueError):
+        add_rmsnorm(xb, y, w, 1e-5)
+
+
+def test_act_and_add_norm_kernels_are_one_opaque_op_each_under_torch_compile():
+    from specpilot.kernels.add_rmsnorm import add_rmsnorm_op, add_rmsnorm_reference
+    from specpilot.kernels.silu_mul import silu_mul_op, silu_mul_reference
+
+    torch.manual_seed(0)
+    x, y, w, gu = torch.randn(2, 3, 24), torch.randn(2, 3, 24), torch.randn(24), torch.randn(2, 3, 48)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x, y, w, gu):
+        r, h = add_rmsnorm_op(x, y, w, 1e-6)
+        gate, up = gu.chunk(2, dim=-1)
+        return r + 1, h * 2, silu_mul_op(gate, up)
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(x, y, w, gu)
+    want_r, want_h = add_rmsnorm_reference(x, y, w, 1e-6)
+    assert torch.allclose(got[0], want_r + 1) and torch.allclose(got[1], 2 * want_h, atol=1e-5)
+    assert torch.allclose(got[2], silu_mul_reference(*gu.chunk(2, dim=-1)), atol=1e-6)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.add_rmsnorm" in t for t in targets) == 1, targets
+    assert sum("specpilot.silu_mul" in t for t in targets) == 1, targets
+
+
+@pytest.mark.parametrize("family,fused", [("qwen2", True), ("qwen3", False)])
+def test_model_with_act_and_add_norm_kernels_matches_eager_and_greedy_is_unchanged(tiny_model_dir, family, fused):
+    """silu*mul and every residual add + norm (post-attention, next layer's input, final) through the kernels:
+    fp32 logits close, bf16 logits and captured layer outputs bit-equal, the same greedy tokens."""
+    import copy
+
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_layout
+    from specpilot.models import load_model
+
+    path = tiny_model_dir(family)
+    ref = load_model(path)
+    if fused:
+        ref.fuse_projections()
+    fast = copy.deepcopy(ref).use_act_kernel().use_add_norm_kernel()
+    assert fast.act_kernel and all(layer.mlp.act_kernel and layer.add_norm_kernel for layer in fast.model.layers)
+    assert _step_outputs_and_greedy(ref, fast, logits=True)[0] < 1e-5
+    ids, pos = torch.tensor([[3, 9, 27, 4, 11, 5, 8]]), torch.arange(7)[None]
+    a, b = ref.to(torch.bfloat16), fast.to(torch.bfloat16)
+    with torch.no_grad():
+        ha, ca = a(ids, pos, a.new_cache(1, 16), kv_len=7, return_layers=(0, 1))
+        hb, cb = b(ids, pos, b.new_cache(1, 16), kv_len=7, return_layers=(0, 1))
+        assert torch.equal(a.logits(ha), b.logits(hb)) and all(torch.equal(p, q) for p, q in zip(ca, cb))
+        _, ca0 = a(ids, pos, a.new_cache(1, 16), kv_len=7, return_layers=(0,), last_layer=0)
+        hb0, cb0 = b(ids, pos, b.new_cache(1, 16), kv_len=7, return_layers=(0,), last_layer=0)
+        assert hb0 is None and torch.equal(ca0[0], cb0[0])  # stopping early: no next norm fused past last_layer
+    fast.use_act_kernel(False).use_add_norm_kernel(False)
+    assert not any(layer.mlp.act_kernel or layer.add_norm_kernel for layer in fast.model.layers)
+    _apply_layout(ref, EngineConfig(act_kernel=True, add_norm_kernel=True))  # CUDA only
+    assert not ref.act_kernel and not ref.add_norm_kernel
+
+
+def test_act_and_add_norm_kernel_fields_default_off_and_are_loop_mechanisms():
+    from specpilot.config import EngineConfig
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    cfg = EngineConfig()
+    assert cfg.act_kernel is False and cfg.add_norm_kernel is False
+    assert EngineConfig.from_dict(cfg.with_(act_kernel=True).to_dict()).act_kernel
+    for name in ("act_kernel", "add_norm_kernel"):
+        mech = REGISTRY[name]
+        assert mech.fields == {name: [True, False]} and mech.gap_stages == ("verify", "draft")
+        assert name in EngineMeasure.LAYOUT
+        gpu, cpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200"), Deployment("t", "d", cfg, "cpu")
+        assert mech.applies(gpu, gpu.config) and not mech.applies(cpu, cpu.config)

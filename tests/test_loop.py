@@ -113,7 +113,8 @@ def test_registry_applies_and_filters(tmp_path):
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
     assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "cuda_graphs",
                                                              "fused_projections", "gemv_kernel", "attention_kernel",
-                                                             "norm_kernel", "rope_kernel", "compile"]
+                                                             "norm_kernel", "rope_kernel", "act_kernel",
+                                                             "add_norm_kernel", "compile"]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]
     flash = Deployment("t", "ckpt", EngineConfig(drafter_kind="dflash"), "cpu")
     assert REGISTRY["drafter_kind"].candidates(flash.config, flash) == [{"drafter_kind": "ngram"}]

@@ -30,7 +30,7 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 
 
 def _kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
-    """Whether a Triton-kernel field (attention, norm, RoPE) applies: asked for, on a GPU, and Triton installed."""
+    """Whether a Triton-kernel field (attention, norm, RoPE, activation, add + norm) applies: asked for, on a GPU, and Triton installed."""
     if not (getattr(config, field) and str(config.device).startswith("cuda")):
         return False
     try:
@@ -54,6 +54,10 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_norm_kernel()
     if _kernel_on(config, "rope_kernel"):
         model.use_rope_kernel()
+    if _kernel_on(config, "act_kernel"):
+        model.use_act_kernel()
+    if _kernel_on(config, "add_norm_kernel"):
+        model.use_add_norm_kernel()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

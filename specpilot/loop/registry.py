@@ -180,6 +180,16 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda,
     "RoPE of q and k in one Triton launch per layer (same rounding as the eager ops) instead of 10 eager kernels"))
 register(Mechanism(
+    "act_kernel", ("verify", "draft"), {"act_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "the MLP's silu(gate) * up in one Triton launch per layer (fused gate+up halves read in place, eager rounding "
+    "order) instead of 2 eager kernels"))
+register(Mechanism(
+    "add_norm_kernel", ("verify", "draft"), {"add_norm_kernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "each residual add and the RMSNorm after it (post-attention, next layer's input / final norm) in one Triton "
+    "launch instead of the add + the norm's kernels"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))

@@ -156,6 +156,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_kernel = False  # DenseLM.use_act_kernel: silu(gate) * up in one Triton launch (same numbers)
 
     def fuse(self) -> None:
         """One gate+up GEMM instead of two (same numbers)."""
@@ -169,9 +170,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # two strided views: the kernel reads them in place
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act_kernel:
+            return self.down_proj(kernel_op("silu_mul")(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -181,10 +185,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.add_norm_kernel = False  # DenseLM.use_add_norm_kernel: residual add + following norm in one launch
 
-    def forward(self, x, cos, sin, positions, cache, kv_len, mask, is_causal=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, kv_len, mask, is_causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, positions, cache, kv_len, mask, is_causal=False, normed=None, next_norm=None):
+        """-> the new residual x; with `next_norm` (the next layer's input norm or the final norm), (x,
+        next_norm(x)). `normed`: this layer's input norm of x when already computed (by the previous layer's fused
+        add + norm). With `add_norm_kernel`, each residual add and the norm after it are one Triton launch
+        (kernels/add_rmsnorm.py; same numbers)."""
+        h = self.input_layernorm(x) if normed is None else normed
+        a = self.self_attn(h, cos, sin, positions, cache, kv_len, mask, is_causal)
+        if not self.add_norm_kernel:
+            x = x + a
+            x = x + self.mlp(self.post_attention_layernorm(x))
+            return x if next_norm is None else (x, next_norm(x))
+        add_norm, post = kernel_op("add_rmsnorm"), self.post_attention_layernorm
+        x, h = add_norm(x, a, post.weight, post.eps)
+        m = self.mlp(h)
+        return x + m if next_norm is None else add_norm(x, m, next_norm.weight, next_norm.eps)
 
 
 class DenseBody(nn.Module):
@@ -205,6 +222,8 @@ class DenseLM(nn.Module):
         self.attention_kernel = False  # use_attention_kernel() switches few-token steps to the split-KV kernel
         self.norm_kernel = False  # use_norm_kernel() switches every RMSNorm to the Triton kernel
         self.rope_kernel = False  # use_rope_kernel() rotates q and k in one Triton kernel per layer
+        self.act_kernel = False  # use_act_kernel(): the MLP's silu(gate) * up in one Triton kernel per layer
+        self.add_norm_kernel = False  # use_add_norm_kernel(): each residual add + the norm after it in one kernel
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -263,6 +282,35 @@ class DenseLM(nn.Module):
             layer.self_attn.rope_kernel = on
         return self
 
+    def use_act_kernel(self, on: bool = True) -> "DenseLM":
+        """The MLP's silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py, a custom op opaque to
+        torch.compile; the fused gate+up output's halves read in place) instead of 2 eager kernels; same numbers."""
+        from specpilot.kernels.silu_mul import silu_mul_op
+
+        if on and silu_mul_op is None:
+            raise ConfigError("the activation kernel needs Triton, which is not installed")
+        if on:
+            kernel_op("silu_mul")
+        self.act_kernel = on
+        for layer in self.model.layers:
+            layer.mlp.act_kernel = on
+        return self
+
+    def use_add_norm_kernel(self, on: bool = True) -> "DenseLM":
+        """Each residual add and the RMSNorm after it (post-attention; the next layer's input norm, or the final
+        norm after the last layer) in one Triton launch (kernels/add_rmsnorm.py, a custom op opaque to
+        torch.compile) instead of 1 add + the norm's kernels; same numbers. The first layer's input norm stays."""
+        from specpilot.kernels.add_rmsnorm import add_rmsnorm_op
+
+        if on and add_rmsnorm_op is None:
+            raise ConfigError("the add + RMSNorm kernel needs Triton, which is not installed")
+        if on:
+            kernel_op("add_rmsnorm")
+        self.add_norm_kernel = on
+        for layer in self.model.layers:
+            layer.add_norm_kernel = on
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
@@ -306,11 +354,17 @@ class DenseLM(nn.Module):
                 attn_mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
             mask = attn_mask[:, None]  # [B, 1, T, S]
         captured = []
-        for i, layer in enumerate(self.model.layers[: last + 1]):
-            x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal)
+        layers = self.model.layers[: last + 1]
+        normed = None  # with add_norm_kernel: the next layer's input norm (or the final norm), fused with the add
+        for i, layer in enumerate(layers):
+            nxt = None
+            if self.add_norm_kernel:
+                nxt = layers[i + 1].input_layernorm if i < last else self.model.norm if last == L - 1 else None
+            x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
+            x, normed = x if nxt is not None else (x, None)
             if i in return_layers:
                 captured.append(x)
-        hidden = self.model.norm(x) if last == L - 1 else None
+        hidden = (self.model.norm(x) if normed is None else normed) if last == L - 1 else None
         return (hidden, captured) if return_layers else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
