@@ -201,10 +201,15 @@ def _drafter_cfg(kind: str):
     return None
 
 
+# the Triton kernels gpu_step_timing.py's "all kernels" variant switches on (session 11: norm and RoPE only;
+# act_kernel and add_norm_kernel joined it afterwards): override with a second argument, comma-separated
+ALL_KERNELS = ["norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel"]
+
+
 def predict_step(hw, shape: str, variant: str, T: int) -> float:
     compiled, kern, allk = VARIANTS[variant]
     cost = forward_cost(synthetic_config(shape), T, CONTEXT, pool_len=None if kern else POOL, fused=True,
-                        compiled=compiled, norm_kernel=allk, rope_kernel=allk)
+                        compiled=compiled, **{f: allk for f in ALL_KERNELS})
     return pass_predicted_s(cost, hw, True, kern)
 
 
@@ -245,4 +250,8 @@ def main(d: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/work/r11data")))
+    if len(sys.argv) < 2:
+        sys.exit("usage: costmodel_check.py RESULTS_DIR [ALL_KERNEL_FLAGS, e.g. norm_kernel,rope_kernel]")
+    if len(sys.argv) > 2:
+        ALL_KERNELS = sys.argv[2].split(",")
+    sys.exit(main(Path(sys.argv[1])))

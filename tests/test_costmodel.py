@@ -524,3 +524,26 @@ def test_eager_norm_and_rope_kernels_priced_at_their_own_graphed_rate():
     assert FAKE_HW.eager_kernel_s(16) == FAKE_HW.graph_kernel_s  # not measured: the tiny-kernel figure
     no_eager = dataclasses.replace(e16, num_eager_kernels=0)
     assert pass_predicted_s(e16, hw) - pass_predicted_s(no_eager, hw) == pytest.approx(e16.num_eager_kernels * 2e-6)
+
+
+def test_act_and_add_norm_kernels_cut_their_kernels_and_the_loop_prices_them():
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.shapes import eager_chain_kernels
+    from specpilot.loop import _knobs
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    L = cfg.num_hidden_layers
+    plain = forward_cost(cfg, 1, 512)
+    assert plain.num_kernels - forward_cost(cfg, 1, 512, act_kernel=True).num_kernels == L  # SiLU + mul -> 1
+    # add + RMSNorm in one launch: each layer's two norms go (8 kernels each eager, 1 with the norm kernel)
+    assert plain.num_kernels - forward_cost(cfg, 1, 512, add_norm_kernel=True).num_kernels == L * 2 * 8
+    normk = forward_cost(cfg, 1, 512, norm_kernel=True)
+    assert normk.num_kernels - forward_cost(cfg, 1, 512, norm_kernel=True, add_norm_kernel=True).num_kernels == 2 * L
+    assert eager_chain_kernels(cfg) - eager_chain_kernels(cfg, add_norm_kernel=True) == 2 * L * 8
+    assert forward_cost(cfg, 1, 512, compiled=True, act_kernel=True, add_norm_kernel=True).num_kernels == \
+        forward_cost(cfg, 1, 512, compiled=True).num_kernels  # Inductor fuses them already
+    for field in ("act_kernel", "add_norm_kernel"):
+        assert getattr(_knobs(EngineConfig(**{field: True})), field)
+        assert not getattr(_knobs(EngineConfig()), field)  # off by default until a GPU run validates them
+        prof, gain, back = _ngram_switch_gains(cfg, field)
+        assert gain > 1.0 > back

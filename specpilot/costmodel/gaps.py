@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, param_count
+from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, kernel_flags, param_count
 from specpilot.errors import ConfigError
 from specpilot.models.config import ModelConfig
 
@@ -94,8 +94,10 @@ class StepProfile:
     draft_kv_pool_len: int | None = None
     draft_attention_kernel: bool = False
     fused_accept: bool = False  # greedy acceptance inside the verify step (EngineConfig.fused_accept): no launches
-    norm_kernel: bool = False  # EngineConfig.norm_kernel / rope_kernel: the eager chains' kernels are not run
-    rope_kernel: bool = False
+    norm_kernel: bool = False  # EngineConfig.norm_kernel / rope_kernel / act_kernel / add_norm_kernel: kernels
+    rope_kernel: bool = False  # the engine ran instead of eager chains (costmodel.shapes.KERNEL_FLAGS)
+    act_kernel: bool = False
+    add_norm_kernel: bool = False
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -124,7 +126,7 @@ def engine_fields(cfg) -> dict:
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
             "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
-            "norm_kernel": bool(getattr(cfg, "norm_kernel", False)), "rope_kernel": bool(getattr(cfg, "rope_kernel", False))}
+            **kernel_flags(cfg)}
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ ACCEPT_LAUNCHES = 6
 def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host_s=0.0) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len,
-                          norm_kernel=profile.norm_kernel, rope_kernel=profile.rope_kernel)
+                          **kernel_flags(profile))
     kern = profile.attention_kernel
     draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
     return {
@@ -251,8 +253,7 @@ def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: S
     `draft_host_s`: host time of one proposal measured off the GPU (an n-gram lookup replayed on the outputs,
     drafters/ngram.replay), added to the draft stage's prediction."""
     stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed, draft_host_s)
-    ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len,
-                      norm_kernel=profile.norm_kernel, rope_kernel=profile.rope_kernel)
+    ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len, **kernel_flags(profile))
     ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed, profile.attention_kernel)
     step = profile.step_s
     step_floor = sum(s.floor_s for s in stages.values())

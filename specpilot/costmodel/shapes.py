@@ -122,15 +122,32 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
     return 2.0 * linear * T + cfg.num_hidden_layers * attn
 
 
-def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False) -> int:
+# The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
+KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel")
+
+
+def kernel_flags(obj) -> dict[str, bool]:
+    """The KERNEL_FLAGS of a config, profile or knobs object (missing ones: off), to pass on as keywords."""
+    return {f: bool(getattr(obj, f, False)) for f in KERNEL_FLAGS}
+
+
+def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
+                      act_kernel: bool = False, add_norm_kernel: bool = False) -> int:
+    """Kernels of one eager layer. `act_kernel`: SiLU and the multiply in one launch (2 -> 1); `add_norm_kernel`:
+    each residual add takes the RMSNorm after it into its launch (the layer's two norms disappear; over a pass
+    the final norm joins the last add and layer 0's input norm stays: the head's count is unchanged)."""
     norms = 2 + (2 if cfg.qk_norm else 0)
+    per_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
     saved = norms * (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES) if norm_kernel else 0
     saved += _ROPE_KERNELS - _ROPE_KERNEL_LAUNCHES if rope_kernel else 0
+    saved += 1 if act_kernel else 0
+    saved += 2 * per_norm if add_norm_kernel else 0
     return _LAYER_KERNELS + (_QK_NORM_KERNELS if cfg.qk_norm else 0) - saved
 
 
 def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool, norm_kernel: bool = False,
-                   rope_kernel: bool = False) -> tuple[int, int]:
+                   rope_kernel: bool = False, act_kernel: bool = False, add_norm_kernel: bool = False
+                   ) -> tuple[int, int]:
     """(all kernels, GEMM kernels) of one pass: fused projections cut GEMMs, compilation the elementwise kernels,
     the RMSNorm kernel 7 of each norm's 8, the RoPE kernel 9 of a layer's 10 (under compile both are already
     fused into neighbouring kernels: no change)."""
@@ -140,31 +157,35 @@ def _kernel_counts(cfg: ModelConfig, fused: bool, compiled: bool, norm_kernel: b
         other = L * _COMPILED_LAYER_OTHER_KERNELS + _COMPILED_HEAD_OTHER_KERNELS
     else:
         head = _HEAD_KERNELS - (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES if norm_kernel else 0)
-        other = L * (kernels_per_layer(cfg, norm_kernel, rope_kernel) - _LINEARS_PER_LAYER) + head - 1
+        other = L * (kernels_per_layer(cfg, norm_kernel, rope_kernel, act_kernel, add_norm_kernel)
+                     - _LINEARS_PER_LAYER) + head - 1
     return linear + other, linear
 
 
 def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: bool = False,
-                        rope_kernel: bool = False) -> int:
+                        rope_kernel: bool = False, add_norm_kernel: bool = False) -> int:
     """Kernels of one pass spent in eager RMSNorms (every layer's, the final one) and RoPE (0 under compile:
     Inductor fuses them; each Triton kernel replaces its chain)."""
     if compiled:
         return 0
-    norms = cfg.num_hidden_layers * (2 + (2 if cfg.qk_norm else 0)) + 1
+    # with add_norm_kernel the layers' two norms run inside the adds' launches (layer 0's input norm stays)
+    norms = cfg.num_hidden_layers * ((0 if add_norm_kernel else 2) + (2 if cfg.qk_norm else 0)) + 1
     return (0 if norm_kernel else norms * _NORM_KERNELS) + (0 if rope_kernel else cfg.num_hidden_layers * _ROPE_KERNELS)
 
 
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
-                 norm_kernel: bool = False, rope_kernel: bool = False) -> PassCost:
+                 norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
+                 add_norm_kernel: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
-    Triton launch) and `rope_kernel` (a layer's RoPE one launch) change only the kernel counts."""
+    Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
+    kernels_per_layer) change only the kernel counts."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
-    kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel)
+    kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel, act_kernel, add_norm_kernel)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
@@ -177,7 +198,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
         head_bytes=_lm_head_params(cfg) * dtype_bytes,
-        num_eager_kernels=eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel),
+        num_eager_kernels=eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel),
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specpilot.costmodel.gaps import StepProfile, pass_predicted_s
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost
+from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, kernel_flags
 from specpilot.models.config import ModelConfig
 
 
@@ -41,6 +41,8 @@ class StepKnobs:
     draft_pool_len: int | None = None  # a graphed DFlash draft block with SDPA attends over this whole draft pool
     norm_kernel: bool = False  # norm_kernel (each RMSNorm one Triton launch instead of 8 kernels)
     rope_kernel: bool = False  # rope_kernel (a layer's RoPE of q and k one Triton launch instead of 10 kernels)
+    act_kernel: bool = False  # act_kernel (SiLU and the multiply in one launch)
+    add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
@@ -77,11 +79,11 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
     k, ctx = knobs.num_draft_tokens, profile.context_len
     pool = knobs.pool_len if knobs.pool_len is not None else None if knobs.attention_kernel else profile.kv_pool_len
     out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
-                        norm_kernel=knobs.norm_kernel, rope_kernel=knobs.rope_kernel)]
+                        **kernel_flags(knobs))]
     if kind == "model" and drafter_cfg is not None and k > 0:  # catch-up pass with ~tau tokens, then 1 per token
         first = max(1, round(tau))
         out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
-                             norm_kernel=knobs.norm_kernel, rope_kernel=knobs.rope_kernel)
+                             **kernel_flags(knobs))
                 for t in (first,) + (1,) * (k - 1)]
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len

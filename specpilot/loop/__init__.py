@@ -102,13 +102,14 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
 
 
 def _knobs(cfg: EngineConfig):
+    from specpilot.costmodel.shapes import kernel_flags
     from specpilot.costmodel.whatif import StepKnobs
 
     sdpa_pool = cfg.cuda_graphs and not cfg.attention_kernel  # graphed SDPA reads the whole pool
     return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
                      cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None,
                      cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None,
-                     norm_kernel=cfg.norm_kernel, rope_kernel=cfg.rope_kernel)
+                     **kernel_flags(cfg))
 
 
 class CostHooks(NamedTuple):
