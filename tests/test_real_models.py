@@ -160,3 +160,4 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
     assert (st["draft"]["floor_s"] > 0) == (kind == "dflash")  # a draft pass on the device only for DFlash
     runs = out["step_counts"]["target"]  # how the target's steps ran: on CPU no graphs, every step eager
     assert runs["graphed"] == runs["eager_bucket"] == 0 and runs["unbucketed"] > 0
+    assert out["propose_wall_s_per_step"] > 0  # host time inside the drafter, to tell host- from device-bound
