@@ -4,7 +4,9 @@
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
 the split-KV attention kernel (and, uncompiled, with the RMSNorm and RoPE kernels too), at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
 pass grows with its tokens: the cost model prices draft lengths with it)
-(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel);
+(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel); "allkernels_gemv"
+(uncompiled) is "all kernels" plus the Triton GEMV for few-token projections (`model.use_gemv_kernel()`: M = 1 and
+wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
 median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
@@ -23,11 +25,20 @@ from specpilot.engine.runner import ModelRunner
 from specpilot.models import random_model
 
 
+def plain_linears(model) -> None:
+    """Undo `use_gemv_kernel`: every SkinnyLinear back to nn.Linear (same parameters)."""
+    from specpilot.kernels.gemv import SkinnyLinear
+
+    for module in model.modules():
+        if type(module) is SkinnyLinear:
+            module.__class__ = torch.nn.Linear
+
+
 def median_ms(fn, repeats=100) -> float:
     return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
 
-_KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels"}
+_KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv"}
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
@@ -40,16 +51,20 @@ def main(shapes, flags=()) -> int:
         model = random_model(cfg)
         model.fuse_projections()
         res = {}
-        # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together
-        variants = [(False, False), (False, True), (False, "all"), (True, False), (True, True)]
+        # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
+        # "all_gemv": those plus the Triton GEMV (uncompiled only)
+        variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
             variants = [v for v in variants if not v[0] or v[1]]
         for compiled, kernel in variants:
+            every = kernel in ("all", "all_gemv")
             model.use_attention_kernel(bool(kernel))
-            model.use_norm_kernel(kernel == "all").use_rope_kernel(kernel == "all")
-            model.use_act_kernel(kernel == "all").use_add_norm_kernel(kernel == "all")
+            model.use_norm_kernel(every).use_rope_kernel(every)
+            model.use_act_kernel(every).use_add_norm_kernel(every)
+            if kernel == "all_gemv":
+                model.use_gemv_kernel()
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -64,6 +79,8 @@ def main(shapes, flags=()) -> int:
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
             res[f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_setup_s"] = round(setup, 1)
             del runner
+            if kernel == "all_gemv":  # no use_gemv_kernel(False): put the library linears back
+                plain_linears(model)
             torch.cuda.empty_cache()
         out["shapes"][name] = res
         del model
