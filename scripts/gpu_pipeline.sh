@@ -50,8 +50,8 @@ checks() {  # the engine's GPU parity check, the cost model's profiles, AR step 
   timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
-  echo "[$(date +%T)] Triton GEMV vs cuBLAS (kernels/gemv.py: bandwidth at real shapes, graphed step)"
-  timeout 180 python3 scripts/gpu_gemv_check.py > $R/gemv_check.log 2>&1
+  echo "[$(date +%T)] Triton GEMV: split-K at M = 16 for narrow N vs cuBLAS and the one-launch kernel"
+  timeout 180 python3 scripts/gpu_gemv_check.py --splitk-only > $R/gemv_check.log 2>&1  # (session 11 measured the rest)
   tail -1 $R/gemv_check.log | cut -c1-300
   echo "[$(date +%T)] DFlash step breakdown (draft graph vs host work, random weights at the 1.5B shapes)"
   timeout 150 python3 scripts/gpu_dflash_step.py > $R/dflash_step.log 2>&1
