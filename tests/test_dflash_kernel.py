@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 (conftest) runs the kernel on the CPU.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -179,3 +180,131 @@ def test_engine_switches_the_drafter_kernel_by_its_own_field(target, monkeypatch
     net = build_drafter(cfg.with_(norm_kernel=True), _net(), target).network
     assert norms(net) and all(norms(net))  # the drafter's RMSNorms follow the target's norm_kernel
     assert not any(norms(build_drafter(cfg.with_(norm_kernel=False), net, target).network))
+
+
+# --- RoPE and activation kernels (DFlashDrafter.use_rope_kernel / use_act_kernel) --------------------------------
+
+
+def _count_op_calls(monkeypatch, name) -> list:
+    """One entry per call of kernels/<name>.py's op (any network's) from now on."""
+    import specpilot.models.dense as dense
+
+    op = dense.kernel_op(name)
+    calls = []
+    monkeypatch.setitem(dense._KERNEL_OPS, name, lambda *a: calls.append(1) or op(*a))
+    return calls
+
+
+def _same(a, b, exact):
+    """bf16 (and RoPE in fp32): bit-equal on the CPU; silu_mul in fp32 (exp/division order): within rounding."""
+    return torch.equal(a, b) if exact else (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flag", ["rope", "act"])
+def test_rope_and_act_kernels_match_eager_passes(target, dtype, flag, monkeypatch):
+    """A cacheless (training-style) pass, two cached passes over a stale cache, and a static-shaped pass (whole
+    pool, no new context) give the eager network's hidden states: RoPE bit-equal in both dtypes; silu_mul
+    bit-equal in bf16, within rounding in fp32. The block's q and k rotate in one launch, the context keys in
+    another; the MLPs' activation in one launch per layer."""
+    from specpilot.train.block_loss import drafter_block_hidden
+
+    eager = _net(8).to(dtype)
+    fast = copy.deepcopy(eager).use_kernels(**{flag: True})
+    assert getattr(fast, f"{flag}_kernel") and not getattr(eager, f"{flag}_kernel")
+    calls = _count_op_calls(monkeypatch, "rope" if flag == "rope" else "silu_mul")
+    exact = dtype == torch.bfloat16 or flag == "rope"
+    g = torch.Generator().manual_seed(5)
+    ctx = eager.project_context(torch.randn(1, 40, eager.fc.in_features, generator=g).to(dtype))
+    block = torch.randn(1, 8, H, generator=g).to(dtype)
+    pos = torch.arange(48)[None]
+    a1, a2 = 17, 31
+    with torch.no_grad():
+        got = [net(block, ctx[:, :a2], pos[:, :a2], pos[:, a2: a2 + 8]) for net in (eager, fast)]
+        assert _same(*got, exact)
+        assert len(calls) == (2 * 2 if flag == "rope" else 2)  # per layer: block q+k and context k / one MLP
+        outs = {}
+        for net in (eager, fast):
+            cache = net.new_cache(1, 64)
+            gc = torch.Generator().manual_seed(7)
+            cache.k.copy_(torch.randn(cache.k.shape, generator=gc))
+            cache.v.copy_(torch.randn(cache.v.shape, generator=gc))
+            first = net(block, ctx[:, :a1], pos[:, :a1], pos[:, a1: a1 + 8], cache, kv_len=a1)
+            second = net(block, ctx[:, a1:a2], pos[:, a1:a2], pos[:, a2: a2 + 8], cache, kv_len=a2)
+            static = net(block, ctx[:, :0], pos[:, :0], pos[:, a2: a2 + 8], cache)  # no context rows: 1 RoPE launch
+            outs[id(net)] = (first, second, static, cache.k.clone())
+        assert all(_same(a, b, exact) for a, b in zip(outs[id(eager)], outs[id(fast)]))
+        calls.clear()
+        w = target.model.embed_tokens.weight.to(dtype)
+        feats, tokens = torch.randn(2, 20, eager.fc.in_features, generator=g), torch.randint(0, 90, (2, 20), generator=g)
+        anchors = torch.tensor([[1, 6, 12], [3, 9, 15]])
+        got = [drafter_block_hidden(net, w, feats.to(dtype), tokens, anchors) for net in (eager, fast)]
+        assert calls and _same(*got, exact)
+
+
+def test_rope_act_and_attention_kernels_static_steps_match_eager(target, monkeypatch):
+    """DFlashBlockDrafter(static=True) steps (eager first step, then static steps with padded context rows, the
+    CUDA-graphed shape) with the RoPE, activation and attention kernels all on draft the eager network's tokens."""
+    eager = _net(5)
+    fast = copy.deepcopy(eager).use_kernels(rope=True, act=True, attention=True)
+    rope_calls = _count_op_calls(monkeypatch, "rope")
+    drafters = [DFlashBlockDrafter(n, target, 64, static=True) for n in (eager, fast)]
+    hidden = {id(eager): [], id(fast): []}
+    for d in drafters:
+        d.network.register_forward_hook(lambda m, a, out: hidden[id(m)].append(out.clone()))
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(64, eager.fc.in_features, generator=g)
+    ids = torch.randint(0, 90, (64,), generator=g).tolist()
+    committed = 9
+    for d in drafters:
+        d.observe(feats[: committed - 1])
+    steps = [[d.propose(ids[:committed], 4).token_ids.tolist() for d in drafters]]
+    for c in [1, 5, 3]:
+        for d in drafters:
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        steps.append([d.propose(ids[:committed], 4).token_ids.tolist() for d in drafters])
+    assert all(a == b for a, b in steps), steps
+    for a, b in zip(hidden[id(eager)], hidden[id(fast)], strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    assert len(rope_calls) == 2 * 2 * len(steps)  # every step has context rows: 2 launches per layer
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_with_rope_and_act_kernels_equals_ar(target, static, monkeypatch):
+    """Speculative decoding with the drafter's RoPE and activation kernels on gives AR's tokens."""
+    net = _net(5).use_rope_kernel().use_act_kernel()
+    rope_calls, act_calls = _count_op_calls(monkeypatch, "rope"), _count_op_calls(monkeypatch, "silu_mul")
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=4, max_new_tokens=12, max_seq_len=96, ignore_eos=True)
+    drafter = DFlashBlockDrafter(net, target, 96, static=static)
+    spec, ar = Engine(target, cfg, drafter), Engine(target, cfg.with_(drafter_kind="none"))
+    g = torch.Generator().manual_seed(1)
+    for n in (3, 11):
+        p = torch.randint(0, 90, (n,), generator=g).tolist()
+        got = spec.generate(p)
+        assert got.output_ids == ar.generate(p).output_ids
+        assert max(got.drafted_lengths) == 4
+    assert len(rope_calls) >= 2 * 4 and len(act_calls) >= 2 * 4  # (the target keeps eager: only drafter calls)
+
+
+def test_engine_switches_the_drafter_rope_and_act_kernels_by_their_fields(target, monkeypatch):
+    """build_drafter turns the drafter's RoPE / activation kernels on exactly when `rope_kernel` / `act_kernel`
+    apply (CUDA), and off again for a network that had them on; the networks still deepcopy."""
+    import specpilot.engine as engine
+
+    cfg = EngineConfig(drafter_kind="dflash", max_seq_len=64, rope_kernel=True, act_kernel=True)
+    net = build_drafter(cfg, _net(), target).network  # the CPU: off
+    assert not net.rope_kernel and not net.act_kernel
+    rope_on = lambda n: [layer.self_attn.rope_kernel for layer in n.layers]  # noqa: E731
+    act_on = lambda n: [layer.mlp.act_kernel for layer in n.layers]  # noqa: E731
+    monkeypatch.setattr(engine, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    for rope, act in [(True, False), (False, True), (True, True)]:
+        net = build_drafter(cfg.with_(rope_kernel=rope, act_kernel=act), _net(), target).network
+        assert (net.rope_kernel, net.act_kernel) == (rope, act)
+        assert rope_on(net) == [rope] * 2 and act_on(net) == [act] * 2
+        twin = copy.deepcopy(net)  # validate_tau copies networks
+        assert (twin.rope_kernel, twin.act_kernel) == (rope, act) and rope_on(twin) == [rope] * 2
+    net = build_drafter(cfg.with_(rope_kernel=False, act_kernel=False), net, target).network
+    assert not net.rope_kernel and not net.act_kernel and not any(rope_on(net) + act_on(net))
+    cfg12 = dataclasses.replace(_net().config, head_dim=12)
+    assert not any(rope_on(DFlashDrafter(cfg12).use_rope_kernel()))  # a head_dim the kernel cannot take: eager RoPE

@@ -140,10 +140,19 @@ def test_context_features_match_reference_extraction(target):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_forward_matches_reference(target, ref_drafter):
+def _kernels_on(model, kernels: bool):
+    """With `kernels`: the drafter's RMSNorm, RoPE and activation through the Triton kernels (interpreted on CPU)."""
+    if kernels:
+        pytest.importorskip("triton", reason="triton not installed")
+        model.use_kernels(norm=True, rope=True, act=True)
+    return model
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_forward_matches_reference(target, ref_drafter, kernels):
     hf, _ = target
     ref, path = ref_drafter
-    ours = load_dflash(path)
+    ours = _kernels_on(load_dflash(path), kernels)
     feat = _target_context(hf, torch.randint(0, MASK, (1, 7), generator=torch.Generator().manual_seed(4)))
     noise = _block_embeds(hf, anchor=5)
     pos = torch.arange(0, 7 + 4)[None]
@@ -157,13 +166,14 @@ def test_forward_matches_reference(target, ref_drafter):
     assert (got_logits - want_logits).abs().max().item() < 1e-5
 
 
-def test_cached_forward_matches_reference_cache(target, ref_drafter):
+@pytest.mark.parametrize("kernels", [False, True])
+def test_cached_forward_matches_reference_cache(target, ref_drafter, kernels):
     """Two draft steps: the reference appends to its HF cache and crops back to `start`; ours writes context
     K/V by position. Step 2 feeds only the three new context positions."""
     ref_mod = _ref()
     hf, _ = target
     ref, path = ref_drafter
-    ours = load_dflash(path)
+    ours = _kernels_on(load_dflash(path), kernels)
     feat = _target_context(hf, torch.randint(0, MASK, (1, 9), generator=torch.Generator().manual_seed(5)))
     noise1, noise2 = _block_embeds(hf, 7), _block_embeds(hf, 11)
     with torch.no_grad():

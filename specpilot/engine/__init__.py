@@ -86,6 +86,8 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         # before the draft step is captured as a graph; a given network too (only its cached passes change)
         network.use_attention_kernel(_kernel_on(config, "draft_attention_kernel"))
         use_norm_kernel(network, _kernel_on(config, "norm_kernel"))  # the drafter's RMSNorms follow the target's
+        network.use_rope_kernel(_kernel_on(config, "rope_kernel"))  # its RoPE and MLP activation likewise
+        network.use_act_kernel(_kernel_on(config, "act_kernel"))
         return DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")

@@ -57,6 +57,7 @@ from torch import nn
 from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.cache import KVCache
 from specpilot.models.dense import MLP, RMSNorm, apply_rope, kernel_op, rope_inv_freq
+from specpilot.models.dense import use_norm_kernel as _use_norm_kernel
 
 from specpilot.models.dflash_config import ARCHITECTURE, DFlashConfig, build_target_layer_ids  # noqa: F401
 
@@ -110,6 +111,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kernel_max_t = 0  # > 0: the split-KV kernel takes up to this many queries (use_attention_kernel)
+        self.rope_kernel = False  # DFlashDrafter.use_rope_kernel: RoPE through kernels/rope.py (same numbers)
 
     def uses_kernel(self, cache: KVCache | None, block_len: int, kv_len: int | None) -> bool:
         """Whether this pass attends through the kernel: switched on for this layer, a cache to write the block
@@ -118,10 +120,15 @@ class DFlashAttention(nn.Module):
         return (cache is not None and block_len <= self.kernel_max_t
                 and (kv_len is None or kv_len + block_len <= cache.max_seq_len))
 
-    def _kv(self, x: torch.Tensor, cos, sin):
+    def _kv(self, x: torch.Tensor, cos, sin, rotate: bool = True):
+        """Keys (rotated at cos/sin unless `rotate` is False) and values of `x`, [B, Hkv, T, D] each."""
         B, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if not rotate:
+            return k, v
+        if self.rope_kernel:  # keys only (the context): the kernel's q slot takes one key head, its output dropped
+            return kernel_op("rope")(k[:, :1], k, cos, sin)[1], v
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, ctx, rope_blk, rope_ctx, positions_ctx, cache: KVCache | None, kv_len, mask,
@@ -129,8 +136,12 @@ class DFlashAttention(nn.Module):
         B, S, _ = x.shape
         cos_b, sin_b = rope_blk
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos_b, sin_b)
-        k_blk, v_blk = self._kv(x, cos_b, sin_b)
+        if self.rope_kernel:  # the block's queries and keys share positions: one launch for both
+            k_blk, v_blk = self._kv(x, cos_b, sin_b, rotate=False)
+            q, k_blk = kernel_op("rope")(q, k_blk, cos_b, sin_b)
+        else:
+            q = apply_rope(q, cos_b, sin_b)
+            k_blk, v_blk = self._kv(x, cos_b, sin_b)
         if ctx.shape[1]:
             k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
             if cache is not None:
@@ -192,6 +203,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attention_kernel = False  # use_attention_kernel() switches cached draft passes to the split-KV kernel
+        self.rope_kernel = False  # use_rope_kernel(): RoPE through kernels/rope.py (2 launches per layer)
+        self.act_kernel = False  # use_act_kernel(): the MLPs' silu(gate) * up through kernels/silu_mul.py
 
     @property
     def block_size(self) -> int:
@@ -215,6 +228,57 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             ok = not cfg.layer_is_causal(i) and cfg.layer_window(i) is None and d >= 16 and not d & (d - 1)
             layer.self_attn.kernel_max_t = MAX_T if on and ok else 0
+        return self
+
+    def use_norm_kernel(self, on: bool = True) -> "DFlashDrafter":
+        """Every RMSNorm (input/post-attention, q/k, hidden_norm, final) through the one-launch Triton kernel
+        (kernels/rmsnorm.py) instead of 8 eager kernels; same numbers."""
+        _use_norm_kernel(self, on)
+        return self
+
+    @property
+    def norm_kernel(self) -> bool:
+        """Whether the RMSNorms run through the kernel (use_norm_kernel, or dense.use_norm_kernel on the network)."""
+        return self.norm.kernel
+
+    def use_rope_kernel(self, on: bool = True) -> "DFlashDrafter":
+        """RoPE through the one-launch Triton kernel (kernels/rope.py) instead of 5 eager kernels per rotated
+        tensor: per layer one launch for the block's q and k (same positions) and one for the context's keys (when
+        the pass has context rows). Same numbers, every pass (cached or not). Layers whose head_dim the kernel
+        cannot take (not a power of two) keep the eager RoPE."""
+        if on:
+            from specpilot.kernels.rope import rope_op
+
+            if rope_op is None:
+                raise ConfigError("the RoPE kernel needs Triton, which is not installed")
+            kernel_op("rope")  # resolved now: torch.compile then traces a plain dict lookup
+        d = self.config.head_dim
+        self.rope_kernel = on
+        for layer in self.layers:
+            layer.self_attn.rope_kernel = on and d >= 2 and not d & (d - 1)
+        return self
+
+    def use_act_kernel(self, on: bool = True) -> "DFlashDrafter":
+        """The MLPs' silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py) instead of 2 eager
+        kernels; same numbers."""
+        if on:
+            from specpilot.kernels.silu_mul import silu_mul_op
+
+            if silu_mul_op is None:
+                raise ConfigError("the activation kernel needs Triton, which is not installed")
+            kernel_op("silu_mul")
+        self.act_kernel = on
+        for layer in self.layers:
+            layer.mlp.act_kernel = on
+        return self
+
+    def use_kernels(self, *, norm: bool | None = None, rope: bool | None = None, act: bool | None = None,
+                    attention: bool | None = None) -> "DFlashDrafter":
+        """Switch several kernels at once; None leaves a kernel as it is."""
+        for on, switch in ((norm, self.use_norm_kernel), (rope, self.use_rope_kernel), (act, self.use_act_kernel),
+                           (attention, self.use_attention_kernel)):
+            if on is not None:
+                switch(bool(on))
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
