@@ -547,3 +547,19 @@ def test_act_and_add_norm_kernels_cut_their_kernels_and_the_loop_prices_them():
         assert not getattr(_knobs(EngineConfig()), field)  # off by default until a GPU run validates them
         prof, gain, back = _ngram_switch_gains(cfg, field)
         assert gain > 1.0 > back
+
+
+def test_dflash_pass_counts_the_rope_and_act_kernels_the_drafter_follows():
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.shapes import dflash_pass_cost, draft_kernel_flags
+    from specpilot.train.dflash_init import new_drafter_config
+
+    d = new_drafter_config(synthetic_config("qwen2.5-1.5b"), num_layers=2, block_size=16, mask_token_id=5)
+    target = synthetic_config("qwen2.5-1.5b")
+    plain = dflash_pass_cost(d, target, 600, 3)
+    rope = dflash_pass_cost(d, target, 600, 3, rope_kernel=True)
+    act = dflash_pass_cost(d, target, 600, 3, act_kernel=True)
+    # per layer: the block's q/k RoPE 10 -> 1 and the context keys' 5 -> 1; SiLU x mul 2 -> 1
+    assert plain.num_kernels - rope.num_kernels == 2 * (9 + 4) and plain.num_kernels - act.num_kernels == 2
+    assert plain.num_eager_kernels - rope.num_eager_kernels == 2 * (10 + 5)
+    assert draft_kernel_flags(EngineConfig()) == {"norm_kernel": True, "rope_kernel": True, "act_kernel": False}

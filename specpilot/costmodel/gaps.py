@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, kernel_flags, param_count
+from specpilot.costmodel.shapes import (PassCost, dflash_pass_cost, draft_kernel_flags, forward_cost, kernel_flags,
+                                       param_count)
 from specpilot.errors import ConfigError
 from specpilot.models.config import ModelConfig
 
@@ -209,7 +210,7 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
         if drafter_cfg is None:
             raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
         return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)),
-                                 pool_len=profile.draft_kv_pool_len)]
+                                 pool_len=profile.draft_kv_pool_len, **draft_kernel_flags(profile))]
     if kind != "model":
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:

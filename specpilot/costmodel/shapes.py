@@ -131,6 +131,11 @@ def kernel_flags(obj) -> dict[str, bool]:
     return {f: bool(getattr(obj, f, False)) for f in KERNEL_FLAGS}
 
 
+def draft_kernel_flags(obj) -> dict[str, bool]:
+    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f != "add_norm_kernel"}
+
+
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
                       act_kernel: bool = False, add_norm_kernel: bool = False) -> int:
     """Kernels of one eager layer. `act_kernel`: SiLU and the multiply in one launch (2 -> 1); `add_norm_kernel`:
@@ -211,19 +216,23 @@ _DFLASH_HEAD_KERNELS = 1 + _NORM_KERNELS + 6
 
 
 def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_context: int,
-                     dtype_bytes: int = 2, pool_len: int | None = None, *, norm_kernel: bool = False) -> PassCost:
+                     dtype_bytes: int = 2, pool_len: int | None = None, *, norm_kernel: bool = False,
+                     rope_kernel: bool = False, act_kernel: bool = False) -> PassCost:
     """One DFlash draft pass (models/dflash.py): the block (block_size tokens: anchor + masks) through the draft
     layers, attending over the draft cache's `context_len` slots; `new_context` target feature rows projected
     (fc), turned into K/V and written; the block's hidden states through the target's LM head. `norm_kernel`:
-    every RMSNorm one launch (the drafter's follow the engine's switch)."""
+    every RMSNorm one launch; `rope_kernel`: the block's q/k in one launch and the context keys in another;
+    `act_kernel`: SiLU x mul in one launch (the drafter follows the engine's switches, engine.build_drafter)."""
     B = dcfg.block_size
     dense = ModelConfig(model_type="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=dcfg.hidden_size,
                         intermediate_size=dcfg.intermediate_size, num_hidden_layers=dcfg.num_hidden_layers,
                         num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
                         head_dim=dcfg.head_dim, qk_norm=True)
     base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None,
-                        norm_kernel=norm_kernel)
+                        norm_kernel=norm_kernel, rope_kernel=rope_kernel, act_kernel=act_kernel)
     saved = (dcfg.num_hidden_layers + 1) * (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES) if norm_kernel else 0  # k, hidden
+    ctx_rope = _ROPE_KERNELS // 2  # the context keys' RoPE, eager: 5 kernels a layer
+    saved += dcfg.num_hidden_layers * (ctx_rope - _ROPE_KERNEL_LAUNCHES) if rope_kernel else 0
     feat = len(dcfg.target_layer_ids) * dcfg.hidden_size
     fc = feat * dcfg.hidden_size
     kv_proj = dcfg.num_hidden_layers * 2 * dcfg.hidden_size * dcfg.num_key_value_heads * dcfg.head_dim
@@ -242,7 +251,7 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         head_bytes=base.head_bytes,
         # + per layer the k RMSNorm and RoPE of k (5 of the 10), per pass hidden_norm
         num_eager_kernels=base.num_eager_kernels + (0 if norm_kernel else (dcfg.num_hidden_layers + 1) * _NORM_KERNELS)
-        + dcfg.num_hidden_layers * (_ROPE_KERNELS // 2),
+        + (0 if rope_kernel else dcfg.num_hidden_layers * ctx_rope),
     )
 
 

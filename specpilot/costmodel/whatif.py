@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specpilot.costmodel.gaps import StepProfile, pass_predicted_s
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, forward_cost, kernel_flags
+from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, draft_kernel_flags, forward_cost, kernel_flags
 from specpilot.models.config import ModelConfig
 
 
@@ -88,7 +88,7 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len
         out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=draft_pool,
-                                    norm_kernel=knobs.norm_kernel))
+                                    **draft_kernel_flags(knobs)))
     return out
 
 
