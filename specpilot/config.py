@@ -41,6 +41,10 @@ class EngineConfig:
     num_draft_tokens: int = 4  # block size: tokens drafted per step (the n-gram drafter may propose fewer)
     ngram_max: int = 4  # longest suffix n-gram the prompt-lookup drafter matches
     ngram_min: int = 1
+    # > 0 (drafter_kind "dflash" or "model", greedy): prompt lookup drafts beside the model each step and its
+    # continuation is verified instead when its suffix match is at least this long and its first token agrees with
+    # the model's (chosen on the device; drafters/ngram_assist.py); 0 = off
+    ngram_assist: int = 0
     verify: str = "chain"
     max_new_tokens: int = 256
     max_seq_len: int = 4096  # KV pool length: prompt + output + one block must fit
@@ -85,6 +89,8 @@ class EngineConfig:
             raise ConfigError(f"num_draft_tokens must be > 0, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.ngram_assist < 0:
+            raise ConfigError(f"ngram_assist must be >= 0 (0 = off), got {self.ngram_assist}")
         if self.max_seq_len < 16:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
 

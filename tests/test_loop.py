@@ -111,8 +111,8 @@ def test_registry_applies_and_filters(tmp_path):
     assert [m.name for m in applicable(cpu_ngram, cpu_ngram.config)] == ["block_size", "ngram_window",
                                                                           "fused_projections"]
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "cuda_graphs",
-                                                             "fused_projections", "gemv_kernel", "attention_kernel",
+    assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "ngram_assist",
+                                                             "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "compile"]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]

@@ -26,7 +26,9 @@ class NgramDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    def lookup(self, context_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """(up to num_tokens tokens that followed the longest, most recent earlier match of the context's suffix,
+        the length n of that suffix); ([], 0) without a match."""
         n_ctx = len(context_ids)
         for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
             suffix = context_ids[n_ctx - n:]
@@ -35,8 +37,12 @@ class NgramDrafter:
                 if context_ids[start:start + n] == suffix:
                     follow = context_ids[start + n:start + n + num_tokens]
                     if follow:
-                        return Draft(torch.tensor(follow, dtype=torch.long, device=self.device))
-        return Draft(torch.empty(0, dtype=torch.long, device=self.device))
+                        return follow, n
+        return [], 0
+
+    def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        follow, _ = self.lookup(context_ids, num_tokens)
+        return Draft(torch.tensor(follow, dtype=torch.long, device=self.device))
 
 
 def replay(drafter: NgramDrafter, prompts: list[list[int]], outputs: list[list[int]], num_tokens: int) -> dict:

@@ -70,6 +70,16 @@ def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Token
 
 
 def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, target: DenseLM) -> Drafter | None:
+    drafter = _build_drafter(config, drafter_model, target)
+    if config.ngram_assist and config.drafter_kind in ("dflash", "model"):  # prompt lookup beside the model
+        from specpilot.drafters.ngram_assist import NgramAssistedDrafter
+
+        lookup = NgramDrafter(config.ngram_max, config.ngram_min, device=config.device)
+        drafter = NgramAssistedDrafter(drafter, lookup, config.ngram_assist)
+    return drafter
+
+
+def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Drafter | None:
     if config.drafter_kind == "none":
         return None
     if config.drafter_kind == "ngram":

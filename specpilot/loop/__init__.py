@@ -172,8 +172,8 @@ def cost_model_hooks(target_cfg, drafter_cfg, device: str, dev_prompts=None) -> 
 
     def estimate_fn(cfg, stats, new_cfg):
         kind, new_kind = cfg.drafter_kind, new_cfg.drafter_kind
-        if "none" in (kind, new_kind):
-            return None
+        if "none" in (kind, new_kind) or new_cfg.ngram_assist != cfg.ngram_assist:
+            return None  # (prompt lookup beside a model: the pair's tau is not predictable from either alone)
         ngram = None
         if new_kind == "ngram" and (kind != "ngram" or (new_cfg.ngram_max, new_cfg.ngram_min, new_cfg.num_draft_tokens)
                                     != (cfg.ngram_max, cfg.ngram_min, cfg.num_draft_tokens)):
