@@ -100,3 +100,18 @@ def test_greedy_output_equals_ar_with_the_lookup_beside_the_model(tiny_model_dir
     assert any(a != b for a, b in zip(used, chosen))  # the lookup's block was verified on some steps
     if kind == "dflash":  # the conditioned drafter stayed in step (it raises otherwise) and is reachable
         assert d.network is d.inner.network
+
+
+def test_indexed_lookup_agrees_with_the_scan_as_contexts_grow_and_change():
+    """The incremental index answers exactly what the right-to-left scan does: growing contexts (a step at a
+    time, or several tokens), a context that is not an extension (a new prompt), small vocabularies (many
+    repeats)."""
+    g = torch.Generator().manual_seed(0)
+    for vocab, (nmax, nmin) in ((3, (4, 1)), (5, (3, 2)), (50, (4, 1))):
+        d = NgramDrafter(nmax, nmin)
+        for _ in range(4):  # new prompts: the index restarts
+            ctx = torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            while len(ctx) < 120:
+                for k in (1, 4):
+                    assert d.lookup(ctx, k) == d.lookup_scan(ctx, k), (vocab, ctx)
+                ctx += torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
