@@ -112,7 +112,7 @@ def test_registry_applies_and_filters(tmp_path):
                                                                           "fused_projections"]
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
     assert [m.name for m in applicable(gpu, gpu.config)] == ["block_size", "drafter_kind", "ngram_assist",
-                                                             "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
+                                                             "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "compile"]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]

@@ -145,13 +145,13 @@ register(Mechanism(
     "the deployment's drafter model (small AR or DFlash block drafter) vs prompt-lookup n-grams",
     lambda dep, delta: delta["drafter_kind"] in (dep.drafter_model_kind, "ngram")))
 register(Mechanism(
-    "ngram_assist", ("draft",), {"ngram_assist": [2, 3, 4]},
+    "ngram_assist", ("draft",), {"ngram_assist": [0, 2, 3, 4]},
     lambda dep, cfg: cfg.drafter_kind in ("dflash", "model") and cfg.sampling.greedy,
     "prompt lookup beside the model drafter: its continuation is verified instead when its suffix match is at "
     "least this long and its first token agrees with the model's (chosen on the device)"))
 register(Mechanism(
     "ngram_window", ("draft",), {"ngram_max": [2, 3, 4, 6]},
-    lambda dep, cfg: cfg.drafter_kind == "ngram" or cfg.ngram_assist > 0,
+    lambda dep, cfg: cfg.drafter_kind == "ngram" or (cfg.ngram_assist > 0 and cfg.drafter_kind in ("dflash", "model")),
     "longest suffix n-gram the prompt-lookup drafter matches"))
 register(Mechanism(
     "cuda_graphs", ("other",), {"cuda_graphs": [True, False]},
