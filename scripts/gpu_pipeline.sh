@@ -15,7 +15,8 @@
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
-# LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
+# LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
+# nothing shipped: bench the committed drafter on GPU 0, the checks and the loop on GPU 1), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -70,9 +71,10 @@ loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRA
   fi
 }
 
-bench15() {
+bench15() {  # this session's drafter once shipped; BENCH=1 without one: the committed drafter (new engine defaults)
   echo "[$(date +%T)] bench q15"
-  [ -e /tmp/ship/${NAME[q15]}/config.json ] && OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+  if [ -e /tmp/ship/${NAME[q15]}/config.json ]; then OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+  elif [ "${BENCH:-0}" = 1 ]; then DRAFTER=${NAME[q15]} OUT=$R bash scripts/gpu_bench_dflash.sh q15 20; fi
 }
 
 if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried from an earlier session
@@ -99,6 +101,9 @@ if [ $MODE = ddp ] && [ "$L15" != 0 ]; then
 fi
 if [ $MODE = ddp ]; then
   if [ -e /tmp/ship/${NAME[q15]}/config.json ]; then  # a new drafter: bench it on GPU 0, the rest on GPU 1
+    (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+  elif [ "${BENCH:-0}" = 1 ]; then  # nothing shipped, BENCH=1: bench the committed drafter, checks then the loop
     (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   else  # nothing shipped: the loop (on the committed drafter) on GPU 0 beside the checks on GPU 1
