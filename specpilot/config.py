@@ -46,6 +46,9 @@ class EngineConfig:
     # the model's (chosen on the device; drafters/ngram_assist.py); 0 = off. On (2) since it raised the DFlash
     # drafter's tau on HumanEval 2.21 -> 3.68 and by 0.5-2% on MT-Bench, GSM8K and MBPP (BENCHMARKS.md session 11)
     ngram_assist: int = 2
+    # > num_draft_tokens: on steps where the lookup has such a match, draft (and verify) this many tokens instead
+    # (a second verify bucket): long copies get a long block, other steps keep the short one; 0 = num_draft_tokens
+    ngram_assist_tokens: int = 0
     verify: str = "chain"
     max_new_tokens: int = 256
     max_seq_len: int = 4096  # KV pool length: prompt + output + one block must fit
@@ -92,6 +95,8 @@ class EngineConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if self.ngram_assist < 0:
             raise ConfigError(f"ngram_assist must be >= 0 (0 = off), got {self.ngram_assist}")
+        if self.ngram_assist_tokens < 0:
+            raise ConfigError(f"ngram_assist_tokens must be >= 0 (0 = num_draft_tokens), got {self.ngram_assist_tokens}")
         if self.max_seq_len < 16:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
 

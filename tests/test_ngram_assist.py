@@ -115,3 +115,24 @@ def test_indexed_lookup_agrees_with_the_scan_as_contexts_grow_and_change():
                 for k in (1, 4):
                     assert d.lookup(ctx, k) == d.lookup_scan(ctx, k), (vocab, ctx)
                 ctx += torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+
+
+def test_long_blocks_only_where_the_lookup_matches_and_output_stays_the_targets(tiny_model_dir):
+    """ngram_assist_tokens: steps with a lookup match draft (and verify) the long block, the others the usual one;
+    the engine keeps a verify bucket for each; greedy output equals AR."""
+    target = load_model(tiny_model_dir("qwen3"))
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_new_tokens=40, max_seq_len=128, ignore_eos=True,
+                       ngram_assist=2, ngram_assist_tokens=7)
+    d = build_drafter(cfg, load_model(tiny_model_dir("qwen3", seed=1)), target)
+    assert d.max_draft_tokens == 7
+    spec, ar = Engine(target, cfg, d), Engine(target, cfg.with_(drafter_kind="none"))
+    drafted = []
+    for p in ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5], [7, 8, 9] * 5, list(range(10, 30))):
+        got = spec.generate(p)
+        assert got.output_ids == ar.generate(p).output_ids
+        drafted += got.drafted_lengths
+    assert 7 in drafted and 3 in drafted and max(drafted) == 7  # long blocks on matches, short ones elsewhere
+    with pytest.raises(ConfigError, match="ngram_assist_tokens"):
+        EngineConfig(ngram_assist_tokens=-1)
+    short = build_drafter(cfg.with_(ngram_assist_tokens=0), load_model(tiny_model_dir("qwen3", seed=1)), target)
+    assert short.max_draft_tokens is None  # off: the engine's own draft length

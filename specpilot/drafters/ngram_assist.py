@@ -25,8 +25,14 @@ from specpilot.drafters.ngram import NgramDrafter
 
 
 class NgramAssistedDrafter:
-    def __init__(self, inner, lookup: NgramDrafter, min_match: int):
+    """`long_tokens` > the engine's draft length: steps where the lookup has a match (known on the host before the
+    model drafts) draft and verify that many tokens, the others the engine's usual number (`max_draft_tokens` tells
+    the engine to allow it and to keep a verify bucket for it)."""
+
+    def __init__(self, inner, lookup: NgramDrafter, min_match: int, short_tokens: int = 0, long_tokens: int = 0):
         self.inner, self.lookup, self.min_match = inner, lookup, min_match
+        self.short_tokens = short_tokens
+        self.max_draft_tokens = max(short_tokens, long_tokens) if short_tokens else None
         self.name = f"{inner.name}+ngram"
         # what the engine asks a drafter for (drafters/base.py): the inner drafter's conditioning, unchanged
         self.target_layers = getattr(inner, "target_layers", None)
@@ -63,14 +69,16 @@ class NgramAssistedDrafter:
         return self._dev[:n]
 
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        follow, n = self.lookup.lookup(context_ids, num_tokens)
+        match = n >= self.min_match and bool(follow)
+        if not match and self.short_tokens:  # no copy in sight: the usual short block
+            num_tokens = min(num_tokens, self.short_tokens)
         draft = self.inner.propose(context_ids, num_tokens)
         model = draft.token_ids
         K = model.shape[0]
-        if K == 0 or draft.probs is not None:
+        if K == 0 or draft.probs is not None or not match:
             return draft
-        follow, n = self.lookup.lookup(context_ids, K)
-        if n < self.min_match or not follow:
-            return draft
+        follow = follow[:K]
         look = self._to_device(follow)
         cand = look if len(follow) == K else torch.cat((look, model[len(follow):]))
         return Draft(torch.where(self._agree(look, model), cand, model))

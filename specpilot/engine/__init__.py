@@ -75,7 +75,9 @@ def build_drafter(config: EngineConfig, drafter_model: str | DenseLM | None, tar
         from specpilot.drafters.ngram_assist import NgramAssistedDrafter
 
         lookup = NgramDrafter(config.ngram_max, config.ngram_min, device=config.device)
-        drafter = NgramAssistedDrafter(drafter, lookup, config.ngram_assist)
+        long = config.ngram_assist_tokens
+        drafter = NgramAssistedDrafter(drafter, lookup, config.ngram_assist, config.num_draft_tokens if long else 0,
+                                       long)
     return drafter
 
 
@@ -119,7 +121,9 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
 class Engine:
     def __init__(self, target: DenseLM, config: EngineConfig, drafter: Drafter | None = None, tokenizer=None):
         self.target, self.config, self.drafter, self.tokenizer = target, config, drafter, tokenizer
-        buckets = (1,) if drafter is None else (1, config.num_draft_tokens + 1)
+        # a drafter may draft longer blocks on some steps (drafters/ngram_assist.py): a verify bucket for those too
+        k_max = getattr(drafter, "max_draft_tokens", None) or config.num_draft_tokens
+        buckets = (1,) if drafter is None else tuple(sorted({1, config.num_draft_tokens + 1, k_max + 1}))
         self.runner = ModelRunner(target, target.new_cache(1, config.max_seq_len), buckets=buckets,
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,
                                   capture_layers=getattr(drafter, "target_layers", None),

@@ -38,10 +38,11 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     sampling = s.config.sampling
     fused = sampling.greedy and s.config.fused_accept  # verify + accept in one runner call (see the docstring)
     timer = s.stage_timer()
+    k_max = getattr(drafter, "max_draft_tokens", None) or s.config.num_draft_tokens  # (a longer block on some steps)
     with s.clock(res, "decode_s"):
         while True:
             timer.start()
-            k = min(s.config.num_draft_tokens, s.config.max_new_tokens - len(out) - 1, s.room(len(ids)) - 1)
+            k = min(k_max, s.config.max_new_tokens - len(out) - 1, s.room(len(ids)) - 1)
             if k < 0:
                 res.finish_reason = "context"
                 break

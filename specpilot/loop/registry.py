@@ -150,6 +150,12 @@ register(Mechanism(
     "prompt lookup beside the model drafter: its continuation is verified instead when its suffix match is at "
     "least this long and its first token agrees with the model's (chosen on the device)"))
 register(Mechanism(
+    "ngram_assist_tokens", ("draft", "verify"), {"ngram_assist_tokens": [0, 8, 15]},
+    lambda dep, cfg: cfg.ngram_assist > 0 and cfg.drafter_kind == "dflash",
+    "on steps where prompt lookup has a match, draft and verify this many tokens (a long copy, one more verify "
+    "bucket); the other steps keep the usual block",
+    lambda dep, delta: delta["ngram_assist_tokens"] == 0 or delta["ngram_assist_tokens"] > dep.config.num_draft_tokens))
+register(Mechanism(
     "ngram_window", ("draft",), {"ngram_max": [2, 3, 4, 6]},
     lambda dep, cfg: cfg.drafter_kind == "ngram" or (cfg.ngram_assist > 0 and cfg.drafter_kind in ("dflash", "model")),
     "longest suffix n-gram the prompt-lookup drafter matches"))
