@@ -37,6 +37,13 @@ def kernel_op(name: str):
     return op
 
 
+def require_kernel(name: str, what: str) -> None:
+    """Resolve kernels/<name>.py's op now (torch.compile then traces a plain dict lookup), or say clearly that the
+    kernel `what` cannot run here (Triton missing: the op is None)."""
+    if kernel_op(name) is None:
+        raise ConfigError(f"the {what} needs Triton, which is not installed")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -56,8 +63,8 @@ class RMSNorm(nn.Module):
 def use_norm_kernel(model: nn.Module, on: bool = True) -> None:
     """Every RMSNorm inside `model` (a target, a DFlash drafter) through the one-launch Triton kernel
     (kernels/rmsnorm.py, a custom op opaque to torch.compile) instead of 8 eager kernels; same numbers."""
-    if on and kernel_op("rmsnorm") is None:  # resolved now: torch.compile then traces a plain dict lookup
-        raise ConfigError("the RMSNorm kernel needs Triton, which is not installed")
+    if on:
+        require_kernel("rmsnorm", "RMSNorm kernel")
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = on
@@ -250,12 +257,8 @@ class DenseLM(nn.Module):
     def use_attention_kernel(self, on: bool = True) -> "DenseLM":
         """Steps of at most 16 tokens under the positional causal mask attend through the split-KV Triton kernel
         (kernels/decode_attention.py) instead of SDPA with a mask tensor; prefill and custom masks keep SDPA."""
-        from specpilot.kernels.decode_attention import decode_attention_op  # a custom op: opaque to torch.compile
-
-        if on and decode_attention_op is None:
-            raise ConfigError("the attention kernel needs Triton, which is not installed")
-        if on:
-            kernel_op("decode_attention")  # resolved now: torch.compile then traces a plain dict lookup
+        if on:  # a custom op: opaque to torch.compile
+            require_kernel("decode_attention", "attention kernel")
         self.attention_kernel = on
         for layer in self.model.layers:
             layer.self_attn.attention_kernel = on
@@ -271,12 +274,8 @@ class DenseLM(nn.Module):
     def use_rope_kernel(self, on: bool = True) -> "DenseLM":
         """RoPE of q and k in one Triton launch per layer (kernels/rope.py, a custom op opaque to torch.compile)
         instead of 10 eager kernels; same numbers."""
-        from specpilot.kernels.rope import rope_op
-
-        if on and rope_op is None:
-            raise ConfigError("the RoPE kernel needs Triton, which is not installed")
         if on:
-            kernel_op("rope")
+            require_kernel("rope", "RoPE kernel")
         self.rope_kernel = on
         for layer in self.model.layers:
             layer.self_attn.rope_kernel = on
@@ -285,12 +284,8 @@ class DenseLM(nn.Module):
     def use_act_kernel(self, on: bool = True) -> "DenseLM":
         """The MLP's silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py, a custom op opaque to
         torch.compile; the fused gate+up output's halves read in place) instead of 2 eager kernels; same numbers."""
-        from specpilot.kernels.silu_mul import silu_mul_op
-
-        if on and silu_mul_op is None:
-            raise ConfigError("the activation kernel needs Triton, which is not installed")
         if on:
-            kernel_op("silu_mul")
+            require_kernel("silu_mul", "activation kernel")
         self.act_kernel = on
         for layer in self.model.layers:
             layer.mlp.act_kernel = on
@@ -300,12 +295,8 @@ class DenseLM(nn.Module):
         """Each residual add and the RMSNorm after it (post-attention; the next layer's input norm, or the final
         norm after the last layer) in one Triton launch (kernels/add_rmsnorm.py, a custom op opaque to
         torch.compile) instead of 1 add + the norm's kernels; same numbers. The first layer's input norm stays."""
-        from specpilot.kernels.add_rmsnorm import add_rmsnorm_op
-
-        if on and add_rmsnorm_op is None:
-            raise ConfigError("the add + RMSNorm kernel needs Triton, which is not installed")
         if on:
-            kernel_op("add_rmsnorm")
+            require_kernel("add_rmsnorm", "add + RMSNorm kernel")
         self.add_norm_kernel = on
         for layer in self.model.layers:
             layer.add_norm_kernel = on

@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.errors import ConfigError, ModelFormatError
+from specpilot.errors import ModelFormatError
 from specpilot.models.cache import KVCache
-from specpilot.models.dense import MLP, RMSNorm, apply_rope, kernel_op, rope_inv_freq
+from specpilot.models.dense import MLP, RMSNorm, apply_rope, kernel_op, require_kernel, rope_inv_freq
 from specpilot.models.dense import use_norm_kernel as _use_norm_kernel
 
 from specpilot.models.dflash_config import ARCHITECTURE, DFlashConfig, build_target_layer_ids  # noqa: F401
@@ -221,8 +221,8 @@ class DFlashDrafter(nn.Module):
         # imported here, not at the top: importing Triton stays off the model's import
         from specpilot.kernels.decode_attention import MAX_T
 
-        if on and kernel_op("decode_attention") is None:
-            raise ConfigError("the attention kernel needs Triton, which is not installed")
+        if on:
+            require_kernel("decode_attention", "attention kernel")
         self.attention_kernel = on
         cfg, d = self.config, self.config.head_dim
         for i, layer in enumerate(self.layers):
@@ -247,11 +247,7 @@ class DFlashDrafter(nn.Module):
         the pass has context rows). Same numbers, every pass (cached or not). Layers whose head_dim the kernel
         cannot take (not a power of two) keep the eager RoPE."""
         if on:
-            from specpilot.kernels.rope import rope_op
-
-            if rope_op is None:
-                raise ConfigError("the RoPE kernel needs Triton, which is not installed")
-            kernel_op("rope")  # resolved now: torch.compile then traces a plain dict lookup
+            require_kernel("rope", "RoPE kernel")
         d = self.config.head_dim
         self.rope_kernel = on
         for layer in self.layers:
@@ -262,11 +258,7 @@ class DFlashDrafter(nn.Module):
         """The MLPs' silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py) instead of 2 eager
         kernels; same numbers."""
         if on:
-            from specpilot.kernels.silu_mul import silu_mul_op
-
-            if silu_mul_op is None:
-                raise ConfigError("the activation kernel needs Triton, which is not installed")
-            kernel_op("silu_mul")
+            require_kernel("silu_mul", "activation kernel")
         self.act_kernel = on
         for layer in self.layers:
             layer.mlp.act_kernel = on
