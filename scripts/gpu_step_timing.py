@@ -25,15 +25,6 @@ from specpilot.engine.runner import ModelRunner
 from specpilot.models import random_model
 
 
-def plain_linears(model) -> None:
-    """Undo `use_gemv_kernel`: every SkinnyLinear back to nn.Linear (same parameters)."""
-    from specpilot.kernels.gemv import SkinnyLinear
-
-    for module in model.modules():
-        if type(module) is SkinnyLinear:
-            module.__class__ = torch.nn.Linear
-
-
 def median_ms(fn, repeats=100) -> float:
     return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
@@ -63,8 +54,7 @@ def main(shapes, flags=()) -> int:
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
-            if kernel == "all_gemv":
-                model.use_gemv_kernel()
+            model.use_gemv_kernel(kernel == "all_gemv")
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -79,8 +69,6 @@ def main(shapes, flags=()) -> int:
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
             res[f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_setup_s"] = round(setup, 1)
             del runner
-            if kernel == "all_gemv":  # no use_gemv_kernel(False): put the library linears back
-                plain_linears(model)
             torch.cuda.empty_cache()
         out["shapes"][name] = res
         del model

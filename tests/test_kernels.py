@@ -19,6 +19,10 @@ def test_skinny_linear_dispatch_keeps_numbers(tiny_model_dir):
         a = plain.logits(plain(ids, pos, plain.new_cache(1, 8), kv_len=5))
         b = fast.logits(fast(ids, pos, fast.new_cache(1, 8), kv_len=5))
     assert (a - b).abs().max().item() < 1e-4
+    from specpilot.kernels.gemv import SkinnyLinear
+
+    assert any(type(m) is SkinnyLinear for m in fast.modules())
+    assert not any(type(m) is SkinnyLinear for m in fast.use_gemv_kernel(False).modules())  # and back
 
 
 # --- decode attention (split-KV, positional mask) ---------------------------------------------------------

@@ -243,15 +243,16 @@ class DenseLM(nn.Module):
             layer.mlp.fuse()
         return self
 
-    def use_gemv_kernel(self, force: bool = False) -> "DenseLM":
-        """Route few-token projections (decode, verification) through the Triton GEMV (kernels/gemv.py)."""
+    def use_gemv_kernel(self, on: bool = True, force: bool = False) -> "DenseLM":
+        """Route few-token projections (decode, verification) through the Triton GEMV (kernels/gemv.py), or (on
+        False) back through the library GEMM; same parameters either way, only the forward changes."""
         from specpilot.kernels.gemv import SkinnyLinear
 
+        old, new = (nn.Linear, SkinnyLinear) if on else (SkinnyLinear, nn.Linear)
         for module in self.modules():
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    child.__class__ = SkinnyLinear  # same parameters, different forward
-                    child.force_kernel = force
+            if type(module) is old:
+                module.__class__ = new
+                module.force_kernel = force and on
         return self
 
     def use_attention_kernel(self, on: bool = True) -> "DenseLM":
