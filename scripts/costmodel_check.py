@@ -152,26 +152,10 @@ def reconstruct_ceilings(d: Path) -> tuple[HardwareCeilings, dict]:
 
 
 def _legacy_pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
-                     attention_kernel: bool = False) -> float:
-    """gaps.pass_predicted_s as of session 11 (commit 9258d6a), frozen: the ceilings are solved with the model
-    that produced the logged predictions.
-    """
-    memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens, cost.head_bytes)
-                + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
-    compute_s = cost.flops / hw.bf16_flops_per_s
-    if graphed:
-        overhead_s = (cost.num_kernels - cost.num_linear_kernels) * hw.graph_kernel_s
-    else:
-        overhead_s = cost.num_kernels * hw.launch_s
-    # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
-    kernel_s = hw.attention_kernel_s(cost.num_tokens) if attention_kernel else None
-    if cost.num_tokens > 16:
-        attention_s = 0.0
-    elif kernel_s is not None:
-        attention_s = cost.num_layers * kernel_s
-    else:
-        attention_s = cost.num_layers * hw.sdpa_s(cost.attn_keys, cost.num_tokens)
-    return max(memory_s, compute_s) + overhead_s + attention_s
+                             attention_kernel: bool = False) -> float:
+    """gaps.pass_predicted_s as of session 11 (commit 9258d6a), with which the logged predictions were made: the
+    same model without the eager-kernel term (every non-GEMM kernel at graph_kernel_s)."""
+    return pass_predicted_s(dataclasses.replace(cost, num_eager_kernels=0), hw, graphed, attention_kernel)
 
 
 def _solve(f, with_small, hw, m16):
