@@ -132,6 +132,11 @@ def _speculative(dep: Deployment, cfg: EngineConfig) -> bool:
     return cfg.drafter_kind != "none"
 
 
+def _cuda_switch(field: str, why: str) -> Mechanism:
+    """A kernel the engine switches on or off by one bool field, on CUDA, for the verify and draft passes."""
+    return Mechanism(field, ("verify", "draft"), {field: [True, False]}, lambda dep, cfg: dep.on_cuda, why)
+
+
 # --- what the engine has now --------------------------------------------------------------------------------
 
 register(Mechanism(
@@ -167,14 +172,12 @@ register(Mechanism(
     "fused_projections", ("verify", "draft"), {"fused_projections": [True, False]},
     lambda dep, cfg: True,
     "one qkv and one gate+up GEMM per layer instead of five (same numbers, fewer kernels)"))
-register(Mechanism(
-    "gemv_kernel", ("verify", "draft"), {"gemv_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "gemv_kernel",
     "few-token projections through the Triton GEMV (1 token always, 2-16 tokens for wide outputs: where it beat "
     "cuBLAS on the H200) instead of cuBLAS"))
-register(Mechanism(
-    "attention_kernel", ("verify", "draft"), {"attention_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "attention_kernel",
     "few-token steps attend through the split-KV Triton kernel (GQA group per program, early exit above the "
     "context) instead of SDPA with a mask over the whole pool"))
 register(Mechanism(
@@ -182,22 +185,18 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.drafter_kind == "dflash",
     "the DFlash draft block attends through the split-KV kernel (block K/V written into the draft cache, every "
     "query at the block's last position: non-causal inside the block) instead of SDPA over the whole draft pool"))
-register(Mechanism(
-    "norm_kernel", ("verify", "draft"), {"norm_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "norm_kernel",
     "every RMSNorm in one Triton launch (fp32 row statistics, same rounding order) instead of 8 eager kernels"))
-register(Mechanism(
-    "rope_kernel", ("verify", "draft"), {"rope_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "rope_kernel",
     "RoPE of q and k in one Triton launch per layer (same rounding as the eager ops) instead of 10 eager kernels"))
-register(Mechanism(
-    "act_kernel", ("verify", "draft"), {"act_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "act_kernel",
     "the MLP's silu(gate) * up in one Triton launch per layer (fused gate+up halves read in place, eager rounding "
     "order) instead of 2 eager kernels"))
-register(Mechanism(
-    "add_norm_kernel", ("verify", "draft"), {"add_norm_kernel": [True, False]},
-    lambda dep, cfg: dep.on_cuda,
+register(_cuda_switch(
+    "add_norm_kernel",
     "each residual add and the RMSNorm after it (post-attention, next layer's input / final norm) in one Triton "
     "launch instead of the add + the norm's kernels"))
 register(Mechanism(
