@@ -99,6 +99,17 @@ def main() -> int:
                      ("spec_ngram_all_kernels", ngram, every),
                      ("spec_ngram_all_kernels_compiled", ngram.with_(compile=True), every)))
 
+    def fused_decode():
+        # one-token steps in six launches a layer (models/fused_decode.py): AR, a small drafter's passes, and
+        # n-gram speculation whose one-token steps (nothing drafted) take it; the verify blocks keep the regular path
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        model = base.with_(drafter_kind="model")
+        drafter = copy.deepcopy(other).use_fused_decode()
+        same_tokens((("ar_fused_decode", base, fast), ("spec_ngram_fused_decode", ngram, fast),
+                     ("ar_fused_decode_eager", base.with_(cuda_graphs=False), fast)))
+        record("spec_other_fused_decode", [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p)
+                                           for p in prompts])
+
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -131,7 +142,8 @@ def main() -> int:
             if outs != ref:
                 problems.append(name)
 
-    for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("dflash", dflash),
+    for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("fused_decode", fused_decode),
+                     ("dflash", dflash),
                      ("batch", batch)):
         section(name, fn)
     result["problems"] = problems

@@ -7,7 +7,8 @@ pass grows with its tokens: the cost model prices draft lengths with it)
 (`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel); "allkernels_gemv"
 (uncompiled) is "all kernels" plus the Triton GEMV for few-token projections (`model.use_gemv_kernel()`: M = 1 and
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
-median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
+"fuseddecode" is "all kernels" with one-token steps through models/fused_decode.py (six launches a layer; its
+T > 1 rows run the "all kernels" path); median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
 
@@ -29,7 +30,8 @@ def median_ms(fn, repeats=100) -> float:
     return time_median_s(fn, warmup=5, repeats=repeats) * 1e3
 
 
-_KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv"}
+_KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
+               "fused": "_fuseddecode"}
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
@@ -44,17 +46,19 @@ def main(shapes, flags=()) -> int:
         res = {}
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
-        variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (True, False), (True, True)]
+        variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
+                    (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
             variants = [v for v in variants if not v[0] or v[1]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv")
+            every = kernel in ("all", "all_gemv", "fused")
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
+            model.use_fused_decode(kernel == "fused")
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -63,7 +67,7 @@ def main(shapes, flags=()) -> int:
             for T in (1, 4, 8, 16):
                 ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
                 ms = median_ms(lambda: runner.step(ids, 512))
-                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3  # (bytes only: any kernel flags)
                 key = f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)

@@ -76,6 +76,10 @@ class EngineConfig:
     add_norm_kernel: bool = False  # CUDA: each residual add + the RMSNorm after it (post-attention; next layer's
     # input norm / the final norm) in one Triton launch (kernels/add_rmsnorm.py) instead of the add + the norm's
     # kernels, twice per layer; bit-equal in bf16. Off until a GPU run validates it
+    fused_decode: bool = False  # CUDA: one-token steps (AR decode, a small drafter's passes) through six launches
+    # per layer (models/fused_decode.py: norms as GEMV prologues, residual adds and SiLU * up as epilogues, RoPE
+    # with the K/V write, one-launch attention) instead of ~15; multi-token steps keep the regular path. Off until
+    # a GPU run (engine check, step timing, the loop) validates it
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

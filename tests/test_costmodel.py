@@ -563,3 +563,22 @@ def test_dflash_pass_counts_the_rope_and_act_kernels_the_drafter_follows():
     assert plain.num_kernels - rope.num_kernels == 2 * (9 + 4) and plain.num_kernels - act.num_kernels == 2
     assert plain.num_eager_kernels - rope.num_eager_kernels == 2 * (10 + 5)
     assert draft_kernel_flags(EngineConfig()) == {"norm_kernel": True, "rope_kernel": True, "act_kernel": False}
+
+
+def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
+    from specpilot.config import EngineConfig
+    from specpilot.loop import _knobs
+
+    for name in ("qwen2.5-1.5b", "qwen3-8b"):
+        cfg = synthetic_config(name)
+        L = cfg.num_hidden_layers
+        one = forward_cost(cfg, 1, 512, fused=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
+        # 4 GEMVs + RoPE/K-V write + attention a layer; embedding, RoPE tables (7), final norm, LM head, cast
+        assert one.num_kernels == 6 * L + 1 + 7 + 1 + 1 + 1 and one.num_linear_kernels == 4 * L + 1
+        assert one.num_eager_kernels == 0
+        assert forward_cost(cfg, 1, 512, fused=True, fused_decode=True).num_eager_kernels == 8  # eager final norm
+        regular = forward_cost(cfg, 1, 512, fused=True, norm_kernel=True, rope_kernel=True)
+        assert one.num_kernels < regular.num_kernels and one.weight_bytes == regular.weight_bytes
+        # verify blocks keep the regular path
+        assert forward_cost(cfg, 5, 512, fused=True, fused_decode=True) == forward_cost(cfg, 5, 512, fused=True)
+    assert _knobs(EngineConfig(fused_decode=True)).fused_decode and not _knobs(EngineConfig()).fused_decode

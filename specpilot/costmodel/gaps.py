@@ -99,6 +99,7 @@ class StepProfile:
     rope_kernel: bool = False  # the engine ran instead of eager chains (costmodel.shapes.KERNEL_FLAGS)
     act_kernel: bool = False
     add_norm_kernel: bool = False
+    fused_decode: bool = False  # one-token passes in six launches a layer (EngineConfig.fused_decode)
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)

@@ -41,6 +41,11 @@ _FUSED_LINEARS_PER_LAYER = 4  # qkv, o, gate+up, down (DenseLM.fuse_projections)
 # per layer RMSNorm 2, RoPE + KV-cache write 1, attention ~2 (mask or split-KV + merge), SiLU * up 1; per pass
 # embedding + RoPE tables 1, final RMSNorm 1, logits cast 1. An estimate (the GPU check prints profiled counts).
 _COMPILED_LAYER_OTHER_KERNELS = 6
+# fused_decode (models/fused_decode.py), one token: per layer 4 GEMVs (norms as prologues, residual adds and SiLU * up
+# as epilogues), RoPE + K/V write 1, attention 1; per pass embedding 1, RoPE tables 7, LM head 1, logits cast 1
+# (+ the final norm)
+_FUSED_DECODE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 2
+_FUSED_DECODE_HEAD_KERNELS = 1 + 7 + 1 + 1
 _COMPILED_HEAD_OTHER_KERNELS = 3
 
 
@@ -123,7 +128,7 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
-KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel")
+KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -132,8 +137,9 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
-    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel), for dflash_pass_cost."""
-    return {f: v for f, v in kernel_flags(obj).items() if f != "add_norm_kernel"}
+    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel or fused_decode, which
+    are the dense model's), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode")}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
@@ -181,16 +187,23 @@ def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: b
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
-                 add_norm_kernel: bool = False) -> PassCost:
+                 add_norm_kernel: bool = False, fused_decode: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
     Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
-    kernels_per_layer) change only the kernel counts."""
+    kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
     kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel, act_kernel, add_norm_kernel)
+    eager = eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel)
+    if fused_decode and num_tokens == 1 and not compiled:  # six launches a layer, the head without a mask
+        L = cfg.num_hidden_layers
+        final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
+        kernels = (L * _FUSED_DECODE_LAYER_KERNELS + _FUSED_DECODE_HEAD_KERNELS + final_norm,
+                   L * _FUSED_LINEARS_PER_LAYER + 1)
+        eager = 0 if norm_kernel else _NORM_KERNELS
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
@@ -203,7 +216,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
         head_bytes=_lm_head_params(cfg) * dtype_bytes,
-        num_eager_kernels=eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel),
+        num_eager_kernels=eager,
     )
 
 

@@ -43,6 +43,7 @@ class StepKnobs:
     rope_kernel: bool = False  # rope_kernel (a layer's RoPE of q and k one Triton launch instead of 10 kernels)
     act_kernel: bool = False  # act_kernel (SiLU and the multiply in one launch)
     add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
+    fused_decode: bool = False  # fused_decode (a one-token pass in six launches a layer)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:

@@ -199,6 +199,10 @@ register(_cuda_switch(
     "add_norm_kernel",
     "each residual add and the RMSNorm after it (post-attention, next layer's input / final norm) in one Triton "
     "launch instead of the add + the norm's kernels"))
+register(_cuda_switch(
+    "fused_decode",
+    "one-token steps (AR decode, a small drafter's passes) in six launches a layer: RMSNorms as GEMV prologues, "
+    "residual adds and SiLU * up as GEMV epilogues, RoPE with the K/V write, one-launch attention"))
 register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,

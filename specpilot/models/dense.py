@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.errors import ConfigError, ModelFormatError
+from specpilot.models import fused_decode
 from specpilot.models.cache import KVCache
 from specpilot.models.config import ModelConfig
 
@@ -26,20 +27,26 @@ from specpilot.models.config import ModelConfig
 _KERNEL_OPS: dict[str, object] = {}
 
 
+# ops that live in another kernel's module (kernels/<module>.py): op name -> module
+_OP_MODULE = {"decode_attention_one": "decode_attention"}
+
+
 def kernel_op(name: str):
-    """The torch custom op of kernels/<name>.py (`<name>_op`), imported once. Modules keep a flag and ask here at
-    call time rather than holding the op: an op object on a module makes `copy.deepcopy` of the model fail."""
+    """The torch custom op `<name>_op` of kernels/<name>.py (or of the module _OP_MODULE names), imported once.
+    Modules keep a flag and ask here at call time rather than holding the op: an op object on a module makes
+    `copy.deepcopy` of the model fail."""
     op = _KERNEL_OPS.get(name)
     if op is None:
         import importlib
 
-        op = _KERNEL_OPS[name] = getattr(importlib.import_module(f"specpilot.kernels.{name}"), f"{name}_op")
+        module = importlib.import_module(f"specpilot.kernels.{_OP_MODULE.get(name, name)}")
+        op = _KERNEL_OPS[name] = getattr(module, f"{name}_op")
     return op
 
 
 def require_kernel(name: str, what: str) -> None:
-    """Resolve kernels/<name>.py's op now (torch.compile then traces a plain dict lookup), or say clearly that the
-    kernel `what` cannot run here (Triton missing: the op is None)."""
+    """Resolve the op `name` now (torch.compile then traces a plain dict lookup; see kernel_op), or say clearly
+    that the kernel `what` cannot run here (Triton missing: the op is None)."""
     if kernel_op(name) is None:
         raise ConfigError(f"the {what} needs Triton, which is not installed")
 
@@ -231,6 +238,7 @@ class DenseLM(nn.Module):
         self.rope_kernel = False  # use_rope_kernel() rotates q and k in one Triton kernel per layer
         self.act_kernel = False  # use_act_kernel(): the MLP's silu(gate) * up in one Triton kernel per layer
         self.add_norm_kernel = False  # use_add_norm_kernel(): each residual add + the norm after it in one kernel
+        self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -303,6 +311,18 @@ class DenseLM(nn.Module):
             layer.add_norm_kernel = on
         return self
 
+    def use_fused_decode(self, on: bool = True) -> "DenseLM":
+        """One-token steps (one row, positional mask) through six fused launches per layer (models/fused_decode.py:
+        norms as GEMV prologues, residual adds and SiLU * up as epilogues, RoPE with the K/V write, one-launch
+        attention); other steps keep the regular path. Fuses the projections first (it reads qkv_proj, gate_up_proj)."""
+        if on:
+            for name, what in (("gemv_fused", "fused GEMV"), ("rope_write", "RoPE + K/V write kernel"),
+                               ("decode_attention_one", "one-launch attention kernel")):
+                require_kernel(name, what)
+            self.fuse_projections()
+        self.fused_decode = on
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
@@ -338,7 +358,8 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        if is_causal or (attn_mask is None and self.attention_kernel and T <= 16):
+        fused = fused_decode.applies(self, input_ids, attn_mask, is_causal)  # one token: six launches a layer
+        if fused or is_causal or (attn_mask is None and self.attention_kernel and T <= 16):
             mask = None  # SDPA's causal mask, or positional: the attention kernel applies it from `positions`
         else:
             if attn_mask is None:
@@ -347,6 +368,13 @@ class DenseLM(nn.Module):
             mask = attn_mask[:, None]  # [B, 1, T, S]
         captured = []
         layers = self.model.layers[: last + 1]
+        if fused:
+            for i, layer in enumerate(layers):
+                x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len)
+                if i in return_layers:
+                    captured.append(x)
+            hidden = self.model.norm(x) if last == L - 1 else None
+            return (hidden, captured) if return_layers else hidden
         normed = None  # with add_norm_kernel: the next layer's input norm (or the final norm), fused with the add
         for i, layer in enumerate(layers):
             nxt = None

@@ -1,0 +1,61 @@
+"""A one-token decode pass through a dense layer in six launches (EngineConfig.fused_decode).
+
+Why: at bs 1 a graphed decode step of a 1.5B-class model is bound by its ~15 kernels per layer, not by its bytes
+(H200, session 11: 2.07 ms with every elementwise kernel fused = 2.8x the 0.74 ms bytes/bandwidth floor; the
+cuBLAS GEMVs alone reach ~2.2 of 4.2 TB/s at these shapes). Here one token's layer is
+
+    [input RMSNorm + qkv GEMV (+ bias)]       kernels/gemv_fused.py, the norm as the GEMV's prologue
+    [q/k norm (Qwen3) + RoPE + K/V write]     kernels/rope_write.py
+    [attention over the cache]                kernels/decode_attention.py, the slices merged by their last program
+    [o_proj GEMV + residual add]              gemv_fused, residual epilogue
+    [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
+    [down GEMV + residual add]
+
+each launch reproducing the eager modules' rounding order (only the GEMVs' fp32 summation order differs from
+cuBLAS's), so a fused step gives the eager step's tokens up to that rounding (the engine's greedy outputs are
+checked against AR by token forcing like any other kernel's).
+
+Applies to steps of exactly one token in one row under the positional mask (AR decode, a small drafter's passes);
+multi-token verify steps and prefill keep the regular path. Needs fused projections (qkv_proj, gate_up_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.models.cache import KVCache
+
+
+def _ops():
+    from specpilot.models.dense import kernel_op
+
+    return kernel_op("gemv_fused"), kernel_op("rope_write"), kernel_op("decode_attention_one")
+
+
+def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache, kv_len: int | None) -> torch.Tensor:
+    """x [1, 1, H] (the residual stream) -> the layer's output [1, 1, H]; K/V of the token written at `positions`."""
+    gemv, rope_write, attend = _ops()
+    attn, mlp = layer.self_attn, layer.mlp
+    h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
+    pre, post = layer.input_layernorm, layer.post_attention_layernorm
+    x2 = x.view(1, h)
+    qkv = gemv(x2, attn.qkv_proj.weight, attn.qkv_proj.bias, pre.weight, pre.eps, None, "")  # [1, (n + 2g) d]
+    q, k, v = qkv.split((n * d, g * d, g * d), dim=-1)
+    q, k, v = q.view(1, 1, n, d).transpose(1, 2), k.view(1, 1, g, d).transpose(1, 2), v.view(1, 1, g, d).transpose(1, 2)
+    qn = attn.q_norm.weight if attn.q_norm is not None else None
+    kn = attn.k_norm.weight if attn.k_norm is not None else None
+    eps = attn.q_norm.eps if attn.q_norm is not None else pre.eps
+    i = attn.layer_idx
+    q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, 1, d]
+    keys, values = cache.read(i, kv_len)
+    out = attend(q, keys, values, positions)  # [1, n, 1, d]
+    x2 = gemv(out.reshape(1, n * d), attn.o_proj.weight, None, None, pre.eps, x2, "")  # + residual
+    act = gemv(x2, mlp.gate_up_proj.weight, None, post.weight, post.eps, None, "silu_mul")  # [1, I]
+    x2 = gemv(act, mlp.down_proj.weight, None, None, post.eps, x2, "")  # + residual
+    return x2.view(1, 1, h)
+
+
+def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
+    """Whether `model.forward` runs this path: switched on, one token in one row, the positional mask."""
+    return model.fused_decode and input_ids.numel() == 1 and attn_mask is None and not is_causal
