@@ -103,6 +103,19 @@ def test_identity_weight_is_bit_exact(combo, dtype):
         assert torch.equal(got, want)
 
 
+def test_eps_reaches_the_kernel():
+    """A small input (mean of squares ~1e-4) so eps moves the result: the kernel must track the reference's eps."""
+    x, w, kw = _inputs("norm+bias", 100, 37, torch.float32, seed=2)
+    x = x / 300
+    outs = []
+    for eps in (1e-6, 1e-3):
+        kw["eps"] = eps
+        got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        outs.append(got)
+    assert (outs[0] - outs[1]).abs().max().item() > 0.1
+
+
 def test_larger_row_bf16():
     """A real hidden size (Qwen2.5-0.5B, 896) through the norm + silu path: many K blocks."""
     x, w, kw = _inputs("norm+bias+silu_mul", 896, 2 * 24, torch.bfloat16, seed=5)
