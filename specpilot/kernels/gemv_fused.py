@@ -1,0 +1,202 @@
+"""One-row GEMV (M == 1) with an optional RMSNorm prologue and a residual-add or SiLU*up epilogue, in one launch.
+
+Why: a bs-1 decode step of a dense model (models/dense.py) is ~15 small kernels per layer; in a CUDA-graphed step
+each costs >= ~1.1 us plus its memory traffic. Folding the norm in front of the projection it feeds and the
+elementwise op after it turns a layer into ~6 launches:
+  [norm + qkv GEMV] [rope] [attention] [o_proj GEMV + residual] [norm + gate_up GEMV + SiLU*up] [down GEMV + residual]
+
+Kernel (the M == 1 loop of kernels/gemv.py: each program owns BLOCK_N outputs and accumulates an fp32
+[BLOCK_N, BLOCK_K] tile of products over K, reduced once after the loop):
+- norm prologue: every program first sums x^2 over the whole row (K <= ~8k: the row sits in L2; recomputing it
+  per program is cheaper than another launch), then scales each x block by rstd and the norm weight as it loads it.
+- silu_mul: the weight is the fused [2I, K] gate+up weight (`MLP.fuse()`); program n loads BOTH rows n (gate) and
+  I + n (up) each K step (two tiles), so gate/up never reach memory and the output is [1, I].
+- residual: out = residual + y, added before the single store.
+
+Numbers: the eager rounding order of each module, with `_to_dtype` (round to nearest even) at the same points:
+  RMSNorm.forward: xn = x_f32 * rsqrt(mean(x_f32^2) + eps), rounded to the dtype, times norm_weight, rounded;
+  nn.Linear: fp32 accumulation (+ bias in fp32), rounded once to the dtype (as cuBLAS);
+  MLP: silu in fp32 on the rounded gate (IEEE division, CUDA's expf), rounded, times the rounded up, rounded;
+  residual: the sum of the two dtype values in fp32, rounded once (the eager bf16/fp16 add).
+Only summation orders differ (the mean's tree, the dot product's): fp32 agrees to ~1e-6 relative, bf16/fp16 to a
+few ulp (a 1-ulp flip of a normed input moves the dot product by that much).
+
+`gemv_fused_reference` is the plain-PyTorch twin built from the eager ops themselves (tests check it equals the
+dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specpilot.kernels.rmsnorm import rmsnorm_reference
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
+except ImportError:  # CPU-only installs: the reference path only
+    triton = None
+
+ACTS = ("", "silu_mul")  # "" (or None): no activation
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(x, weight, bias, norm_weight, residual, act) -> tuple[int, int, str]:
+    """Validate shapes, strides and dtypes (ValueError) -> (K, output columns, act as a str)."""
+    act = act or ""
+    if act not in ACTS:
+        raise ValueError(f"gemv_fused: unknown act {act!r}; supported: None, 'silu_mul'")
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2:
+        raise ValueError(f"gemv_fused: need x [1, K] (one row) and weight [N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    K, (N, K2) = x.shape[1], weight.shape
+    if K != K2 or K < 1 or N < 1:
+        raise ValueError(f"gemv_fused: x [1, {K}] and weight {tuple(weight.shape)} disagree on K (or are empty)")
+    if x.stride(1) != 1 and K > 1:
+        raise ValueError(f"gemv_fused: x must have unit stride along K, got strides {x.stride()}")
+    if not weight.is_contiguous():
+        raise ValueError("gemv_fused: weight must be contiguous [N, K]")
+    if act and residual is not None:
+        raise ValueError("gemv_fused: residual and act cannot be combined (the residual adds after down_proj)")
+    if act == "silu_mul" and N % 2:
+        raise ValueError(f"gemv_fused: silu_mul needs the fused gate+up weight [2I, K]; got odd N = {N}")
+    out_n = N // 2 if act == "silu_mul" else N
+    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,)), ("residual", residual, (1, N))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape or (t.stride(-1) != 1 and t.shape[-1] > 1):
+            raise ValueError(f"gemv_fused: {name} must be {list(shape)} with unit stride, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    dts = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
+                                   ("residual", residual)) if t is not None}
+    if x.dtype not in DTYPES or len(set(dts.values())) != 1:
+        raise ValueError(f"gemv_fused: all tensors must share one of {DTYPES} (as the eager modules need); got {dts}")
+    return K, out_n, act
+
+
+def gemv_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                         residual: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """Exactly the eager modules: `RMSNorm.forward`, `nn.Linear`, the MLP's `F.silu(gate) * up`, `residual + y`."""
+    _, _, act = _check(x, weight, bias, norm_weight, residual, act)
+    h = x if norm_weight is None else rmsnorm_reference(x, norm_weight, eps)
+    y = F.linear(h, weight, bias)
+    if act == "silu_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
+                           HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                           SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n)."""
+        dt = y_ptr.dtype.element_ty
+        n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < N
+        rows = n_offs.to(tl.int64)[:, None] * stride_wn  # [BN, 1] (int64: lm_head-sized weights)
+        if HAS_NORM:  # the row's mean of squares, recomputed by every program (the row is L2-resident)
+            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_offs = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + k_offs, mask=k_offs < K, other=0.0).to(tl.float32)
+                ss += xk * xk
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)  # as torch.rsqrt(mean + eps) (the sum is a tree here)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if SILU_MUL:
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_offs = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k_offs < K
+            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+            if HAS_NORM:  # RMSNorm.forward: normalized, rounded to the dtype, times the weight, rounded
+                nw = tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+                h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN, BK]
+            acc += w.to(tl.float32) * h[None, :]
+            if SILU_MUL:
+                wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                acc_up += wu.to(tl.float32) * h[None, :]
+        y = tl.sum(acc, axis=1)  # [BN], one reduction after the loop
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+        y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
+        if SILU_MUL:
+            u = tl.sum(acc_up, axis=1)
+            if HAS_BIAS:
+                u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+            u = _to_dtype(u, dt).to(tl.float32)
+            if LIBDEVICE:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
+                e = libdevice.exp(-y)
+            else:  # the interpreter has no libdevice: numpy's exp
+                e = tl.exp(-y)
+            y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
+        if HAS_RES:
+            y += tl.load(r_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)  # the eager add, rounded below
+        tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
+
+    # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
+    _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bn, bk in ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512), (16, 256))
+                for w in (2, 4) for s in (1, 3)]
+    if _INTERPRET:  # CPU tests: one small fixed configuration (masks on N and K get exercised)
+        _kernel = _gemv_fused_kernel
+    else:
+        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"]
+                                  )(_gemv_fused_kernel)
+
+
+def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
+    """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for ONE row, in one launch.
+
+    x [1, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps); residual
+    [1, N] (epilogue, not with act); act None or "silu_mul" (weight = fused gate+up [2I, K], output [1, I]). All one
+    dtype (fp32 / bf16 / fp16). -> a new [1, N] (or [1, I]) tensor in x's dtype. Static shapes, no host sync: safe
+    inside CUDA graphs (once autotuned outside capture)."""
+    if triton is None:
+        raise RuntimeError("gemv_fused needs triton")
+    K, out_n, act = _check(x, weight, bias, norm_weight, residual, act)
+    y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
+    args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
+            weight if residual is None else residual, y, out_n, K, weight.stride(0), float(eps))
+    flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
+                 SILU_MUL=act == "silu_mul", LIBDEVICE=not _INTERPRET)  # unused pointers: dummies (the weight)
+    if _INTERPRET:
+        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64)
+    else:
+        _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
+    return y
+
+
+def _register_op():
+    """The kernel as a torch custom op: one opaque call under torch.compile (as kernels/gemv.py)."""
+
+    @torch.library.custom_op("specpilot::gemv_fused", mutates_args=())
+    def gemv_fused_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                      act: str) -> torch.Tensor:
+        return gemv_fused(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act)
+
+    @gemv_fused_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, residual, act):
+        _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
+        return x.new_empty(1, out_n)
+
+    return gemv_fused_op
+
+
+gemv_fused_op = _register_op() if triton is not None else None

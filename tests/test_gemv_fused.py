@@ -1,0 +1,212 @@
+"""Fused one-row GEMV (kernels/gemv_fused.py) vs its PyTorch twin, and the twin vs the eager dense.py modules.
+
+TRITON_INTERPRET=1 runs the kernel on CPU. bf16 and fp16 work in the interpreter here: loads and fp32 math are
+exact, and the kernel rounds fp32 -> bf16 itself (`_to_dtype`, round to nearest even; the interpreter's own cast
+truncates), so the 16-bit tests hold the kernel to the eager rounding points, not just to a tolerance."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if not torch.cuda.is_available():  # as conftest does: the interpreter must be on before any kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+
+from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_op, gemv_fused_reference  # noqa: E402
+from specpilot.models.config import ModelConfig  # noqa: E402
+from specpilot.models.dense import MLP, RMSNorm  # noqa: E402
+
+EPS = 1e-6
+# name -> which optional inputs / act; every combination the decoder layer uses, plus plain and bias alone
+COMBOS = {
+    "plain": dict(),
+    "bias": dict(bias=True),
+    "norm": dict(norm=True),
+    "norm+bias": dict(norm=True, bias=True),  # Qwen2 input norm + qkv
+    "residual": dict(residual=True),  # o_proj / down_proj + residual
+    "norm+silu_mul": dict(norm=True, act="silu_mul"),  # post-attention norm + gate_up + silu * up
+    "norm+bias+silu_mul": dict(norm=True, bias=True, act="silu_mul"),
+}
+
+
+def _inputs(combo, K, N, dtype, seed):
+    """x [1, K], weight [N, K], and the combo's kwargs; N is the weight's row count (2I for silu_mul)."""
+    spec = COMBOS[combo]
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(1, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    kw = dict(act=spec.get("act"))
+    if spec.get("bias"):
+        kw["bias"] = 0.5 * torch.randn(N, generator=g)
+    if spec.get("norm"):
+        kw["norm_weight"], kw["eps"] = 1 + 0.3 * torch.randn(K, generator=g), EPS
+    if spec.get("residual"):
+        kw["residual"] = torch.randn(1, N, generator=g)
+    cast = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return x.to(dtype), w.to(dtype), cast
+
+
+def _ulps(got, want):
+    """Max |got - want| in units of the dtype's eps times |want| (floored at 1e-3 of the row's largest value, so
+    outputs that cancel to ~0 are not judged by their own tiny ulp)."""
+    w = want.float().abs()
+    scale = torch.finfo(want.dtype).eps * w.clamp_min(1e-3 * w.max().item())
+    return ((got.float() - want.float()).abs() / scale).max().item()
+
+
+# K = 100, N = 37 / 38 (I = 19): neither a multiple of the interpreter's BLOCK_K = 64 nor BLOCK_N = 4
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("K,N", [(100, 37), (64, 16)])
+def test_fp32_matches_reference(combo, K, N):
+    if COMBOS[combo].get("act") and N % 2:
+        N += 1  # silu_mul: weight [2I, K], I = 19
+    x, w, kw = _inputs(combo, K, N, torch.float32, seed=K + N)
+    got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+    out_n = N // 2 if kw["act"] else N
+    assert got.shape == want.shape == (1, out_n) and got.dtype == torch.float32
+    assert torch.isfinite(got).all() and want.abs().max() > 0.1
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_matches_reference(combo, dtype):
+    """16-bit: the same rounding points as eager; only the fp32 summation orders differ (<= 2 ulp)."""
+    N = 38 if COMBOS[combo].get("act") else 37
+    x, w, kw = _inputs(combo, 200, N, dtype, seed=N + 7)
+    got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    assert _ulps(got, want) <= 2
+    assert (got == want).float().mean().item() >= 0.9  # in practice all equal
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_identity_weight_is_bit_exact(combo, dtype):
+    """With weight rows that each pick one input (one nonzero product per dot) the dot product has no summation
+    order, so every rounding point is visible: the kernel must equal the eager modules bit for bit (a missing or
+    extra rounding of the normed input, of gate/up, of silu, of y before the bias or the residual shows here)."""
+    K = 70
+    x, _, kw = _inputs(combo, K, 2 * K if COMBOS[combo].get("act") else K, dtype, seed=11)
+    eye = torch.eye(K)
+    w = torch.cat([eye, 1.5 * eye.flip(0)]) if kw["act"] else eye  # up = a permuted, scaled copy of the input
+    w = w.to(dtype)
+    got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+    if dtype == torch.float32 and "norm_weight" in kw:  # fp32 keeps the mean's summation order (no rounding hides it)
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    else:
+        assert torch.equal(got, want)
+
+
+def test_eps_reaches_the_kernel():
+    """A small input (mean of squares ~1e-4) so eps moves the result: the kernel must track the reference's eps."""
+    x, w, kw = _inputs("norm+bias", 100, 37, torch.float32, seed=2)
+    x = x / 300
+    outs = []
+    for eps in (1e-6, 1e-3):
+        kw["eps"] = eps
+        got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        outs.append(got)
+    assert (outs[0] - outs[1]).abs().max().item() > 0.1
+
+
+def test_larger_row_bf16():
+    """A real hidden size (Qwen2.5-0.5B, 896) through the norm + silu path: many K blocks."""
+    x, w, kw = _inputs("norm+bias+silu_mul", 896, 2 * 24, torch.bfloat16, seed=5)
+    got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+    assert got.shape == (1, 24) and _ulps(got, want) <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_eager_modules(dtype):
+    """gemv_fused_reference equals RMSNorm + nn.Linear, the fused MLP's silu * up, and the residual add exactly."""
+    K, I = 64, 40
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    norm = RMSNorm(K, EPS)
+    qkv = nn.Linear(K, 48, bias=True)
+    o_proj = nn.Linear(48, K, bias=False)
+    cfg = ModelConfig(model_type="qwen2", vocab_size=32, hidden_size=K, intermediate_size=I, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS)
+    mlp = MLP(cfg)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(K, generator=g))
+    mlp.fuse()
+    mlp.down_proj = nn.Identity()  # the MLP's forward up to silu(gate) * up
+    for m in (norm, qkv, o_proj, mlp):
+        m.to(dtype)
+    x = (3 * torch.randn(1, K, generator=g)).to(dtype)
+    attn = torch.randn(1, 48, generator=g).to(dtype)
+    nw = norm.weight.detach()
+    with torch.no_grad():
+        assert torch.equal(gemv_fused_reference(x, qkv.weight, qkv.bias, norm_weight=nw, eps=EPS), qkv(norm(x)))
+        assert torch.equal(gemv_fused_reference(x, qkv.weight, norm_weight=nw, eps=EPS), F.linear(norm(x), qkv.weight))
+        assert torch.equal(gemv_fused_reference(attn, o_proj.weight, residual=x), x + o_proj(attn))
+        got = gemv_fused_reference(x, mlp.gate_up_proj.weight, norm_weight=nw, eps=EPS, act="silu_mul")
+        assert got.shape == (1, I) and torch.equal(got, mlp(norm(x)))
+
+
+def test_decoder_mlp_half_through_two_launches():
+    """`x + mlp(post_norm(x))` of a layer (bf16) as [norm + gate_up + silu*up] then [down + residual]."""
+    K, I = 64, 96
+    g = torch.Generator().manual_seed(9)
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=K, intermediate_size=I, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS)
+    torch.manual_seed(9)
+    mlp, norm = MLP(cfg), RMSNorm(K, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(K, generator=g))
+    mlp.fuse()
+    mlp.bfloat16(), norm.bfloat16()
+    x = (3 * torch.randn(1, K, generator=g)).bfloat16()
+    with torch.no_grad():
+        want = x + mlp(norm(x))
+        act = gemv_fused(x, mlp.gate_up_proj.weight, norm_weight=norm.weight, eps=EPS, act="silu_mul")
+        got = gemv_fused(act, mlp.down_proj.weight, residual=x)
+    assert got.shape == want.shape and _ulps(got, want) <= 2
+
+
+def test_bad_input_raises_value_error():
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_fused(torch.randn(2, 16), w)
+    with pytest.raises(ValueError, match="disagree on K"):
+        gemv_fused(x, torch.randn(8, 15))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        gemv_fused(x, w, residual=torch.randn(1, 8), act="silu_mul")
+    with pytest.raises(ValueError, match="odd N"):
+        gemv_fused(x, torch.randn(7, 16), act="silu_mul")
+    with pytest.raises(ValueError, match="unknown act"):
+        gemv_fused(x, w, act="gelu")
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv_fused(x, torch.randn(16, 8).t())
+    with pytest.raises(ValueError, match="unit stride along K"):
+        gemv_fused(torch.randn(16, 2).t()[:1], w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv_fused(x, w, norm_weight=torch.randn(15))
+    with pytest.raises(ValueError, match="bias"):
+        gemv_fused(x, w, torch.randn(7))
+    with pytest.raises(ValueError, match="share one"):
+        gemv_fused(x, w.bfloat16())
+    with pytest.raises(ValueError, match="one row"):  # the reference validates the same way
+        gemv_fused_reference(torch.randn(2, 16), w)
+
+
+def test_op_and_fake():
+    x, w, kw = _inputs("norm+bias+silu_mul", 40, 24, torch.float32, seed=1)
+    got = gemv_fused_op(x, w, kw["bias"], kw["norm_weight"], EPS, None, "silu_mul")
+    assert (got - gemv_fused_reference(x, w, **kw)).abs().max().item() < 1e-5
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx, fw = torch.empty(1, 40), torch.empty(24, 40)
+        assert gemv_fused_op(fx, fw, None, None, EPS, None, "silu_mul").shape == (1, 12)
+        assert gemv_fused_op(fx, fw, None, None, EPS, torch.empty(1, 24), "").shape == (1, 24)
+        with pytest.raises(ValueError):
+            gemv_fused_op(fx, torch.empty(23, 40), None, None, EPS, None, "silu_mul")
