@@ -47,6 +47,66 @@ def test_decode_attention_matches_reference(B, H, Hkv, T, S, D):
         assert (got - want).abs().max().item() < 1e-4, (split, block)
 
 
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(1, 4, 2, 1, 40, 16), (2, 4, 1, 5, 70, 32), (1, 6, 2, 16, 33, 16),
+                                           (2, 2, 2, 3, 64, 64)])
+def test_decode_attention_one_launch_matches_reference_and_resets_its_counters(B, H, Hkv, T, S, D):
+    """The last program of each (b, kv head) merges: equal to the two-launch path bit for bit (same merge code), so
+    to the reference; the counters end at zero (so a second call, a later layer, a graph replay starts clean)."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1  # a row that sees only the first T slots: one slice works, the others exit at once
+    if B > 1:
+        ends[1] = S - 1  # and one that sees the whole pool: every slice works and the merge walks them all
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    want = da.decode_attention_reference(q, k, v, positions)
+    for split, block in ((16, 16), (32, 16), (64, 32)):
+        two = da.decode_attention(q, k, v, positions, split_s=split, block_s=block)  # held: its memory not reused
+        one = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+        assert (one - want).abs().max().item() < 1e-4, (split, block)
+        assert torch.equal(one, two)
+        counters = da._COUNTERS[q.device]
+        assert counters.numel() >= B * Hkv and not counters.any()
+        again = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+        assert torch.equal(again, one) and not counters.any()
+
+
+def test_decode_attention_one_launch_counters_grow_eagerly_only(monkeypatch):
+    """One buffer per device, grown (never shrunk) to B * Hkv; growing under CUDA graph capture is an error; a
+    counter left non-zero shifts who merges, so the merge really depends on the count (not on program order)."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(3)
+    q, pos = torch.randn(3, 4, 2, 16, generator=g), torch.tensor([[40, 41], [10, 11], [62, 63]])
+    k, v = torch.randn(3, 2, 64, 16, generator=g), torch.randn(3, 2, 64, 16, generator=g)  # GQA: 2 heads a group
+    monkeypatch.setattr(da, "_COUNTERS", {})
+    monkeypatch.setattr(da, "_RETIRED", [])
+    want = da.decode_attention_reference(q, k, v, pos)
+    got = da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)
+    small = da._COUNTERS[q.device]
+    assert small.numel() == 2 and (got - want[:1]).abs().max().item() < 1e-4
+    monkeypatch.setattr(da, "_capturing", lambda device: True)
+    da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)  # fits: no growth
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)  # 6 counters needed
+    monkeypatch.setattr(da, "_capturing", lambda device: False)
+    got = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
+    assert da._COUNTERS[q.device].numel() == 6 and da._RETIRED == [small]
+    assert (got - want).abs().max().item() < 1e-4 and not da._COUNTERS[q.device].any()
+    # as if a slice had already arrived: the second of (b 0, hk 0)'s three slices merges while the third's partial
+    # is not written yet (new queries: a partial left in reused memory by the call above would be wrong too)
+    da._COUNTERS[q.device][0] = 1
+    q2 = torch.randn(q.shape, generator=g)
+    bad = da.decode_attention(q2, k, v, pos, split_s=16, block_s=16, one_launch=True)
+    want2 = da.decode_attention_reference(q2, k, v, pos)
+    assert not torch.allclose(bad[0, :2], want2[0, :2], atol=1e-3)  # query heads 0, 1 share kv head 0
+    assert torch.allclose(bad[0, 2:], want2[0, 2:], atol=1e-4) and torch.allclose(bad[1:], want2[1:], atol=1e-4)
+    assert da._COUNTERS[q.device].tolist() == [1] + [0] * 5  # the third arrival found 0, not 2: no merge, no reset
+
+
 def test_decode_attention_reads_strided_queries_and_rejects_bad_shapes():
     from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
 
