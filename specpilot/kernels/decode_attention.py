@@ -195,7 +195,9 @@ if triton is not None:
             _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
             # Publish: every thread's partial stores happen before the barrier; the one thread that performs the
             # scalar atomic then releases them at gpu scope (acq_rel: release for ours, acquire for the others'
-            # when we are last) -- the CTA-barrier-then-release pattern of split-K semaphores.
+            # when we are last) -- the CTA-barrier-then-release pattern of split-K semaphores. (Compiled for sm_90
+            # with Triton 3.9: st.global partials; bar.sync; @tid0 atom.global.gpu.acq_rel.add; the old value
+            # broadcast through shared memory behind another bar.sync; then the branch and ld.global.cg.)
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
             if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
