@@ -47,6 +47,66 @@ def test_decode_attention_matches_reference(B, H, Hkv, T, S, D):
         assert (got - want).abs().max().item() < 1e-4, (split, block)
 
 
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(1, 4, 2, 1, 40, 16), (2, 4, 1, 5, 70, 32), (1, 6, 2, 16, 33, 16),
+                                           (2, 2, 2, 3, 64, 64)])
+def test_decode_attention_one_launch_matches_reference_and_resets_its_counters(B, H, Hkv, T, S, D):
+    """The last program of each (b, kv head) merges: equal to the two-launch path bit for bit (same merge code), so
+    to the reference; the counters end at zero (so a second call, a later layer, a graph replay starts clean)."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1  # a row that sees only the first T slots: one slice works, the others exit at once
+    if B > 1:
+        ends[1] = S - 1  # and one that sees the whole pool: every slice works and the merge walks them all
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    want = da.decode_attention_reference(q, k, v, positions)
+    for split, block in ((16, 16), (32, 16), (64, 32)):
+        two = da.decode_attention(q, k, v, positions, split_s=split, block_s=block)  # held: its memory not reused
+        one = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+        assert (one - want).abs().max().item() < 1e-4, (split, block)
+        assert torch.equal(one, two)
+        counters = da._COUNTERS[q.device]
+        assert counters.numel() >= B * Hkv and not counters.any()
+        again = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+        assert torch.equal(again, one) and not counters.any()
+
+
+def test_decode_attention_one_launch_counters_grow_eagerly_only(monkeypatch):
+    """One buffer per device, grown (never shrunk) to B * Hkv; growing under CUDA graph capture is an error; a
+    counter left non-zero shifts who merges, so the merge really depends on the count (not on program order)."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(3)
+    q, pos = torch.randn(3, 4, 2, 16, generator=g), torch.tensor([[40, 41], [10, 11], [62, 63]])
+    k, v = torch.randn(3, 2, 64, 16, generator=g), torch.randn(3, 2, 64, 16, generator=g)  # GQA: 2 heads a group
+    monkeypatch.setattr(da, "_COUNTERS", {})
+    monkeypatch.setattr(da, "_RETIRED", [])
+    want = da.decode_attention_reference(q, k, v, pos)
+    got = da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)
+    small = da._COUNTERS[q.device]
+    assert small.numel() == 2 and (got - want[:1]).abs().max().item() < 1e-4
+    monkeypatch.setattr(da, "_capturing", lambda device: True)
+    da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)  # fits: no growth
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)  # 6 counters needed
+    monkeypatch.setattr(da, "_capturing", lambda device: False)
+    got = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
+    assert da._COUNTERS[q.device].numel() == 6 and da._RETIRED == [small]
+    assert (got - want).abs().max().item() < 1e-4 and not da._COUNTERS[q.device].any()
+    # as if a slice had already arrived: the second of (b 0, hk 0)'s three slices merges while the third's partial
+    # is not written yet (new queries: a partial left in reused memory by the call above would be wrong too)
+    da._COUNTERS[q.device][0] = 1
+    q2 = torch.randn(q.shape, generator=g)
+    bad = da.decode_attention(q2, k, v, pos, split_s=16, block_s=16, one_launch=True)
+    want2 = da.decode_attention_reference(q2, k, v, pos)
+    assert not torch.allclose(bad[0, :2], want2[0, :2], atol=1e-3)  # query heads 0, 1 share kv head 0
+    assert torch.allclose(bad[0, 2:], want2[0, 2:], atol=1e-4) and torch.allclose(bad[1:], want2[1:], atol=1e-4)
+    assert da._COUNTERS[q.device].tolist() == [1] + [0] * 5  # the third arrival found 0, not 2: no merge, no reset
+
+
 def test_decode_attention_reads_strided_queries_and_rejects_bad_shapes():
     from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
 
@@ -126,6 +186,24 @@ def test_decode_attention_is_one_opaque_op_under_torch_compile():
     assert torch.allclose(out, 2 * decode_attention_reference(q, k, v, pos), atol=1e-4)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert any("specpilot.decode_attention" in t for t in targets), targets
+
+
+def test_decode_attention_one_launch_is_its_own_opaque_op_under_torch_compile():
+    from specpilot.kernels.decode_attention import decode_attention_one_op, decode_attention_reference
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 300, 16), torch.randn(2, 2, 300, 16)
+    pos = torch.tensor([[20, 21, 22], [270, 271, 272]])  # the default 128-key slices: 1 and 3 of them at work
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v, p: decode_attention_one_op(q, k, v, p) * 2, backend=backend, fullgraph=True)
+    assert torch.allclose(fn(q, k, v, pos), 2 * decode_attention_reference(q, k, v, pos), atol=1e-4)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.decode_attention_one" in t for t in targets) == 1, targets
 
 
 # --- RMSNorm (kernels/rmsnorm.py) -------------------------------------------------------------------------------
@@ -313,6 +391,144 @@ def test_models_with_kernels_on_still_deep_copy(tiny_model_dir):
     a = m(ids, pos, m.new_cache(1, 16), kv_len=None)
     b = c(ids, pos, c.new_cache(1, 16), kv_len=None)
     assert torch.equal(a, b)
+
+
+# --- q/k norm + RoPE + KV-cache write (kernels/rope_write.py) ----------------------------------------------------
+
+
+def _rope_write_case(B, H, Hkv, T, D, S, qk_norm, dtype, seed=0):
+    """Inputs as Attention.forward has them: q/k/v transposed views of one fused projection output, the pool's
+    layer slices (random contents, so untouched slots are checked too), per-row positions, cos/sin as DenseLM's."""
+    from specpilot.models.cache import KVCache
+    from specpilot.models.config import ModelConfig
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+    q, k, v = (x.reshape(B, T, -1, D).transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D], strided
+    cfg = ModelConfig(model_type="qwen3" if qk_norm else "qwen2", vocab_size=8, hidden_size=H * D,
+                      intermediate_size=8, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=Hkv,
+                      head_dim=D, qk_norm=qk_norm)
+    cache = KVCache(cfg, B, S, dtype=dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    starts = torch.randint(0, S - T + 1, (B,), generator=g)
+    if B > 1:
+        starts[1] = (starts[0] + T + 3) % (S - T + 1)  # rows at different positions
+    positions = starts[:, None] + torch.arange(T)[None]  # [B, T]
+    freqs = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+    weights = [(1 + 0.3 * torch.randn(D, generator=g)).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+    return q, k, v, emb.cos().to(dtype), emb.sin().to(dtype), positions, cache, weights
+
+
+@pytest.mark.parametrize("qk_norm,B,H,Hkv,D", [(False, 1, 12, 2, 64), (False, 2, 4, 2, 16), (True, 2, 8, 4, 32),
+                                               (True, 1, 16, 8, 128)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_rope_write_matches_the_eager_norm_rope_and_cache_write(qk_norm, B, H, Hkv, D, T):
+    """The reference is the eager chain (RMSNorm modules, apply_rope, KVCache.write) bit for bit; the kernel gives
+    rotated q and the written slots within ~1e-6 (fp32), v copied exactly, every other slot of the pool untouched."""
+    from specpilot.kernels.rope_write import rope_write, rope_write_reference
+    from specpilot.models.dense import RMSNorm, apply_rope
+
+    q, k, v, cos, sin, positions, cache, (qw, kw) = _rope_write_case(B, H, Hkv, T, D, 24, qk_norm, torch.float32,
+                                                                        seed=B * 10 + T + D)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    qe, ke = q, k
+    if qk_norm:  # as Attention.forward: the norms on [B, T, heads, D], then the transpose
+        norms = [RMSNorm(D, 1e-6) for _ in range(2)]
+        with torch.no_grad():
+            for n, w in zip(norms, (qw, kw)):
+                n.weight.copy_(w)
+            qe, ke = (n(x.transpose(1, 2)).transpose(1, 2) for n, x in zip(norms, (q, k)))
+    want_q = apply_rope(qe, cos, sin)
+    cache.write(1, positions, apply_rope(ke, cos, sin), v)
+    want_k, want_v = cache.k.clone(), cache.v.clone()
+    ref_k, ref_v = before_k.clone(), before_v.clone()
+    ref_q = rope_write_reference(q, k, v, cos, sin, positions, ref_k[1], ref_v[1], qw, kw)
+    assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k) and torch.equal(ref_v, want_v)
+
+    cache.k.copy_(before_k)
+    cache.v.copy_(before_v)
+    got_q = rope_write(q, k, v, cos, sin, positions, cache.k[1], cache.v[1], qw, kw)
+    assert got_q.shape == q.shape and got_q.is_contiguous() and got_q.dtype == q.dtype
+    assert (got_q - want_q).abs().max().item() < 1e-6 * max(1.0, want_q.abs().max().item())
+    assert (cache.k - want_k).abs().max().item() < 1e-6 * max(1.0, want_k.abs().max().item())
+    assert torch.equal(cache.v, want_v)
+    written = torch.zeros(cache.k.shape, dtype=torch.bool)
+    written[1, torch.arange(B)[:, None], :, positions] = True
+    assert torch.equal(cache.k[~written], before_k[~written]) and torch.equal(cache.v[~written], before_v[~written])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_bf16_follows_the_eager_rounding(qk_norm):
+    """bf16: equal to the eager chain without norms (rope's rounding order); with the norms (in practice equal too)
+    a rare element may differ by an ulp, since the sum of squares is a tree in the kernel; skipping the norm's
+    rounding to bf16 before the weight would change about a quarter of them."""
+    from specpilot.kernels.rope_write import rope_write, rope_write_reference
+
+    q, k, v, cos, sin, positions, cache, (qw, kw) = _rope_write_case(2, 6, 2, 3, 64, 16, qk_norm, torch.bfloat16)
+    ref_k, ref_v = cache.k[1].clone(), cache.v[1].clone()
+    want = rope_write_reference(q, k, v, cos, sin, positions, ref_k, ref_v, qw, kw)
+    got = rope_write(q, k, v, cos, sin, positions, cache.k[1], cache.v[1], qw, kw)
+    assert torch.equal(cache.v[1], ref_v)
+    for a, b in ((got, want), (cache.k[1], ref_k)):
+        if qk_norm:
+            tol = 2 * torch.finfo(torch.bfloat16).eps * b.float().abs().max().item()
+            assert (a.float() - b.float()).abs().max().item() <= tol and (a != b).float().mean().item() < 0.02
+        else:
+            assert torch.equal(a, b)
+
+
+def test_rope_write_rejects_bad_shapes_with_clear_messages():
+    import re
+
+    from specpilot.kernels.rope_write import rope_write
+
+    q, k, v, cos, sin, positions, cache, _ = _rope_write_case(2, 4, 2, 3, 16, 8, False, torch.float32)
+    kc, vc = cache.k[0], cache.v[0]
+    good = dict(q=q, k=k, v=v, cos=cos, sin=sin, positions=positions, k_cache=kc, v_cache=vc)
+    bad = [
+        (dict(k=k[:, :, :2]), "k and v must both be"),
+        (dict(v=v[:, :1]), "k and v must both be"),
+        (dict(positions=positions[:, :2]), "positions must be integer"),
+        (dict(positions=positions.float()), "positions must be integer"),
+        (dict(cos=cos[..., :8]), "cos and sin must be"),
+        (dict(k_cache=cache.k[0, :, :1]), "k_cache and v_cache must both be"),
+        (dict(v_cache=cache.v[0, :1]), "k_cache and v_cache must both be"),
+        (dict(k_cache=kc.double(), v_cache=vc.double()), "k_cache must have q's dtype"),
+        (dict(q_norm_weight=torch.ones(8)), "q_norm_weight must be [D]"),
+        (dict(k_norm_weight=torch.ones(16).bfloat16()), "k_norm_weight must have q's dtype"),
+        (dict(q=q[..., :12], k=k[..., :12], v=v[..., :12], cos=cos[..., :12], sin=sin[..., :12],
+              k_cache=kc[..., :12], v_cache=vc[..., :12]), "power of two"),
+        (dict(q=q[0]), "q must be"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rope_write(**{**good, **change})
+    assert torch.equal(cache.k[0], kc)
+
+
+def test_rope_write_is_one_opaque_op_under_torch_compile_and_keeps_its_cache_writes():
+    from specpilot.kernels.rope_write import rope_write_op, rope_write_reference
+
+    q, k, v, cos, sin, positions, cache, (qw, kw) = _rope_write_case(1, 4, 2, 2, 16, 8, True, torch.float32)
+    ref_k, ref_v = cache.k.clone(), cache.v.clone()
+    want = rope_write_reference(q, k, v, cos, sin, positions, ref_k[0], ref_v[0], qw, kw)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v, c, s, p, kc, vc, qw, kw):
+        return rope_write_op(q, k, v, c, s, p, kc[0], vc[0], qw, kw) * 2
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, v, cos, sin, positions, cache.k, cache.v, qw, kw)
+    assert torch.allclose(got, 2 * want, atol=1e-5)
+    assert torch.allclose(cache.k, ref_k, atol=1e-6) and torch.equal(cache.v, ref_v)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("specpilot.rope_write" in t for t in targets) == 1, targets
 
 
 # --- silu(gate) * up (kernels/silu_mul.py) ----------------------------------------------------------------------

@@ -10,6 +10,12 @@ static (CUDA graphs). A second kernel merges the slices' partial softmaxes (two 
 looping over the slices below the largest position only (session 9 measured the kernel slower than SDPA at
 T = 1 on the H200, 512 tokens in a 4096-slot pool, when the merge still walked all 32 slices serially).
 
+One launch (`one_launch=True`): at 1.5B-class shapes a bs-1 step is launch/latency bound, and the merge kernel
+(~5.9 us at the 0.5B shape: B * Hkv = 2 programs, serial over the slices) costs more than the split kernel
+(~3.7 us). So each working program publishes its partial and counts itself in with an atomic on a per-(b, kv head)
+counter; the one that arrives last merges (the same code, so the same numbers) and zeroes the counter again. The
+counters are one zero-initialised buffer per device, allocated on first use, never per call (see `_counters`).
+
 Mask: key slot j is visible to a query at position p iff j <= p (slot p = position p, models/cache.py), the
 DenseLM's positional causal mask, computed in the kernel from `positions` instead of read from a mask tensor.
 
@@ -49,19 +55,10 @@ def decode_attention_reference(q, k, v, positions, scale: float | None = None) -
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
-                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
-                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
-                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                      UPCAST: tl.constexpr):
-        # operands stay in the model's dtype (bf16: tensor cores, exact products), accumulation is fp32; PREC
-        # "ieee" keeps fp32 models exact instead of TF32. UPCAST (the CPU interpreter only, whose dot mishandles
-        # bf16) computes in fp32.
-        pid_bh = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        b = pid_bh // H_KV
-        hk = pid_bh % H_KV
-        r = tl.arange(0, BLOCK_R)  # row r = (query head j in the group, token t) = (r // T, r % T)
+    def _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                 UPCAST: tl.constexpr):
+        """-> q [BLOCK_R, D] (row r = (query head j in the group, token t) = (r // T, r % T)), pos [BLOCK_R], max_pos"""
+        r = tl.arange(0, BLOCK_R)
         valid = r < G * T
         j = r // T
         t = r % T
@@ -71,60 +68,65 @@ if triton is not None:
         if UPCAST:
             q = q.to(tl.float32)
         pos = tl.load(pos_ptr + b * sp_b + t, mask=valid, other=-1)
-        max_pos = tl.max(pos, axis=0)
-        start = pid_s * SPLIT_S
+        return q, pos, tl.max(pos, axis=0)
+
+    @triton.jit
+    def _slice_partial(q, pos, k_ptr, v_ptr, b, hk, start, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, S, SPLIT_S, scale,
+                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                       UPCAST: tl.constexpr):
+        """Online softmax over keys [start, start + SPLIT_S): -> m [BLOCK_R], l [BLOCK_R], acc [BLOCK_R, D] (fp32)."""
+        d = tl.arange(0, D)
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
-        if start <= max_pos:  # a slice wholly above every query position holds nothing visible
-            for s0 in range(start, start + SPLIT_S, BLOCK_S):
-                s = s0 + tl.arange(0, BLOCK_S)
-                in_pool = s < S
-                kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
-                             mask=in_pool[:, None], other=0.0)
-                if UPCAST:
-                    kb = kb.to(tl.float32)
-                scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
-                seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
-                scores = tl.where(seen, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-                p = tl.exp(scores - m_use[:, None])
-                alpha = tl.exp(m_i - m_use)
-                vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
-                             mask=in_pool[:, None], other=0.0)
-                if UPCAST:
-                    vb = vb.to(tl.float32)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
-                m_i = m_new
-            part = (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R  # slices above max_pos store nothing: never merged
-            tl.store(m_ptr + part + r, m_i)
-            tl.store(l_ptr + part + r, l_i)
-            tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
-
+        for s0 in range(start, start + SPLIT_S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            in_pool = s < S
+            kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
+                         mask=in_pool[:, None], other=0.0)
+            if UPCAST:
+                kb = kb.to(tl.float32)
+            scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
+            seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp(scores - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
+                         mask=in_pool[:, None], other=0.0)
+            if UPCAST:
+                vb = vb.to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit
-    def _combine_kernel(o_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, so_b, so_h, so_t, sp_b, H_KV, T, G, SPLIT_S,
-                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr):
-        # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
-        # the slices at or below the largest query position only (the others exited early): the merge's serial
-        # loop follows the context, not the pool (at 512 tokens of a 4096-slot pool: 4 slices instead of 32)
-        pid_bh = tl.program_id(0)
-        b = pid_bh // H_KV
-        hk = pid_bh % H_KV
+    def _store_partial(o_ptr, m_ptr, l_ptr, part, m_i, l_i, acc, D: tl.constexpr, BLOCK_R: tl.constexpr):
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, D)
-        max_pos = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < T, other=-1), axis=0)
-        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
+        tl.store(m_ptr + part + r, m_i)
+        tl.store(l_ptr + part + r, l_i)
+        tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+        # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
+        # the slices at or below the largest query position only (the others exited early): the merge's serial
+        # loop follows the context, not the pool (at 512 tokens of a 4096-slot pool: 4 slices instead of 32).
+        # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, D)
         m_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         for sp in range(0, n_used):
             part = (pid_bh * NUM_SPLITS + sp) * BLOCK_R
-            m_s = tl.load(m_ptr + part + r)
-            l_s = tl.load(l_ptr + part + r)
-            o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :])
+            m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
+            l_s = tl.load(l_ptr + part + r, cache_modifier=CACHE)
+            o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
             m_new = tl.maximum(m_run, m_s)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             a_run = tl.exp(m_run - m_use)
@@ -139,22 +141,121 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + (hk * G + j)[:, None] * so_h + t[:, None] * so_t + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
+                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
+                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
+                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        # operands stay in the model's dtype (bf16: tensor cores, exact products), accumulation is fp32; PREC
+        # "ieee" keeps fp32 models exact instead of TF32. UPCAST (the CPU interpreter only, whose dot mishandles
+        # bf16) computes in fp32.
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
+        start = pid_s * SPLIT_S
+        if start <= max_pos:  # a slice wholly above every query position holds nothing visible
+            m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, start, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                                           S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST)
+            # slices above max_pos store nothing: never merged
+            _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, so_b, so_h, so_t, sp_b, H_KV, T, G, SPLIT_S,
+                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        pid_bh = tl.program_id(0)
+        r = tl.arange(0, BLOCK_R)
+        max_pos = tl.max(tl.load(pos_ptr + (pid_bh // H_KV) * sp_b + r % T, mask=r < T, other=-1), axis=0)
+        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
+        _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, pid_bh // H_KV, pid_bh % H_KV, pid_bh, n_used, so_b, so_h, so_t,
+                     T, G, NUM_SPLITS, D, BLOCK_R, "")
+
+    @triton.jit
+    def _split_merge_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
+                            sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
+                            H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
+                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                            UPCAST: tl.constexpr):
+        # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
+        # Who counts: only the n_used slices that do work (pid_s < n_used <=> pid_s * SPLIT_S <= max_pos, the
+        # split kernel's own test), so the expected total is n_used, computed as `_combine_kernel` does; slices
+        # above max_pos exit without touching the counter. (Counting every grid program instead would make the
+        # early exits pay an atomic each and let a program without a partial do the merge.)
+        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
+        if pid_s < n_used:
+            m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s, sv_b,
+                                           sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST)
+            _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
+            # Publish: every thread's partial stores happen before the barrier; the one thread that performs the
+            # scalar atomic then releases them at gpu scope (acq_rel: release for ours, acquire for the others'
+            # when we are last) -- the CTA-barrier-then-release pattern of split-K semaphores. (Compiled for sm_90
+            # with Triton 3.9: st.global partials; bar.sync; @tid0 atom.global.gpu.acq_rel.add; the old value
+            # broadcast through shared memory behind another bar.sync; then the branch and ld.global.cg.)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
+                # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
+                # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
+                _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G,
+                             NUM_SPLITS, D, BLOCK_R, ".cg")
+                # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
+                # is in, so nothing else touches this counter before the kernel ends
+                tl.store(cnt_ptr + pid_bh, 0)
+
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the one-launch path's arrival counters, all zero
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers, kept alive: a CUDA graph captured earlier still uses one
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """>= n zero int32 counters on `device` [n'], shared by every call (every layer) on that device.
+
+    Not allocated per call: an allocation and memset inside a CUDA graph would be one more launch. Sharing is safe
+    because launches on one stream run in order and each launch's merging programs reset their counters to zero
+    before it ends. Two streams of one device must NOT run the one-launch kernel concurrently (their programs
+    would count on the same counters). Grown only eagerly: the engine runs a step eagerly before capturing it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if _capturing(device):
+            raise RuntimeError(f"decode_attention(one_launch=True) needs {n} arrival counters on {device} but has "
+                               f"{0 if buf is None else buf.numel()}, and cannot allocate them during CUDA graph "
+                               "capture: run the same shapes once eagerly before capturing")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     scale: float | None = None, *, split_s: int = 128, block_s: int = 64) -> torch.Tensor:
+                     scale: float | None = None, *, split_s: int = 128, block_s: int = 64,
+                     one_launch: bool = False) -> torch.Tensor:
     """Masked (key slot <= query position) attention of q [B, H, T, D] over k/v [B, Hkv, S, D] -> [B, H, T, D].
 
     T <= MAX_T, H a multiple of Hkv, D a power of two >= 16; `split_s` keys per program (a multiple of
-    `block_s`). Static shapes only, no host sync: safe inside CUDA graphs."""
+    `block_s`); positions [B, T] >= 0. `one_launch`: the slices are merged by the last program of each (b, kv head)
+    to finish instead of a second kernel (same numbers; see `_counters` for the one rule it adds). Static shapes,
+    no host sync: safe inside CUDA graphs."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if T > MAX_T or H % Hkv or D < 16 or D & (D - 1) or split_s % block_s or k.shape != v.shape:
+    if (T > MAX_T or H % Hkv or D < 16 or D & (D - 1) or split_s % block_s or k.shape != v.shape
+            or (one_launch and S < 1)):
         raise ValueError(f"decode_attention: unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, split {split_s}/{block_s}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
@@ -163,37 +264,46 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     rows = max(16, _pow2(G * T))
     splits = triton.cdiv(S, split_s)
     pos = positions if positions.is_contiguous() else positions.contiguous()
+    # the slices' partials: row (b * Hkv + hk, slice, r) of o [.., D], m, l (fp32)
     o = torch.empty(B * Hkv * splits * rows, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B * Hkv * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _split_kernel[(B * Hkv, splits)](
-        q, k, v, pos, o, m, l,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), pos.stride(0),
-        Hkv, S, T, G, split_s, splits, D ** -0.5 if scale is None else scale,
-        D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-    )
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), pos.stride(0))
+    consts = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                  UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
+    scale = D ** -0.5 if scale is None else scale
+    if one_launch:
+        _split_merge_kernel[(B * Hkv, splits)](
+            q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv), *strides,
+            out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, scale, **consts)
+        return out
+    _split_kernel[(B * Hkv, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, scale, **consts)
     _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
                                 Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows)
     return out
 
 
 def _register_op():
-    """The kernel as a torch custom op, so torch.compile treats it as one opaque call. Inductor otherwise re-compiles
+    """The kernel as torch custom ops, so torch.compile treats it as one opaque call. Inductor otherwise re-compiles
     user Triton kernels itself, and that failed for `_split_kernel` in the loop's `compile` trial on the H200
-    (session 10: InductorError in its compile worker), which kept `compile` and the kernel from combining."""
+    (session 10: InductorError in its compile worker), which kept `compile` and the kernel from combining.
+    "specpilot::decode_attention_one" is the one-launch path (its counters end every call at zero, as they began:
+    no state torch.compile would need to know of)."""
 
     @torch.library.custom_op("specpilot::decode_attention", mutates_args=())
     def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return decode_attention(q, k, v, positions)
 
-    @decode_attention_op.register_fake
-    def _(q, k, v, positions):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    @torch.library.custom_op("specpilot::decode_attention_one", mutates_args=())
+    def decode_attention_one_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                                ) -> torch.Tensor:
+        return decode_attention(q, k, v, positions, one_launch=True)
 
-    return decode_attention_op
+    for op in (decode_attention_op, decode_attention_one_op):
+        op.register_fake(lambda q, k, v, positions: torch.empty_like(q, memory_format=torch.contiguous_format))
+    return decode_attention_op, decode_attention_one_op
 
 
-decode_attention_op = _register_op() if triton is not None else None
+decode_attention_op, decode_attention_one_op = _register_op() if triton is not None else (None, None)
