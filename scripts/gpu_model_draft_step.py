@@ -10,7 +10,7 @@ span (what the engine's StageTimer sees); (3) a torch.profiler trace of propose(
 drafter's own weights as target (every draft accepted) and with a 1.5B random target (every draft rejected).
 
 Run: python3 scripts/gpu_model_draft_step.py   (`--cpu-smoke`: tiny shapes on the CPU, no graphs, as its test
-runs it). Last stdout line: one JSON object, figures in ms.
+runs it; `--fused-decode`: the drafter's and target's one-token passes through models/fused_decode.py). Last stdout line: one JSON object, figures in ms.
 """
 
 from __future__ import annotations
@@ -45,19 +45,21 @@ def configs(smoke: bool) -> tuple[ModelConfig, ModelConfig]:
 
 
 @torch.inference_mode()
-def main(smoke: bool) -> int:
+def main(smoke: bool, fused: bool = False) -> int:
     if not smoke and not torch.cuda.is_available():
         print("gpu_model_draft_step.py needs CUDA (use --cpu-smoke to check it on the CPU)", file=sys.stderr)
         return 2
     device, p = torch.device("cpu" if smoke else "cuda"), SMOKE if smoke else REAL
     dcfg, tcfg = configs(smoke)
     ecfg = EngineConfig(drafter_kind="model", num_draft_tokens=K, max_new_tokens=p["new_tokens"], max_seq_len=p["pool"],
-                        ignore_eos=True, device=str(device), cuda_graphs=not smoke, ngram_assist=0)
+                        ignore_eos=True, device=str(device), cuda_graphs=not smoke, ngram_assist=0,
+                        fused_decode=fused)
     small = random_model(dcfg, dtype=p["dtype"], device=device, seed=1)
     _apply_layout(small, ecfg)  # what build_drafter does to a drafter it loads by name
     drafter = build_drafter(ecfg, small, small)
     runner = drafter.runner
-    out = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "smoke": smoke, "prompt": p["prompt"],
+    out = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "smoke": smoke, "fused_decode": fused,
+           "prompt": p["prompt"],
            "graphs": sorted(T for T, g in runner.graphs.items() if g[0] is not None)}
     print("drafter buckets captured:", out["graphs"])
     gen = torch.Generator().manual_seed(0)
@@ -105,4 +107,4 @@ def main(smoke: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main("--cpu-smoke" in sys.argv[1:]))
+    sys.exit(main("--cpu-smoke" in sys.argv[1:], "--fused-decode" in sys.argv[1:]))

@@ -4,7 +4,8 @@
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
 the split-KV attention kernel (and, uncompiled, with the RMSNorm and RoPE kernels too), at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
 pass grows with its tokens: the cost model prices draft lengths with it)
-(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel); "allkernels_gemv"
+(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel,
+`--variants=sdpa,attnkernel,allkernels,allkernels_gemv,fuseddecode` keeps those uncompiled ones); "allkernels_gemv"
 (uncompiled) is "all kernels" plus the Triton GEMV for few-token projections (`model.use_gemv_kernel()`: M = 1 and
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
 "fuseddecode" is "all kernels" with one-token steps through models/fused_decode.py (six launches a layer; its
@@ -52,6 +53,9 @@ def main(shapes, flags=()) -> int:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
             variants = [v for v in variants if not v[0] or v[1]]
+        only = [f.split("=", 1)[1].split(",") for f in flags if f.startswith("--variants=")]
+        if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
+            variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
             every = kernel in ("all", "all_gemv", "fused")
             model.use_attention_kernel(bool(kernel))
