@@ -23,15 +23,17 @@ from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_reference
 from specpilot.kernels.rope_write import rope_write, rope_write_reference
 
 
-def graphed_us(fn) -> float:
-    """Median time of `fn` captured as a CUDA graph and replayed (after eager warm-up)."""
+def graphed_us(fn, reps: int = 20) -> float:
+    """Time per call of `fn`, `reps` calls captured back to back in one CUDA graph and replayed (after eager
+    warm-up): a graph of one small kernel would time mostly the replay's own launch."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return round(time_median_s(g.replay, warmup=10, repeats=200) * 1e6, 2)
+        for _ in range(reps):
+            fn()
+    return round(time_median_s(g.replay, warmup=5, repeats=50) * 1e6 / reps, 2)
 
 
 def attention_parity(out: dict) -> None:
@@ -68,6 +70,18 @@ def attention_parity(out: dict) -> None:
                               "one_launch_us": graphed_us(lambda: decode_attention(q, k, v, pos, one_launch=True))}
         worst = max(worst, bad + g_bad)
         print(key, out[f"attn_{key}"], flush=True)
+    for name, (H, Hkv) in (("1.5b", (12, 2)), ("8b", (32, 8))):  # the one-launch path's split sizes, T = 1
+        q = torch.randn(1, H, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, Hkv, 4096, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for ctx in (512, 2048):
+            pos = torch.tensor([[ctx - 1]], device="cuda")
+            row = {"two_launch_128_64": graphed_us(lambda: decode_attention(q, k, v, pos))}
+            for split, block in ((128, 64), (128, 128), (64, 64), (64, 32), (32, 32), (256, 64)):
+                row[f"one_{split}_{block}"] = graphed_us(lambda: decode_attention(
+                    q, k, v, pos, split_s=split, block_s=block, one_launch=True))
+            out[f"attn_sweep_{name}_ctx{ctx}"] = row
+            print(name, ctx, row, flush=True)
     out["attn_counters_zero"] = bool((_counters(torch.device("cuda"), 1) == 0).all())
     out["attn_ok"] = worst == 0 and out["attn_counters_zero"]
 

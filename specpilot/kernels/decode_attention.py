@@ -112,28 +112,29 @@ if triton is not None:
 
     @triton.jit
     def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
-                     D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr):
         # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
-        # the slices at or below the largest query position only (the others exited early): the merge's serial
-        # loop follows the context, not the pool (at 512 tokens of a 4096-slot pool: 4 slices instead of 32).
+        # the slices at or below the largest query position only (the others exited early). Two passes, so that
+        # no step waits on the one before: the slices' maxima and sums in one [SPLITS_P2, BLOCK_R] load (M and
+        # the denominator at once), then the weighted sum of the accumulators, whose loads are independent of
+        # each other (an online merge chains every slice's exp on the previous running maximum).
         # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, D)
-        m_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_run = tl.zeros([BLOCK_R], tl.float32)
+        sp = tl.arange(0, SPLITS_P2)
+        used = sp < n_used
+        rows = (pid_bh * NUM_SPLITS + sp)[:, None] * BLOCK_R + r[None, :]  # [SPLITS_P2, BLOCK_R]
+        m_all = tl.load(m_ptr + rows, mask=used[:, None], other=float("-inf"), cache_modifier=CACHE)
+        l_all = tl.load(l_ptr + rows, mask=used[:, None], other=0.0, cache_modifier=CACHE)
+        m_max = tl.max(m_all, axis=0)  # [BLOCK_R]
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
+        l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for sp in range(0, n_used):
-            part = (pid_bh * NUM_SPLITS + sp) * BLOCK_R
+        for s in range(0, n_used):
+            part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
             m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
-            l_s = tl.load(l_ptr + part + r, cache_modifier=CACHE)
             o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
-            m_new = tl.maximum(m_run, m_s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_run = tl.exp(m_run - m_use)
-            a_s = tl.exp(m_s - m_use)
-            l_run = l_run * a_run + l_s * a_s
-            acc = acc * a_run[:, None] + o_s * a_s[:, None]
-            m_run = m_new
+            acc += o_s * tl.exp(m_s - m_use)[:, None]
         valid = r < G * T
         out = acc / tl.where(valid, l_run, 1.0)[:, None]
         j = r // T
@@ -164,20 +165,20 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, so_b, so_h, so_t, sp_b, H_KV, T, G, SPLIT_S,
-                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr):
+                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
         pid_bh = tl.program_id(0)
         r = tl.arange(0, BLOCK_R)
         max_pos = tl.max(tl.load(pos_ptr + (pid_bh // H_KV) * sp_b + r % T, mask=r < T, other=-1), axis=0)
         n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
         _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, pid_bh // H_KV, pid_bh % H_KV, pid_bh, n_used, so_b, so_h, so_t,
-                     T, G, NUM_SPLITS, D, BLOCK_R, "")
+                     T, G, NUM_SPLITS, D, BLOCK_R, "", SPLITS_P2)
 
     @triton.jit
     def _split_merge_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
                             H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -204,7 +205,7 @@ if triton is not None:
                 # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
                 # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
                 _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G,
-                             NUM_SPLITS, D, BLOCK_R, ".cg")
+                             NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2)
                 # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
                 tl.store(cnt_ptr + pid_bh, 0)
@@ -277,12 +278,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if one_launch:
         _split_merge_kernel[(B * Hkv, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv), *strides,
-            out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, scale, **consts)
+            out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, scale, **consts,
+            SPLITS_P2=_pow2(splits))
         return out
     _split_kernel[(B * Hkv, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, scale, **consts)
     _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
-                                Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows)
+                                Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows, SPLITS_P2=_pow2(splits))
     return out
+
+
+# keys per program and per inner step of the one-launch op (the fused decode path's attention); the H200 timing
+# that chose them: BENCHMARKS.md (session 12)
+ONE_LAUNCH_SPLIT = (128, 64)
 
 
 def _register_op():
@@ -299,7 +306,8 @@ def _register_op():
     @torch.library.custom_op("specpilot::decode_attention_one", mutates_args=())
     def decode_attention_one_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                                 ) -> torch.Tensor:
-        return decode_attention(q, k, v, positions, one_launch=True)
+        return decode_attention(q, k, v, positions, split_s=ONE_LAUNCH_SPLIT[0], block_s=ONE_LAUNCH_SPLIT[1],
+                                one_launch=True)
 
     for op in (decode_attention_op, decode_attention_one_op):
         op.register_fake(lambda q, k, v, positions: torch.empty_like(q, memory_format=torch.contiguous_format))

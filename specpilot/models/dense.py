@@ -389,4 +389,7 @@ class DenseLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [B, T, H] -> [B, T, V] in fp32 (acceptance and margins compare logits; bf16 ties would be noise)
+        if self.fused_decode and hidden.numel() == hidden.shape[-1]:  # one row: the fused path's GEMV, no cuBLAS
+            row = kernel_op("gemv_fused")(hidden.reshape(1, -1), self.lm_head.weight, None, None, 0.0, None, "")
+            return row.float().view(*hidden.shape[:-1], -1)
         return self.lm_head(hidden).float()
