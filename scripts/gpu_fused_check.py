@@ -6,7 +6,7 @@ any order (the one-launch attention's last-program merge depends on its atomics'
 real. Checks: (1) one-launch attention == the two-launch kernel bit for bit, 200 calls with fresh positions,
 eagerly and as a replayed CUDA graph, counters zero afterwards; (2) the fused GEMV (norm prologue, bias, residual,
 SiLU * up) and RoPE + K/V write against their PyTorch twins at the 1.5B and 8B shapes; (3) graphed time of each
-fused launch vs the launches it replaces. Last stdout line: one JSON object (times in us).
+fused launch vs the launches it replaces (`--only=attention,gemv,rope` picks parts). Last stdout line: one JSON object (times in us).
 """
 
 from __future__ import annotations
@@ -143,7 +143,10 @@ def main() -> int:
         print("gpu_fused_check.py needs CUDA", file=sys.stderr)
         return 2
     out = {"device": torch.cuda.get_device_name()}
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")]  # e.g. --only=gemv
     for fn in (attention_parity, gemv_parity, rope_parity):
+        if only and fn.__name__.split("_")[0] not in only[0]:
+            continue
         try:
             fn(out)
         except Exception as e:  # a diagnostic: report, keep checking the rest
