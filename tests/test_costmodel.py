@@ -581,4 +581,4 @@ def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
         assert one.num_kernels < regular.num_kernels and one.weight_bytes == regular.weight_bytes
         # verify blocks keep the regular path
         assert forward_cost(cfg, 5, 512, fused=True, fused_decode=True) == forward_cost(cfg, 5, 512, fused=True)
-    assert _knobs(EngineConfig(fused_decode=True)).fused_decode and not _knobs(EngineConfig()).fused_decode
+    assert _knobs(EngineConfig()).fused_decode and not _knobs(EngineConfig(fused_decode=False)).fused_decode

@@ -42,6 +42,21 @@ def test_dflash_step_diagnostic_runs_on_cpu():
     assert set(out["engine_stage_ms_per_step"]) >= {"draft", "verify", "accept"}
 
 
+def test_model_draft_step_diagnostic_runs_on_cpu():
+    """gpu_model_draft_step.py (a small AR drafter's step breakdown) runs at tiny shapes on the CPU; with every
+    draft accepted (the drafter's own weights as target) tau is K + 1 and the drafter's steps are counted."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_model_draft_step.py"), "--cpu-smoke"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in ("step1_gpu_ms", "step2_gpu_ms", "propose_wall_ms", "propose_host_ms", "propose_event_ms", "profile",
+              "engine_self_target", "engine_other_target"):
+        assert out.get(k) is not None, (k, r.stderr)  # a failed measurement reads None
+    runs = out["engine_self_target"]["steps_run"]["drafter"]
+    assert out["engine_self_target"]["tau"] > 1 and sum(runs.values()) > 0
+
+
 def test_regen_cache_script_round_trip(tmp_path):
     """scripts/regen_cache.py pack | unpack, as the GPU session runs it (a failure there would lose the data)."""
     from specpilot.train.regenerate import META, read_cache
