@@ -121,7 +121,12 @@ if triton is not None:
             h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
             if HAS_NORM:  # RMSNorm.forward: normalized, rounded to the dtype, times the weight, rounded
                 nw = tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-                h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
+                if LIBDEVICE:  # the GPU's cvt rounds to nearest even: one instruction (this runs per program and
+                    # K block; the by-hand rounding cost ~8 integer ops an element, as much as the weight's FMAs
+                    # when a program owns few rows)
+                    h = ((h * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+                else:  # the interpreter truncates fp32 -> bf16: round by hand
+                    h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
             w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN, BK]
             acc += w.to(tl.float32) * h[None, :]
@@ -147,6 +152,7 @@ if triton is not None:
         tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
 
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
+    # (LIBDEVICE = "on a GPU": libdevice's expf and the hardware's round-to-nearest-even casts)
     # + wider tiles with 8 warps: more rows share each program's x-side work (the norm prologue), and more bytes
     # in flight per SM at the 8B-class shapes (the first H200 run: 3.2 TB/s there vs cuBLAS's 3.7 at gate_up)
     _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
