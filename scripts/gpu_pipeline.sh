@@ -45,10 +45,15 @@ ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB; not when a war
 checks() {  # the engine's GPU parity check, the cost model's profiles, AR step times, the GEMV kernel (issue 3)
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   tail -1 $R/engine_check.log
+  echo "[$(date +%T)] fused-decode kernels: parity stress and per-launch times; a small drafter's step with them"
+  timeout 150 python3 scripts/gpu_fused_check.py > $R/fused_check.log 2>&1
+  tail -1 $R/fused_check.log | cut -c1-300
+  timeout 150 python3 scripts/gpu_model_draft_step.py --fused-decode > $R/model_draft_step.log 2>&1
+  tail -1 $R/model_draft_step.log | cut -c1-300
   echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
   for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
-  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile)} \
+  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=attnkernel,allkernels,fuseddecode)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
   echo "[$(date +%T)] Triton GEMV: split-K at M = 16 for narrow N vs cuBLAS and the one-launch kernel"
