@@ -16,7 +16,8 @@
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
-# nothing shipped: bench the committed drafter on GPU 0, the checks and the loop on GPU 1), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
+# nothing shipped: bench the committed drafter on GPU 0, the checks and the loop on GPU 1; ARBENCH=1 then adds the
+# 0.5B-drafter and n-gram benches there), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -76,6 +77,14 @@ loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRA
   fi
 }
 
+ar_benches() {  # ARBENCH=1: issue 3's rows, the 0.5B drafter and n-grams vs our AR, transformers' AR and stock
+  for k in model ngram; do
+    echo "[$(date +%T)] bench 1.5B + $k (20 prompts x 3 benchmarks)"
+    OUT=$R timeout ${ARBENCH_S:-300} bash scripts/gpu_bench_ar_drafters.sh $k 20 > $R/bench_$k.log 2>&1
+    tail -3 $R/bench_$k.log | cut -c1-300
+  done
+}
+
 bench15() {  # this session's drafter once shipped; BENCH=1 without one: the committed drafter (new engine defaults)
   echo "[$(date +%T)] bench q15"
   if [ -e /tmp/ship/${NAME[q15]}/config.json ]; then OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
@@ -110,7 +119,8 @@ if [ $MODE = ddp ]; then
     (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   elif [ "${BENCH:-0}" = 1 ]; then  # nothing shipped, BENCH=1: bench the committed drafter, checks then the loop
     (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
-    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; [ "${ARBENCH:-0}" = 1 ] && ar_benches
+     echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   else  # nothing shipped: the loop (on the committed drafter) on GPU 0 beside the checks on GPU 1
     (export CUDA_VISIBLE_DEVICES=0; loop_runs; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     # GPU 1 has time for the compiled steps with the kernel (issue 3's AR-step bars: the best the engine runs)
