@@ -46,6 +46,8 @@ except ImportError:  # CPU-only installs: the reference path only
 ACTS = ("", "silu_mul")  # "" (or None): no activation
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET_PAIRED = False  # the interpreter's fixed configuration takes the PAIRED layout (tests set it; on a GPU
+# the autotuner chooses)
 
 
 def _check(x, weight, bias, norm_weight, residual, act) -> tuple[int, int, str]:
@@ -100,20 +102,29 @@ if triton is not None:
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
                            HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr, K_P2: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n)."""
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False):
+        """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
+
+        PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
+        interleaved (gate n, up n, gate n+1, ...) and one accumulator, split after the reduction, instead of two
+        tiles and two accumulators (the same loop as a plain GEMV of 2 BLOCK_N rows; same numbers)."""
         dt = y_ptr.dtype.element_ty
         n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
         rows = n_offs.to(tl.int64)[:, None] * stride_wn  # [BN, 1] (int64: lm_head-sized weights)
+        if PAIRED:  # tile row i: column n0 + i // 2, gate (i even) or up (i odd)
+            pi = tl.arange(0, 2 * BLOCK_N)
+            p_col = tl.program_id(0) * BLOCK_N + pi // 2
+            p_mask = p_col < N
+            rows = (p_col + (pi % 2) * N).to(tl.int64)[:, None] * stride_wn  # [2 BN, 1]
         if HAS_NORM:  # the row's mean of squares, recomputed by every program (the row is L2-resident), from ONE
             # load of the whole row (K_P2 = next power of two >= K): a loop over K blocks here was a serial pass
             # ahead of the weight stream (H200: the norm + qkv GEMV took 1.4x cuBLAS's plain GEMV at 8B shapes)
             kk = tl.arange(0, K_P2)
             xk = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xk * xk, axis=0) / K + eps)  # as torch.rsqrt(mean + eps) (the sum is a tree)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if SILU_MUL:
+        acc = tl.zeros((2 * BLOCK_N if PAIRED else BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_offs = k0 + tl.arange(0, BLOCK_K)
@@ -127,21 +138,30 @@ if triton is not None:
                     h = ((h * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
                 else:  # the interpreter truncates fp32 -> bf16: round by hand
                     h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN, BK]
+            w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
+            w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
             acc += w.to(tl.float32) * h[None, :]
-            if SILU_MUL:
+            if SILU_MUL and not PAIRED:
                 wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * h[None, :]
-        y = tl.sum(acc, axis=1)  # [BN], one reduction after the loop
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
-        y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
-        if SILU_MUL:
+        if PAIRED:  # [2 BN] -> gate [BN], up [BN]
+            y2 = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                y2 += tl.load(b_ptr + p_col + (pi % 2) * N, mask=p_mask, other=0.0).to(tl.float32)
+            y, u = tl.split(tl.reshape(y2, (BLOCK_N, 2)))
+            y = _to_dtype(y, dt).to(tl.float32)
+            u = _to_dtype(u, dt).to(tl.float32)
+        else:
+            y = tl.sum(acc, axis=1)  # [BN], one reduction after the loop
+            if HAS_BIAS:
+                y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+            y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
+        if SILU_MUL and not PAIRED:
             u = tl.sum(acc_up, axis=1)
             if HAS_BIAS:
                 u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
             u = _to_dtype(u, dt).to(tl.float32)
+        if SILU_MUL:
             if LIBDEVICE:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
                 e = libdevice.exp(-y)
             else:  # the interpreter has no libdevice: numpy's exp
@@ -160,11 +180,19 @@ if triton is not None:
                 for w in (2, 4) for s in (1, 3)] + [
                 triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                 for bn, bk in ((16, 512), (32, 128), (32, 256)) for w in (4, 8) for s in (1, 3)]
+    # SiLU x up also tries the paired single-tile layout (PAIRED) with each tile shape; other calls never see it
+    _CONFIGS += [triton.Config({**c.kwargs, "PAIRED": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+                 for c in _CONFIGS if c.kwargs["BLOCK_N"] <= 16]
+
+    def _prune(configs, named_args, **kwargs):
+        silu = kwargs.get("SILU_MUL", named_args.get("SILU_MUL"))
+        return [c for c in configs if silu or not c.kwargs.get("PAIRED", False)]
+
     if _INTERPRET:  # CPU tests: one small fixed configuration (masks on N and K get exercised)
         _kernel = _gemv_fused_kernel
     else:
-        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"]
-                                  )(_gemv_fused_kernel)
+        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"],
+                                  prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
 
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -186,7 +214,7 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                  SILU_MUL=act == "silu_mul", LIBDEVICE=not _INTERPRET,  # unused pointers: dummies (the weight)
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1)
     if _INTERPRET:
-        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64)
+        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
     else:
         _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
     return y
