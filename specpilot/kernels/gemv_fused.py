@@ -101,7 +101,7 @@ if triton is not None:
     @triton.jit
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
                            HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                           SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr, K_P2: tl.constexpr,
+                           SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
@@ -132,7 +132,7 @@ if triton is not None:
             h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
             if HAS_NORM:  # RMSNorm.forward: normalized, rounded to the dtype, times the weight, rounded
                 nw = tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-                if LIBDEVICE:  # the GPU's cvt rounds to nearest even: one instruction (this runs per program and
+                if ON_GPU:  # the GPU's cvt rounds to nearest even: one instruction (this runs per program and
                     # K block; the by-hand rounding cost ~8 integer ops an element, as much as the weight's FMAs
                     # when a program owns few rows)
                     h = ((h * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
@@ -162,7 +162,7 @@ if triton is not None:
                 u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
             u = _to_dtype(u, dt).to(tl.float32)
         if SILU_MUL:
-            if LIBDEVICE:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
+            if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
                 e = libdevice.exp(-y)
             else:  # the interpreter has no libdevice: numpy's exp
                 e = tl.exp(-y)
@@ -172,7 +172,7 @@ if triton is not None:
         tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
 
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
-    # (LIBDEVICE = "on a GPU": libdevice's expf and the hardware's round-to-nearest-even casts)
+    # (ON_GPU: libdevice's expf and the hardware's round-to-nearest-even casts; the interpreter has neither)
     # + wider tiles with 8 warps: more rows share each program's x-side work (the norm prologue), and more bytes
     # in flight per SM at the 8B-class shapes (the first H200 run: 3.2 TB/s there vs cuBLAS's 3.7 at gate_up)
     _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -211,7 +211,7 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual, y, out_n, K, weight.stride(0), float(eps))
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-                 SILU_MUL=act == "silu_mul", LIBDEVICE=not _INTERPRET,  # unused pointers: dummies (the weight)
+                 SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,  # unused pointers: dummies (the weight)
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1)
     if _INTERPRET:
         _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
