@@ -273,12 +273,14 @@ def cmd_profile(args) -> int:
     tau = sum(r.num_output_tokens for r in spec_res) / sum(r.num_target_forwards for r in spec_res)
     K = cfg.num_draft_tokens
     model_drafter, dflash = cfg.drafter_kind == "model", cfg.drafter_kind == "dflash"
+    full_accepts = sum(a >= K for r in spec_res for a in r.accepted_lengths) / max(steps, 1)
     profile = StepProfile(
         draft_s=stage["draft"], verify_s=stage["verify"], accept_s=stage["accept"],
         other_s=max(decode_per_step - stage["draft"] - stage["verify"] - stage["accept"], 0.0),
         tau=tau, num_draft_tokens=K, drafter_passes=K if model_drafter else int(dflash),
         context_len=int(sum(len(r.prompt_ids) + r.num_output_tokens / 2 for r in spec_res) / len(spec_res)),
-        drafter_pass_tokens=(max(1, round(tau)),) + (1,) * (K - 1) if model_drafter else None,
+        # the drafter's catch-up pass feeds 2 tokens after a step that accepted every draft, else 1
+        drafter_pass_tokens=(1 + round(full_accepts),) + (1,) * (K - 1) if model_drafter else None,
         ar_step_s=sum(r.decode_s for r in ar_res) / sum(r.num_target_forwards for r in ar_res),
         **engine_fields(cfg),
     )

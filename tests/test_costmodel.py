@@ -582,3 +582,21 @@ def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
         # verify blocks keep the regular path
         assert forward_cost(cfg, 5, 512, fused=True, fused_decode=True) == forward_cost(cfg, 5, 512, fused=True)
     assert _knobs(EngineConfig()).fused_decode and not _knobs(EngineConfig(fused_decode=False)).fused_decode
+
+
+def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():
+    """After a step the drafter's cache lacks the target's bonus / correction token, and the last draft only when
+    every draft was accepted: 1 or 2 tokens (a one-token pass runs fused_decode's six launches a layer)."""
+    from specpilot.costmodel.whatif import StepKnobs, _passes, catch_up_tokens
+
+    assert catch_up_tokens(4.85, 4) == 2 and catch_up_tokens(3.0, 4) == 1 and catch_up_tokens(4.4, 4) == 1
+    assert catch_up_tokens(1.0, 0) == 1
+    target, drafter = synthetic_config("qwen2.5-1.5b"), synthetic_config("qwen2.5-0.5b")
+    prof = _profile(draft_s=4e-3, drafter_pass_tokens=(1, 1, 1, 1))
+    knobs = StepKnobs(num_draft_tokens=4, fused=True, attention_kernel=True, norm_kernel=True, rope_kernel=True,
+                      fused_decode=True)
+    passes = _passes(target, drafter, "model", knobs, prof, tau=3.0)
+    assert [p.num_tokens for p in passes] == [5, 1, 1, 1, 1]
+    full = _passes(target, drafter, "model", knobs, prof, tau=4.9)
+    assert [p.num_tokens for p in full] == [5, 2, 1, 1, 1]
+    assert full[1].num_kernels > full[2].num_kernels  # the 2-token catch-up takes the regular path

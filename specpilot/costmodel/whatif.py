@@ -75,14 +75,23 @@ def tau_at(tau: float, k: int, k_new: int, acceptance_by_position=None) -> float
     return out
 
 
+def catch_up_tokens(tau: float, k: int) -> int:
+    """Tokens a small AR drafter's first pass of a step feeds (drafters/small_ar.py): the target's bonus or
+    correction token, plus the last draft when all k were accepted (that draft's K/V was never written). Not ~tau:
+    accepted drafts are already in its cache. 2 when most steps accept every draft (tau - k >= 1/2, the share of
+    full accepts being at least tau - k), else 1. The difference matters under fused_decode, which runs only
+    one-token passes in six launches a layer."""
+    return 2 if k > 0 and tau - k >= 0.5 else 1
+
+
 def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, profile: StepProfile,
             tau: float) -> list[PassCost]:
     k, ctx = knobs.num_draft_tokens, profile.context_len
     pool = knobs.pool_len if knobs.pool_len is not None else None if knobs.attention_kernel else profile.kv_pool_len
     out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
                         **kernel_flags(knobs))]
-    if kind == "model" and drafter_cfg is not None and k > 0:  # catch-up pass with ~tau tokens, then 1 per token
-        first = max(1, round(tau))
+    if kind == "model" and drafter_cfg is not None and k > 0:  # the catch-up pass, then 1 token per pass
+        first = catch_up_tokens(tau, k)
         out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
                              **kernel_flags(knobs))
                 for t in (first,) + (1,) * (k - 1)]

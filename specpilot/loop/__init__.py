@@ -88,6 +88,7 @@ class EngineMeasure:
 def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int, acceptance=None):
     from specpilot.costmodel import StepProfile
     from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.whatif import catch_up_tokens
 
     if not stage_s or sum(stage_s.values()) <= 0:
         return None
@@ -96,7 +97,7 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
                        accept_s=stage_s.get("accept", 0.0), other_s=stage_s.get("commit", 0.0), tau=max(tau, 1e-6),
                        num_draft_tokens=k, drafter_passes=k if model else int(cfg.drafter_kind == "dflash"),
                        context_len=context_len,
-                       drafter_pass_tokens=((max(1, round(tau)),) + (1,) * (k - 1)) if model else None,
+                       drafter_pass_tokens=((catch_up_tokens(tau, k),) + (1,) * (k - 1)) if model else None,
                        **engine_fields(cfg),
                        acceptance_by_position=tuple(acceptance) if acceptance else None)
 
