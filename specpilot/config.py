@@ -79,7 +79,7 @@ class EngineConfig:
     fused_decode: bool = True  # CUDA: one-token steps (AR decode, a small drafter's passes, n-gram steps with
     # nothing drafted) through six launches per layer (models/fused_decode.py: norms as GEMV prologues, residual adds
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps
-    # keep the regular path. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
+    # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches

@@ -58,8 +58,8 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_act_kernel()
     if _kernel_on(config, "add_norm_kernel"):
         model.use_add_norm_kernel()
-    if _kernel_on(config, "fused_decode"):
-        model.use_fused_decode()
+    if config.fused_projections and _kernel_on(config, "fused_decode"):  # it reads the fused qkv / gate+up weights:
+        model.use_fused_decode()  # with fused_projections off (a loop trial of that layout) it stays off too
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
