@@ -714,8 +714,9 @@ def test_dist_averages_grads_and_catches_diverged_ranks():
 
 
 def test_cli_init_from_continues_an_exported_drafter(train_cli, tmp_path, capsys):
-    """--init-from: a new run starts from an existing (int4-exported) drafter, keeping its architecture; a drafter
-    made for another target shape is refused with a clear error."""
+    """--init-from: a new run starts from an existing (int8-exported) drafter, keeping its architecture except for
+    layers added when --draft-layers asks for more (grow_layers); a drafter made for another target shape is
+    refused with a clear error."""
     from specpilot.models.dflash_io import load_dflash, save_dflash
 
     model, prompts, parser = train_cli
@@ -730,14 +731,44 @@ def test_cli_init_from_continues_an_exported_drafter(train_cli, tmp_path, capsys
     assert cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "b"), "--draft-layers", "3",
                                                 "--init-from", str(tmp_path / "shipped"), "--lr", "1e-9"])) == 0
     second = load_dflash(tmp_path / "b" / "checkpoint")
-    assert second.config.num_hidden_layers == 1  # the warm start's architecture, not --draft-layers 3
+    assert second.config.num_hidden_layers == 3  # the warm start's layer, grown by two (--draft-layers 3)
     assert second.config.mask_token_id == first.config.mask_token_id
     a, b = first.state_dict(), second.state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.05  # int8 round trip + two ~zero-lr steps
-    assert "--init-from" in capsys.readouterr().err
+    assert b["layers.2.self_attn.o_proj.weight"].abs().max().item() < 1e-6  # a new layer: still (almost) a no-op
+    err = capsys.readouterr().err
+    assert "--init-from" in err and "grown to 3" in err
     other = tmp_path / "other"
     cfg = json.loads((tmp_path / "shipped" / "config.json").read_text())
     shutil.copytree(tmp_path / "shipped", other)
     (other / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 99}))
     with pytest.raises(ConfigError, match="init-from"):
         cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "c"), "--init-from", str(other)]))
+
+
+def test_grow_layers_keeps_the_drafts_and_the_new_layers_then_learn(target, overfit_seq):
+    """`grow_layers` (a warm start given a larger --draft-layers): same block states, and so the same drafts, until
+    training moves the new layers, whose residual writes start at zero and then change."""
+    from specpilot.train.dflash_init import grow_layers
+
+    tr = _trainer(target, overfit_seq, steps=30)
+    while tr.step < 10:
+        tr.train_step()
+    small = tr.drafter.eval()
+    grown = grow_layers(small, 4)
+    assert grown.config.num_hidden_layers == 4 and len(grown.layers) == 4 and grow_layers(grown, 3) is grown
+    assert grown.config.layer_types == small.config.layer_types + (small.config.layer_types[-1],) * 2
+    tokens = torch.tensor([overfit_seq.prompt_ids + overfit_seq.response_ids[:20]])
+    anchors = torch.tensor([[2, 9, 17]])
+    feats = tr.target_features(tokens)
+    with torch.no_grad():
+        a = dt.drafter_block_hidden(small, target.model.embed_tokens.weight, feats, tokens, anchors)
+        b = dt.drafter_block_hidden(grown.eval(), target.model.embed_tokens.weight, feats, tokens, anchors)
+    assert torch.equal(a, b)
+    new_o = grown.layers[3].self_attn.o_proj.weight
+    assert new_o.abs().max().item() == 0 and grown.layers[3].mlp.gate_proj.weight.abs().max().item() > 0
+    cfg = dataclasses.replace(tr.cfg, steps=3)
+    tr2 = dt.DFlashTrainer(target, grown.train(), [overfit_seq], cfg)
+    for _ in range(3):
+        tr2.train_step()
+    assert tr2.drafter.layers[3].self_attn.o_proj.weight.abs().max().item() > 0  # the new layer learns

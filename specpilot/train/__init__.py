@@ -146,9 +146,10 @@ def _new_drafter(s, target, tok, seqs, dt):
                                 avoid_ids={t for q in seqs for t in q.prompt_ids + q.response_ids})
 
 
-def _warm_start(name_or_path: str, target, device, err):
+def _warm_start(name_or_path: str, target, device, err, num_layers: int = 0):
     """An existing drafter as the starting point (fp32 master weights; int4/int8 storage is dequantized). It must
-    have been made for a target of this shape: same hidden size, layer count and vocabulary."""
+    have been made for a target of this shape: same hidden size, layer count and vocabulary. `num_layers` above its
+    own layer count grows it first (train/dflash_init.py `grow_layers`: the new layers start as no-ops)."""
     import torch
 
     from specpilot.errors import ConfigError
@@ -163,7 +164,13 @@ def _warm_start(name_or_path: str, target, device, err):
         raise ConfigError(f"--init-from {name_or_path}: made for a target with (hidden size, layers, vocabulary) "
                           f"{theirs}, this target has {ours}")
     err.print(f"--init-from {name_or_path}: training continues from its weights (the flags that shape a new "
-              "drafter are ignored)")
+              "drafter are ignored, but a --draft-layers above its own adds layers)")
+    if num_layers > c.num_hidden_layers:
+        from specpilot.train.dflash_init import grow_layers
+
+        err.print(f"--draft-layers {num_layers}: {c.num_hidden_layers} layers grown to {num_layers} (the new ones "
+                  "start as copies of the last with zero residual writes: the same drafts until training moves them)")
+        drafter = grow_layers(drafter, num_layers)
     return drafter.train()
 
 
@@ -277,7 +284,8 @@ def _train(args, dist, err, t_start) -> int:
         err.print(f"resumed from {ckpt} at step {trainer.step}")
     else:
         init_from = getattr(s, "init_from", None)  # runs saved before the flag existed have none
-        drafter = _warm_start(init_from, target, device, err) if init_from else _new_drafter(s, target, tok, seqs, dt)
+        drafter = (_warm_start(init_from, target, device, err, s.draft_layers) if init_from
+                   else _new_drafter(s, target, tok, seqs, dt))
         dist.broadcast_params(drafter)
         trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg, dist)
         c = drafter.config

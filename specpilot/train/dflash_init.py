@@ -3,6 +3,8 @@ initialisation of its layers from evenly spaced target layers (measured to help 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specpilot.errors import ConfigError
@@ -157,3 +159,28 @@ def build_drafter_for(target, *, num_layers: int = 2, block_size: int = 16, mask
     if init == "target":
         init_from_target(drafter, target)
     return drafter
+
+
+@torch.no_grad()
+def grow_layers(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """A drafter of `num_layers` layers that drafts exactly what `drafter` drafts: its layers, then copies of its
+    last layer whose residual writes (o_proj, down_proj) are zero, so each new layer adds nothing until training
+    moves them (function-preserving growth). Why: a warm start keeps its validation tau while gaining capacity;
+    issue 4 asks what more layers buy, and a new deeper drafter would restart from scratch. `drafter` itself
+    when it already has >= num_layers layers."""
+    c = drafter.config
+    extra = num_layers - c.num_hidden_layers
+    if extra <= 0:
+        return drafter
+    cfg = dataclasses.replace(c, num_hidden_layers=num_layers, layer_types=c.layer_types + (c.layer_types[-1],) * extra)
+    p = drafter.fc.weight
+    grown = DFlashDrafter(cfg).to(device=p.device, dtype=p.dtype)
+    state = drafter.state_dict()
+    last = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"layers.{c.num_hidden_layers - 1}.")}
+    for i in range(c.num_hidden_layers, num_layers):
+        for name, value in last.items():
+            zero = name.startswith(("self_attn.o_proj.", "mlp.down_proj."))
+            state[f"layers.{i}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    grown.load_state_dict(state)
+    grown.train(drafter.training)
+    return grown
