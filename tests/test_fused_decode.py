@@ -5,6 +5,7 @@ SiLU * up epilogues, RoPE with the K/V write, and the one-launch attention.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -107,3 +108,22 @@ def test_fused_decode_field_is_on_by_default_cuda_only_and_a_loop_mechanism():
     model = random_model(cfg, dtype=torch.float32, device="cpu")
     _apply_layout(model, EngineConfig(fused_decode=True))  # a CPU config: the switch applies on CUDA only
     assert not model.fused_decode
+
+
+def test_a_head_dim_the_kernels_cannot_take_keeps_the_eager_path(monkeypatch):
+    """head_dim 24 (not a power of two): on CUDA the engine warns and keeps SDPA / the regular step instead of
+    failing at the first step (checked here by pretending the CPU config is a CUDA one)."""
+    import specpilot.engine as eng
+    from specpilot.config import EngineConfig
+    from specpilot.models import ModelConfig, random_model
+
+    monkeypatch.setattr(eng, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    model = random_model(cfg, dtype=torch.float32, device="cpu")
+    with pytest.warns(RuntimeWarning, match="head_dim 24"):
+        eng._apply_layout(model, EngineConfig(norm_kernel=False, rope_kernel=False))
+    assert not model.attention_kernel and not model.fused_decode
+    ok = random_model(dataclasses.replace(cfg, head_dim=16, hidden_size=32), dtype=torch.float32, device="cpu")
+    eng._apply_layout(ok, EngineConfig(norm_kernel=False, rope_kernel=False))
+    assert ok.attention_kernel and ok.fused_decode

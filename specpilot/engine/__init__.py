@@ -42,13 +42,24 @@ def _kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
     return True
 
 
+def _head_dim_fits(model: DenseLM, config: EngineConfig, field: str) -> bool:
+    """The attention kernels (split-KV attention, RoPE + K/V write) take head dims that are powers of two >= 16; a
+    model with another (e.g. 80, 96) keeps SDPA rather than failing on its first step."""
+    d = model.config.head_dim
+    if d >= 16 and not d & (d - 1):
+        return True
+    warnings.warn(f"{field}: head_dim {d} is not a power of two >= 16; the eager PyTorch path stays",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
 def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     """Run-time layout choices that keep the numbers: fused projections, the Triton GEMV and attention kernels."""
     if config.fused_projections:
         model.fuse_projections()
     if config.gemv_kernel:
         model.use_gemv_kernel()
-    if _kernel_on(config):
+    if _kernel_on(config) and _head_dim_fits(model, config, "attention_kernel"):
         model.use_attention_kernel()
     if _kernel_on(config, "norm_kernel"):
         model.use_norm_kernel()
@@ -58,8 +69,11 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_act_kernel()
     if _kernel_on(config, "add_norm_kernel"):
         model.use_add_norm_kernel()
-    if config.fused_projections and _kernel_on(config, "fused_decode"):  # it reads the fused qkv / gate+up weights:
-        model.use_fused_decode()  # with fused_projections off (a loop trial of that layout) it stays off too
+    # fused decode reads the fused qkv / gate+up weights: with fused_projections off (a loop trial of that layout)
+    # it stays off too
+    if config.fused_projections and _kernel_on(config, "fused_decode") and _head_dim_fits(model, config,
+                                                                                         "fused_decode"):
+        model.use_fused_decode()
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
