@@ -18,7 +18,8 @@
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
 # nothing shipped: bench the committed drafter on GPU 0, the checks and the loop on GPU 1; ARBENCH=1 then adds the
-# 0.5B-drafter and n-gram benches there), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
+# 0.5B-drafter and n-gram benches on GPU 0 after the bench; FULLCHECKS=1 adds the split-K GEMV and DFlash-step
+# diagnostics to the checks), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
@@ -48,7 +49,7 @@ checks() {  # the engine's GPU parity check, the cost model's profiles, AR step 
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   tail -1 $R/engine_check.log
   echo "[$(date +%T)] fused-decode kernels: parity stress and per-launch times; a small drafter's step with them"
-  timeout 150 python3 scripts/gpu_fused_check.py > $R/fused_check.log 2>&1
+  timeout 150 python3 scripts/gpu_fused_check.py --only=gemv,rope > $R/fused_check.log 2>&1  # (attention: session 12)
   tail -1 $R/fused_check.log | cut -c1-300
   timeout 150 python3 scripts/gpu_model_draft_step.py --fused-decode > $R/model_draft_step.log 2>&1
   tail -1 $R/model_draft_step.log | cut -c1-300
@@ -58,6 +59,7 @@ checks() {  # the engine's GPU parity check, the cost model's profiles, AR step 
   timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=attnkernel,allkernels,fuseddecode)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
+  [ "${FULLCHECKS:-0}" = 1 ] || return 0  # the rest was measured in session 11 (~330 s)
   echo "[$(date +%T)] Triton GEMV: split-K at M = 16 for narrow N vs cuBLAS and the one-launch kernel"
   timeout 180 python3 scripts/gpu_gemv_check.py --splitk-only > $R/gemv_check.log 2>&1  # (session 11 measured the rest)
   tail -1 $R/gemv_check.log | cut -c1-300
@@ -119,9 +121,9 @@ if [ $MODE = ddp ]; then
     (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   elif [ "${BENCH:-0}" = 1 ]; then  # nothing shipped, BENCH=1: bench the committed drafter, checks then the loop
-    (export CUDA_VISIBLE_DEVICES=0; bench15; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
-    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; [ "${ARBENCH:-0}" = 1 ] && ar_benches
-     echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=0; bench15; [ "${ARBENCH:-0}" = 1 ] && ar_benches
+     echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; checks; loop_runs; echo "[$(date +%T)] done") > $R/lane1.log 2>&1 &
   else  # nothing shipped: the loop (on the committed drafter) on GPU 0 beside the checks on GPU 1
     (export CUDA_VISIBLE_DEVICES=0; loop_runs; echo "[$(date +%T)] done") >> $R/lane0.log 2>&1 &
     # GPU 1 has time for the compiled steps with the kernel (issue 3's AR-step bars: the best the engine runs)
