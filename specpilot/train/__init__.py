@@ -62,7 +62,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens kept per sequence")
     m = p.add_argument_group("drafter")
     m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--draft-layers", type=int, default=2)
+    m.add_argument("--draft-layers", type=int, default=None,
+                   help="layers of a new drafter (default 2); with --init-from, a number above the start's grows it")
     m.add_argument("--target-layers", type=int, default=None,
                    help="number of target layers to condition on (default: as many as draft layers)")
     m.add_argument("--target-layer-ids", default=None, help="explicit comma list of target layer ids")
@@ -139,7 +140,7 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
 def _new_drafter(s, target, tok, seqs, dt):
     """A new drafter from the flags (architecture, target layers, mask token unused in the data, init)."""
     layer_ids = tuple(int(x) for x in s.target_layer_ids.split(",")) if s.target_layer_ids else None
-    return dt.build_drafter_for(target, num_layers=s.draft_layers, block_size=s.block_size,
+    return dt.build_drafter_for(target, num_layers=s.draft_layers or 2, block_size=s.block_size,
                                 mask_token_id=s.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
                                 num_target_features=s.target_layers, init=s.init, seed=s.seed,
                                 intermediate_size=getattr(s, "draft_intermediate_size", None),
@@ -284,7 +285,7 @@ def _train(args, dist, err, t_start) -> int:
         err.print(f"resumed from {ckpt} at step {trainer.step}")
     else:
         init_from = getattr(s, "init_from", None)  # runs saved before the flag existed have none
-        drafter = (_warm_start(init_from, target, device, err, s.draft_layers) if init_from
+        drafter = (_warm_start(init_from, target, device, err, s.draft_layers or 0) if init_from
                    else _new_drafter(s, target, tok, seqs, dt))
         dist.broadcast_params(drafter)
         trainer = dt.DFlashTrainer(target, drafter, train_seqs, cfg, dist)
