@@ -58,6 +58,20 @@ def target(tiny_model_dir):
 SLIDING = dict(layer_types=("full_attention", "sliding_attention"), sliding_window=3)
 
 
+def _drive(drafters, feats, ids, chunks, num_tokens, committed=9):
+    """Each drafter sees the first `committed` tokens, then `chunks` more at a time (their features observed
+    first, as the engine hands them over): -> per step, each drafter's drafted tokens."""
+    for d in drafters:
+        d.observe(feats[: committed - 1])
+    steps = [[d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters]]
+    for c in chunks:
+        for d in drafters:
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        steps.append([d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters])
+    return steps
+
+
 @pytest.mark.parametrize("block_size,extra", [(5, {}), (16, {}), (5, SLIDING)])
 def test_static_steps_match_sdpa(target, block_size, extra, monkeypatch):
     """Consecutive draft steps with growing context through DFlashBlockDrafter(static=True): the first (eager,
@@ -77,15 +91,7 @@ def test_static_steps_match_sdpa(target, block_size, extra, monkeypatch):
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(80, sdpa.fc.in_features, generator=g)
     ids = torch.randint(0, 90, (80,), generator=g).tolist()
-    committed = 9
-    for d in drafters:
-        d.observe(feats[: committed - 1])
-    steps = [[d.propose(ids[:committed], B - 1).token_ids.tolist() for d in drafters]]
-    for c in [1, 3, B, 2, 1, B - 1, 4, 1, B]:
-        for d in drafters:
-            d.observe(feats[committed - 1: committed - 1 + c])
-        committed += c
-        steps.append([d.propose(ids[:committed], B - 1).token_ids.tolist() for d in drafters])
+    steps = _drive(drafters, feats, ids, [1, 3, B, 2, 1, B - 1, 4, 1, B], B - 1)
     assert all(a == b for a, b in steps), steps
     hs, hk = hidden[id(sdpa)], hidden[id(kern)]
     assert len(hs) == len(hk) == len(steps)
@@ -255,15 +261,7 @@ def test_rope_act_and_attention_kernels_static_steps_match_eager(target, monkeyp
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(64, eager.fc.in_features, generator=g)
     ids = torch.randint(0, 90, (64,), generator=g).tolist()
-    committed = 9
-    for d in drafters:
-        d.observe(feats[: committed - 1])
-    steps = [[d.propose(ids[:committed], 4).token_ids.tolist() for d in drafters]]
-    for c in [1, 5, 3]:
-        for d in drafters:
-            d.observe(feats[committed - 1: committed - 1 + c])
-        committed += c
-        steps.append([d.propose(ids[:committed], 4).token_ids.tolist() for d in drafters])
+    steps = _drive(drafters, feats, ids, [1, 5, 3], 4)
     assert all(a == b for a, b in steps), steps
     for a, b in zip(hidden[id(eager)], hidden[id(fast)], strict=True):
         assert (a - b).abs().max().item() < 1e-4
