@@ -42,7 +42,7 @@ def _kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
     return True
 
 
-def _head_dim_fits(model: DenseLM, config: EngineConfig, field: str) -> bool:
+def _head_dim_fits(model: DenseLM, field: str) -> bool:
     """The attention kernels (split-KV attention, RoPE + K/V write) take head dims that are powers of two >= 16; a
     model with another (e.g. 80, 96) keeps SDPA rather than failing on its first step."""
     d = model.config.head_dim
@@ -59,7 +59,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.fuse_projections()
     if config.gemv_kernel:
         model.use_gemv_kernel()
-    if _kernel_on(config) and _head_dim_fits(model, config, "attention_kernel"):
+    if _kernel_on(config) and _head_dim_fits(model, "attention_kernel"):
         model.use_attention_kernel()
     if _kernel_on(config, "norm_kernel"):
         model.use_norm_kernel()
@@ -71,8 +71,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         model.use_add_norm_kernel()
     # fused decode reads the fused qkv / gate+up weights: with fused_projections off (a loop trial of that layout)
     # it stays off too
-    if config.fused_projections and _kernel_on(config, "fused_decode") and _head_dim_fits(model, config,
-                                                                                         "fused_decode"):
+    if config.fused_projections and _kernel_on(config, "fused_decode") and _head_dim_fits(model, "fused_decode"):
         model.use_fused_decode()
 
 
