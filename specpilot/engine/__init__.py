@@ -126,8 +126,10 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
     if abs(drafter_model.config.vocab_size - target.config.vocab_size) > 1024:  # padding may differ a little
         raise ConfigError("the drafter model must share the target's tokenizer (vocabulary sizes differ)")
     gen = torch.Generator(device=config.device).manual_seed(config.sampling.seed + 1)
-    # catch-up feeds: 1 token after a rejection, 2 after a full accept, the prompt tail at first (padded to K+1)
-    buckets = (1, 2, config.num_draft_tokens + 1)
+    # catch-up feeds: 1 token after a rejection, 2 after a full accept, up to a block + 1 when prompt lookup's
+    # drafts were verified instead of the model's (up to its long block with ngram_assist_tokens)
+    long = config.ngram_assist_tokens if config.ngram_assist else 0
+    buckets = tuple(sorted({1, 2, config.num_draft_tokens + 1, long + 1}))
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
                          cuda_graphs=config.cuda_graphs, compile=config.compile)
     return SmallARDrafter(runner, config.sampling, gen)
