@@ -43,18 +43,35 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 if triton is not None:
 
     @triton.jit
-    def _rope_rows(x_ptr, o_ptr, b, t, sxb, sxh, sxt, sob, soh, sot, n_heads, c, s_signed, cols, partner,
-                   BLOCK_H: tl.constexpr):
+    def _cos_sin_row(cos_ptr, sin_ptr, b, t, scb, sct, ssb, sst, D: tl.constexpr):
+        """-> (cos, sin with rotate_half's sign folded in, cols, partner) of token (b, t), fp32 [D] each."""
+        HALF: tl.constexpr = D // 2
+        cols = tl.arange(0, D)
+        partner = (cols + HALF) % D  # rotate_half: [-x2, x1]
+        c = tl.load(cos_ptr + b * scb + t * sct + cols).to(tl.float32)
+        s = tl.load(sin_ptr + b * ssb + t * sst + cols).to(tl.float32)
+        return c, tl.where(cols < HALF, -s, s), cols, partner  # the sign of -x2 moved onto sin: exact
+
+    @triton.jit
+    def _norm_rope_rows(base, w_ptr, n_heads, sxh, c, s_signed, cols, partner, eps, D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+        """Heads [BLOCK_H, D] at base + head * sxh + col: optionally RMSNormed (kernels/rope_write.py, Qwen3's q/k
+        norm), then rotated; in the input dtype. -> (rotated heads, the valid-head mask [BLOCK_H, 1])."""
         heads = tl.arange(0, BLOCK_H)
         valid = heads[:, None] < n_heads
-        base = x_ptr + b * sxb + t * sxt + heads[:, None] * sxh
-        x = tl.load(base + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-        xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
-        dtype = x_ptr.dtype.element_ty
+        rows = base + heads[:, None] * sxh
+        x = tl.load(rows + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        xp = tl.load(rows + partner[None, :], mask=valid, other=0.0).to(tl.float32)  # rotate_half's partner
+        dtype = base.dtype.element_ty
+        if NORM:  # RMSNorm.forward per head: fp32 statistics, round to dtype, times the weight, round again
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # the partner is in the same head: same rstd
+            w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+            wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+            x = _to_dtype(_to_dtype(x * rstd, dtype).to(tl.float32) * w, dtype).to(tl.float32)
+            xp = _to_dtype(_to_dtype(xp * rstd, dtype).to(tl.float32) * wp, dtype).to(tl.float32)
         a = _to_dtype(x * c[None, :], dtype).to(tl.float32)  # x * cos in the input dtype
         r = _to_dtype(xp * s_signed[None, :], dtype).to(tl.float32)  # rotate_half(x) * sin in the input dtype
-        out = _to_dtype(a + r, o_ptr.dtype.element_ty)
-        tl.store(o_ptr + b * sob + t * sot + heads[:, None] * soh + cols[None, :], out, mask=valid)
+        return _to_dtype(a + r, dtype), valid
 
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
@@ -63,18 +80,16 @@ if triton is not None:
         bt = tl.program_id(0)
         b = (bt // T).to(tl.int64)
         t = (bt % T).to(tl.int64)
-        HALF: tl.constexpr = D // 2
-        cols = tl.arange(0, D)
-        partner = (cols + HALF) % D  # rotate_half: [-x2, x1]
-        c = tl.load(cos_ptr + b * scb + t * sct + cols).to(tl.float32)
-        s = tl.load(sin_ptr + b * ssb + t * sst + cols).to(tl.float32)
-        s_signed = tl.where(cols < HALF, -s, s)  # the sign of -x2 moved onto sin: exact
+        c, s_signed, cols, partner = _cos_sin_row(cos_ptr, sin_ptr, b, t, scb, sct, ssb, sst, D)
+        heads = tl.arange(0, BLOCK_H)
         if tl.program_id(1) == 0:
-            _rope_rows(q_ptr, qo_ptr, b, t, sqb, sqh, sqt, sqob, sqoh, sqot, H, c, s_signed, cols, partner,
-                       BLOCK_H)
+            out, valid = _norm_rope_rows(q_ptr + b * sqb + t * sqt, q_ptr, H, sqh, c, s_signed, cols, partner, 0.0,
+                                         D, BLOCK_H, False)
+            tl.store(qo_ptr + b * sqob + t * sqot + heads[:, None] * sqoh + cols[None, :], out, mask=valid)
         else:
-            _rope_rows(k_ptr, ko_ptr, b, t, skb, skh, skt, skob, skoh, skot, HKV, c, s_signed, cols, partner,
-                       BLOCK_H)
+            out, valid = _norm_rope_rows(k_ptr + b * skb + t * skt, k_ptr, HKV, skh, c, s_signed, cols, partner, 0.0,
+                                         D, BLOCK_H, False)
+            tl.store(ko_ptr + b * skob + t * skot + heads[:, None] * skoh + cols[None, :], out, mask=valid)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

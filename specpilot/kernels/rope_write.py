@@ -30,7 +30,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
+    from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # the per-row math, shared with the RoPE kernel
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
@@ -57,26 +57,6 @@ def rope_write_reference(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_
 if triton is not None:
 
     @triton.jit
-    def _norm_rope_rows(base, w_ptr, n_heads, sxh, c, s_signed, cols, partner, eps, D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, NORM: tl.constexpr):
-        """Heads [BLOCK_H, D] at base + head * sxh + col: optionally RMSNormed, then rotated; in the input dtype."""
-        heads = tl.arange(0, BLOCK_H)
-        valid = heads[:, None] < n_heads
-        rows = base + heads[:, None] * sxh
-        x = tl.load(rows + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-        xp = tl.load(rows + partner[None, :], mask=valid, other=0.0).to(tl.float32)  # rotate_half's partner
-        dtype = base.dtype.element_ty
-        if NORM:  # RMSNorm.forward per head: fp32 statistics, round to dtype, times the weight, round again
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # the partner is in the same head: same rstd
-            w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
-            wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
-            x = _to_dtype(_to_dtype(x * rstd, dtype).to(tl.float32) * w, dtype).to(tl.float32)
-            xp = _to_dtype(_to_dtype(xp * rstd, dtype).to(tl.float32) * wp, dtype).to(tl.float32)
-        a = _to_dtype(x * c[None, :], dtype).to(tl.float32)  # x * cos in the input dtype
-        r = _to_dtype(xp * s_signed[None, :], dtype).to(tl.float32)  # rotate_half(x) * sin in the input dtype
-        return _to_dtype(a + r, dtype), valid
-
-    @triton.jit
     def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, qw_ptr, kw_ptr,
                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, scb, sct, ssb, sst, spb, spt,
                            skcb, skch, skcs, svcb, svch, svcs, sqob, sqoh, sqot, T, H, HKV, S, eps,
@@ -85,21 +65,17 @@ if triton is not None:
         which = tl.program_id(1)  # 0: q, 1: k, 2: v
         b = (bt // T).to(tl.int64)
         t = (bt % T).to(tl.int64)
-        cols = tl.arange(0, D)
         heads = tl.arange(0, BLOCK_H)
         p = tl.load(pos_ptr + b * spb + t * spt).to(tl.int64)  # the cache slot of token (b, t)
         slot = tl.full([BLOCK_H, 1], 0, tl.int64) + p  # as a tensor: the interpreter rejects tensor & scalar masks
         in_pool = (slot >= 0) & (slot < S)
         if which == 2:  # v: copied into its slot as is
+            cols = tl.arange(0, D)
             valid = (heads[:, None] < HKV) & in_pool
             x = tl.load(v_ptr + b * svb + t * svt + heads[:, None] * svh + cols[None, :], mask=valid)
             tl.store(vc_ptr + b * svcb + p * svcs + heads[:, None] * svch + cols[None, :], x, mask=valid)
         else:
-            HALF: tl.constexpr = D // 2
-            partner = (cols + HALF) % D  # rotate_half: [-x2, x1]
-            c = tl.load(cos_ptr + b * scb + t * sct + cols).to(tl.float32)
-            s = tl.load(sin_ptr + b * ssb + t * sst + cols).to(tl.float32)
-            s_signed = tl.where(cols < HALF, -s, s)  # the sign of -x2 moved onto sin: exact
+            c, s_signed, cols, partner = _cos_sin_row(cos_ptr, sin_ptr, b, t, scb, sct, ssb, sst, D)
             if which == 0:
                 out, valid = _norm_rope_rows(q_ptr + b * sqb + t * sqt, qw_ptr, H, sqh, c, s_signed, cols, partner,
                                              eps, D, BLOCK_H, Q_NORM)
