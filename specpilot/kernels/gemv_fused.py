@@ -99,6 +99,49 @@ def gemv_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def _norm_rstd(x_ptr, K, eps, K_P2: tl.constexpr):
+        """1 / RMS of the row x[:K]: recomputed by every program (the row is L2-resident) from ONE load of the
+        whole row (K_P2 = next power of two >= K): a loop over K blocks here was a serial pass ahead of the weight
+        stream (H200: the norm + qkv GEMV took 1.4x cuBLAS's plain GEMV at 8B shapes)."""
+        kk = tl.arange(0, K_P2)
+        xk = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(xk * xk, axis=0) / K + eps)  # as torch.rsqrt(mean + eps) (the sum is a tree)
+
+    @triton.jit
+    def _norm_h(h, nw, rstd, dt: tl.constexpr, ON_GPU: tl.constexpr):
+        """RMSNorm.forward on fp32 inputs h with fp32 norm weights nw: normalized, rounded to the dtype, times the
+        weight, rounded (returned in fp32)."""
+        if ON_GPU:  # the GPU's cvt rounds to nearest even: one instruction (this runs per program and K block; the
+            # by-hand rounding cost ~8 integer ops an element, as much as the weight's FMAs when a program owns
+            # few rows)
+            h = ((h * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        else:  # the interpreter truncates fp32 -> bf16: round by hand
+            h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
+        return h
+
+    @triton.jit
+    def _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                  SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
+        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise) [BN] -> the stored outputs: + bias,
+        nn.Linear's rounding, SiLU(gate) x up, + residual, each rounded where the eager modules round."""
+        dt = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+        y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
+        if SILU_MUL:
+            if HAS_BIAS:
+                u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+            u = _to_dtype(u, dt).to(tl.float32)
+            if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
+                e = libdevice.exp(-y)
+            else:  # the interpreter has no libdevice: numpy's exp
+                e = tl.exp(-y)
+            y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
+        if HAS_RES:
+            y += tl.load(r_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)  # the eager add, rounded below
+        tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
+
+    @triton.jit
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
                            HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
@@ -117,12 +160,8 @@ if triton is not None:
             p_col = tl.program_id(0) * BLOCK_N + pi // 2
             p_mask = p_col < N
             rows = (p_col + (pi % 2) * N).to(tl.int64)[:, None] * stride_wn  # [2 BN, 1]
-        if HAS_NORM:  # the row's mean of squares, recomputed by every program (the row is L2-resident), from ONE
-            # load of the whole row (K_P2 = next power of two >= K): a loop over K blocks here was a serial pass
-            # ahead of the weight stream (H200: the norm + qkv GEMV took 1.4x cuBLAS's plain GEMV at 8B shapes)
-            kk = tl.arange(0, K_P2)
-            xk = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xk * xk, axis=0) / K + eps)  # as torch.rsqrt(mean + eps) (the sum is a tree)
+        if HAS_NORM:
+            rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_N if PAIRED else BLOCK_N, BLOCK_K), dtype=tl.float32)
         if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -130,46 +169,22 @@ if triton is not None:
             k_offs = k0 + tl.arange(0, BLOCK_K)
             k_mask = k_offs < K
             h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            if HAS_NORM:  # RMSNorm.forward: normalized, rounded to the dtype, times the weight, rounded
-                nw = tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-                if ON_GPU:  # the GPU's cvt rounds to nearest even: one instruction (this runs per program and
-                    # K block; the by-hand rounding cost ~8 integer ops an element, as much as the weight's FMAs
-                    # when a program owns few rows)
-                    h = ((h * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
-                else:  # the interpreter truncates fp32 -> bf16: round by hand
-                    h = _to_dtype(_to_dtype(h * rstd, dt).to(tl.float32) * nw, dt).to(tl.float32)
+            if HAS_NORM:
+                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
             w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
             w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
             acc += w.to(tl.float32) * h[None, :]
             if SILU_MUL and not PAIRED:
                 wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * h[None, :]
-        if PAIRED:  # [2 BN] -> gate [BN], up [BN]
-            y2 = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y2 += tl.load(b_ptr + p_col + (pi % 2) * N, mask=p_mask, other=0.0).to(tl.float32)
-            y, u = tl.split(tl.reshape(y2, (BLOCK_N, 2)))
-            y = _to_dtype(y, dt).to(tl.float32)
-            u = _to_dtype(u, dt).to(tl.float32)
+        if PAIRED:  # [2 BN] -> the gate and up sums [BN] each
+            y, u = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
         else:
             y = tl.sum(acc, axis=1)  # [BN], one reduction after the loop
-            if HAS_BIAS:
-                y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
-            y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
-        if SILU_MUL and not PAIRED:
-            u = tl.sum(acc_up, axis=1)
-            if HAS_BIAS:
-                u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
-            u = _to_dtype(u, dt).to(tl.float32)
-        if SILU_MUL:
-            if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
-                e = libdevice.exp(-y)
-            else:  # the interpreter has no libdevice: numpy's exp
-                e = tl.exp(-y)
-            y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
-        if HAS_RES:
-            y += tl.load(r_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)  # the eager add, rounded below
-        tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
+            u = y
+            if SILU_MUL:
+                u = tl.sum(acc_up, axis=1)
+        _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
     # (ON_GPU: libdevice's expf and the hardware's round-to-nearest-even casts; the interpreter has neither)

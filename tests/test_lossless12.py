@@ -1,0 +1,148 @@
+"""Lossless 12-bit weights (formats/lossless12.py) and the GEMV that reads them (kernels/gemv12.py).
+
+The format must give back every bf16 weight bit for bit (zeros, -0, subnormals, inf, NaN, weights outside the
+table); the kernel (TRITON_INTERPRET=1 on CPU: the integer decode path, bit-identical to the GPU's PTX one) must
+compute what gemv_fused computes from the restored matrix, up to the fp32 summation order."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specpilot.errors import ConfigError  # noqa: E402
+from specpilot.formats.lossless12 import bytes_per_weight, pack, unpack  # noqa: E402
+
+
+def _bits(w):
+    return w.view(torch.int16)
+
+
+def _randn(n, k, seed, scale=0.02):
+    return (scale * torch.randn(n, k, generator=torch.Generator().manual_seed(seed))).bfloat16()
+
+
+def test_roundtrip_is_bit_exact_with_special_values():
+    w = _randn(64, 96, seed=0)
+    w[0, :10] = 0
+    w[1, 3] = -0.0
+    w[2, 5] = 1e-39  # subnormal
+    w[3, 7], w[3, 8] = float("inf"), float("-inf")
+    w[4, 9] = float("nan")
+    w[5, 1] = 3e38  # outside any table a 0.02-scale matrix picks
+    p = pack(w)
+    assert torch.equal(_bits(unpack(p)), _bits(w))
+    assert p.num_exceptions >= 4  # inf, -inf, nan, 3e38 (at least) are not table magnitudes
+    assert int(p.table[0]) == 0 and p.lo.dtype == p.codes.dtype == torch.uint8
+
+
+def test_wide_dynamic_range_goes_to_exceptions_and_stays_exact():
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (40, 64), generator=g).float()))
+    w = w.bfloat16()
+    p = pack(w)
+    assert p.num_exceptions > w.numel() // 4  # ~120 binades: most weights are outside the 8-entry table
+    assert torch.equal(_bits(unpack(p)), _bits(w))
+    assert p.exc_ptr[-1].item() == p.num_exceptions and (p.exc_ptr[1:] >= p.exc_ptr[:-1]).all()
+
+
+def test_bytes_per_weight_is_about_one_and_a_half():
+    p = pack(_randn(256, 1024, seed=2))
+    assert 1.5 <= bytes_per_weight(p) < 1.51
+    assert p.num_exceptions < 1e-3 * 256 * 1024
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ConfigError, match="bf16"):
+        pack(torch.randn(4, 8))
+    with pytest.raises(ConfigError, match="K even"):
+        pack(torch.randn(4, 7).bfloat16())
+    with pytest.raises(ConfigError, match="K even"):
+        pack(torch.randn(8).bfloat16())
+
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+from specpilot.kernels.gemv12 import gemv12, gemv12_reference  # noqa: E402
+from specpilot.kernels.gemv_fused import gemv_fused_reference  # noqa: E402
+
+EPS = 1e-6
+COMBOS = {
+    "plain": dict(),
+    "norm+bias": dict(norm=True, bias=True),
+    "residual": dict(residual=True),
+    "norm+silu_mul": dict(norm=True, act="silu_mul"),
+    "norm+bias+silu_mul": dict(norm=True, bias=True, act="silu_mul"),
+}
+
+
+def _kwargs(combo, K, N, seed):
+    spec, g = COMBOS[combo], torch.Generator().manual_seed(seed)
+    kw = dict(act=spec.get("act"))
+    if spec.get("bias"):
+        kw["bias"] = (0.5 * torch.randn(N, generator=g)).bfloat16()
+    if spec.get("norm"):
+        kw["norm_weight"], kw["eps"] = (1 + 0.3 * torch.randn(K, generator=g)).bfloat16(), EPS
+    if spec.get("residual"):
+        kw["residual"] = torch.randn(1, N, generator=g).bfloat16()
+    return kw
+
+
+def _ulps(got, want):
+    w = want.float().abs()
+    scale = torch.finfo(want.dtype).eps * w.clamp_min(1e-3 * w.max().item())
+    return ((got.float() - want.float()).abs() / scale).max().item()
+
+
+# K = 100 (K/2 = 50: not a multiple of the interpreter's BLOCK_J = 32), N = 37 / 38: not a multiple of BLOCK_N = 4
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_kernel_matches_the_restored_matrix(combo):
+    N = 38 if COMBOS[combo].get("act") else 37
+    x = (3 * torch.randn(1, 100, generator=torch.Generator().manual_seed(5))).bfloat16()
+    w = (torch.randn(N, 100, generator=torch.Generator().manual_seed(6)) / 10).bfloat16()
+    w[3, :7] = 0  # zeros: table entry 0
+    w[5, 11] = 40.0  # far above the table's magnitudes: an exception in a gate row (and an up row below)
+    w[N - 1, 98] = -1e-30  # far below: an exception in the last row
+    p = pack(w)
+    assert p.num_exceptions >= 2
+    kw = _kwargs(combo, 100, N, seed=7)
+    got, want = gemv12(x, p, **kw), gemv_fused_reference(x, w, **kw)
+    assert torch.equal(gemv12_reference(x, p, **kw), want)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert _ulps(got, want) <= 2
+    assert (got == want).float().mean().item() >= 0.9
+
+
+def test_exceptions_are_added_to_their_own_rows():
+    """One nonzero weight per row, all of them exceptions except in row 0: any row mix-up changes the output."""
+    K, N = 64, 24
+    x = torch.arange(1, K + 1, dtype=torch.float32).bfloat16()[None]
+    w = torch.zeros(N, K)
+    for n in range(N):
+        w[n, (5 * n) % K] = 2.0 ** (2 * n - 24)  # 24 magnitude bytes: the table holds 7, the rest are exceptions
+    w = w.bfloat16()
+    p = pack(w)
+    assert p.num_exceptions >= N - 7
+    got = gemv12(x, p)
+    assert torch.equal(got, gemv_fused_reference(x, w))  # one product per row: no summation order, exact
+
+
+def test_identity_weight_is_bit_exact_through_norm_and_silu():
+    K = 70
+    g = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(1, K, generator=g)).bfloat16()
+    eye = torch.eye(K)
+    w = torch.cat([eye, 1.5 * eye.flip(0)]).bfloat16()
+    kw = dict(norm_weight=(1 + 0.3 * torch.randn(K, generator=g)).bfloat16(), eps=EPS, act="silu_mul")
+    assert torch.equal(gemv12(x, pack(w), **kw), gemv_fused_reference(x, w, **kw))
+
+
+def test_kernel_rejects_bad_input():
+    p = pack(_randn(8, 16, seed=3))
+    with pytest.raises(ValueError, match="bf16"):
+        gemv12(torch.randn(1, 16), p)
+    with pytest.raises(ValueError, match="disagree on K"):
+        gemv12(torch.randn(1, 18).bfloat16(), p)
+    with pytest.raises(ValueError, match="odd N"):
+        gemv12(torch.randn(1, 16).bfloat16(), pack(_randn(7, 16, seed=4)), act="silu_mul")
