@@ -81,6 +81,10 @@ class EngineConfig:
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps
     # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
+    lossless12: bool = False  # CUDA, bf16, with fused_decode: the one-token steps' GEMVs (and the LM head's) read
+    # lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py): every weight exact, 1.5 bytes
+    # instead of 2, so the bytes floor of a decode step drops by a quarter; the bf16 weights stay for prefill and
+    # verify (memory +3/4 of the weights). Off until an H200 run times it
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -146,3 +146,54 @@ def test_kernel_rejects_bad_input():
         gemv12(torch.randn(1, 18).bfloat16(), p)
     with pytest.raises(ValueError, match="odd N"):
         gemv12(torch.randn(1, 16).bfloat16(), pack(_randn(7, 16, seed=4)), act="silu_mul")
+
+
+def _decode_steps(model, ids, steps):
+    """Prefill ids[:6], then `steps` one-token steps -> per-step bf16-model logits (fp32)."""
+    cache = model.new_cache(1, 32)
+    pos = torch.arange(ids.shape[1])[None]
+    out = []
+    with torch.no_grad():
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
+        for t in range(6, 6 + steps):
+            out.append(model.logits(model(ids[:, t:t + 1], pos[:, t:t + 1], cache, kv_len=None)))
+    return out
+
+
+@pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
+def test_fused_decode_over_12bit_weights_matches_16bit(tiny_model_dir, family, tie):
+    """A bf16 model's fused one-token steps with the 12-bit copies (every projection and the LM head, tied or not)
+    give the 16-bit fused steps' logits up to the GEMVs' summation order."""
+    import copy
+
+    from specpilot.kernels import gemv12 as g12
+    from specpilot.models import load_model
+
+    ref = load_model(tiny_model_dir(family, tie=tie), dtype=torch.bfloat16).use_fused_decode()
+    fast = copy.deepcopy(ref).use_lossless12()
+    packed = [m for m in fast.modules() if hasattr(m, "packed12")]
+    assert len(packed) == 4 * fast.config.num_hidden_layers + 1
+    assert all(torch.equal(unpack(m.packed12).view(torch.int16), m.weight.view(torch.int16)) for m in packed)
+    calls = []
+    real = g12.gemv12
+    g12.gemv12 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+        want, got = _decode_steps(ref, ids, 3), _decode_steps(fast, ids, 3)
+    finally:
+        g12.gemv12 = real
+    assert len(calls) == 3 * (4 * fast.config.num_hidden_layers + 1)  # every GEMV of every step read 12 bits
+    for a, b in zip(want, got):
+        assert (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    fast.use_lossless12(False)
+    assert not any(hasattr(m, "packed12") for m in fast.modules())
+
+
+def test_lossless12_needs_fused_decode_and_bf16(tiny_model_dir):
+    from specpilot.models import load_model
+
+    with pytest.raises(ConfigError, match="fused_decode"):
+        load_model(tiny_model_dir("qwen2"), dtype=torch.bfloat16).use_lossless12()
+    with pytest.raises(ConfigError, match="bf16"):
+        load_model(tiny_model_dir("qwen2")).use_fused_decode().use_lossless12()

@@ -73,6 +73,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     # it stays off too
     if config.fused_projections and _kernel_on(config, "fused_decode") and _head_dim_fits(model, "fused_decode"):
         model.use_fused_decode()
+    if model.fused_decode and _kernel_on(config, "lossless12"):
+        if model.lm_head.weight.dtype == torch.bfloat16:
+            model.use_lossless12()
+        else:
+            warnings.warn(f"lossless12 needs bf16 weights (dtype {config.dtype}): the 16-bit weights stay",
+                          RuntimeWarning, stacklevel=2)
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

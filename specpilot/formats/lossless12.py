@@ -43,13 +43,8 @@ class Packed12:
     exc_col: torch.Tensor
     exc_val: torch.Tensor
     shape: tuple[int, int]
-
-    @property
-    def table_words(self) -> tuple[int, int]:
-        """The table as two little-endian int32 words (entries 0-3, 4-7): the kernel's byte-permute operands."""
-        t = [int(v) for v in self.table.tolist()]
-        words = [sum(t[4 * w + i] << (8 * i) for i in range(4)) for w in range(2)]
-        return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)  # as signed int32 kernel arguments
+    words: tuple[int, int]  # the table as two little-endian int32 words (entries 0-3, 4-7): the kernel's byte-
+    # permute operands, kept on the host so a launch never reads the table back from the device
 
     @property
     def num_exceptions(self) -> int:
@@ -61,7 +56,7 @@ class Packed12:
 
     def to(self, device) -> "Packed12":
         return Packed12(*(t.to(device) for t in (self.lo, self.codes, self.table, self.exc_ptr, self.exc_col,
-                                                   self.exc_val)), self.shape)
+                                                   self.exc_val)), self.shape, self.words)
 
 
 def _check(w: torch.Tensor) -> None:
@@ -102,8 +97,14 @@ def pack(w: torch.Tensor) -> Packed12:
     exc_ptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
     lo8 = torch.cat([lo[:, 0::2], lo[:, 1::2]], dim=1).to(torch.uint8).contiguous()
     codes = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    t = [int(v) for v in table.tolist()]
+    words = tuple(_int32(sum(t[4 * w + i] << (8 * i) for i in range(4))) for w in range(2))
     return Packed12(lo8, codes, table.to(torch.uint8), exc_ptr, cols.to(torch.int32).contiguous(),
-                    exc_val.contiguous(), (n, k))
+                    exc_val.contiguous(), (n, k), words)
+
+
+def _int32(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word  # as a signed int32 kernel argument
 
 
 def unpack(p: Packed12) -> torch.Tensor:

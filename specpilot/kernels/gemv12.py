@@ -70,6 +70,7 @@ def gemv12_reference(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | Non
 
 
 if triton is not None:
+    _PTX_EVEN_C, _PTX_ODD_C, _CONSTRAINTS_C = (tl.constexpr(v) for v in (_PTX_EVEN, _PTX_ODD, _CONSTRAINTS))
 
     @triton.jit
     def _decode(lo, code, tab_ptr, t0, t1, ODD: tl.constexpr, ON_GPU: tl.constexpr):
@@ -77,7 +78,7 @@ if triton is not None:
         if ON_GPU:
             a = tl.full(lo.shape, t0, tl.int32)
             b = tl.full(lo.shape, t1, tl.int32)
-            w = tl.inline_asm_elementwise(_PTX_ODD if ODD else _PTX_EVEN, _CONSTRAINTS, [lo, code, a, b],
+            w = tl.inline_asm_elementwise(_PTX_ODD_C if ODD else _PTX_EVEN_C, _CONSTRAINTS_C, [lo, code, a, b],
                                           dtype=tl.float32, is_pure=True, pack=4)
         else:
             c = code.to(tl.int32)
@@ -189,7 +190,7 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
     shape_only = torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # the matrix as _check sees it
     K, out_n, act = _check(x, shape_only, bias, norm_weight, residual, act)
     y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
-    t0, t1 = packed.table_words
+    t0, t1 = packed.words
     dummy = packed.exc_val
     args = (x, packed.lo, packed.codes, packed.table, t0, t1, packed.exc_ptr, packed.exc_col, packed.exc_val,
             dummy if bias is None else bias, dummy if norm_weight is None else norm_weight,
@@ -202,3 +203,32 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
     else:
         _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
     return y
+
+
+def _register_op():
+    """The kernel as a torch custom op (as gemv_fused's): the Packed12 fields passed one by one."""
+
+    @torch.library.custom_op("specpilot::gemv12", mutates_args=())
+    def gemv12_op(x: torch.Tensor, lo: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, t0: int, t1: int,
+                  exc_ptr: torch.Tensor, exc_col: torch.Tensor, exc_val: torch.Tensor, bias: torch.Tensor | None,
+                  norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                  act: str) -> torch.Tensor:
+        packed = Packed12(lo, codes, table, exc_ptr, exc_col, exc_val, (lo.shape[0], lo.shape[1]), (t0, t1))
+        return gemv12(x, packed, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act)
+
+    @gemv12_op.register_fake
+    def _(x, lo, codes, table, t0, t1, exc_ptr, exc_col, exc_val, bias, norm_weight, eps, residual, act):
+        n = lo.shape[0] // 2 if act == "silu_mul" else lo.shape[0]
+        return x.new_empty(1, n)
+
+    return gemv12_op
+
+
+gemv12_op = _register_op() if triton is not None else None
+
+
+def gemv12_call(x: torch.Tensor, packed: Packed12, bias, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
+    """gemv12 through the custom op, in gemv_fused_op's argument order (models/fused_decode.py calls either)."""
+    t0, t1 = packed.words
+    return gemv12_op(x, packed.lo, packed.codes, packed.table, t0, t1, packed.exc_ptr, packed.exc_col,
+                     packed.exc_val, bias, norm_weight, eps, residual, act)

@@ -323,6 +323,29 @@ class DenseLM(nn.Module):
         self.fused_decode = on
         return self
 
+    def use_lossless12(self, on: bool = True) -> "DenseLM":
+        """One-token fused steps read lossless 12-bit copies of the projection and LM-head weights
+        (formats/lossless12.py: every weight exact, 1.5 bytes instead of 2; kernels/gemv12.py). The bf16 weights
+        stay for prefill and multi-token steps (cuBLAS), so memory grows by 3/4 of the weights. Needs bf16 weights
+        and fused decode on (the only path that reads the copies)."""
+        from specpilot.formats.lossless12 import pack
+
+        if on:
+            if not self.fused_decode:
+                raise ConfigError("lossless12 needs fused_decode: only the fused one-token steps read 12-bit weights")
+            if self.lm_head.weight.dtype != torch.bfloat16:
+                raise ConfigError(f"lossless12 needs bf16 weights, the model has {self.lm_head.weight.dtype}")
+            require_kernel("gemv12", "12-bit GEMV")
+        linears = [m for layer in self.model.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)] + [self.lm_head] if on else list(self.modules())
+        for m in linears:
+            if on:
+                m.packed12 = pack(m.weight.detach())
+            elif hasattr(m, "packed12"):
+                del m.packed12
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
@@ -390,6 +413,6 @@ class DenseLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [B, T, H] -> [B, T, V] in fp32 (acceptance and margins compare logits; bf16 ties would be noise)
         if self.fused_decode and hidden.numel() == hidden.shape[-1]:  # one row: the fused path's GEMV, no cuBLAS
-            row = kernel_op("gemv_fused")(hidden.reshape(1, -1), self.lm_head.weight, None, None, 0.0, None, "")
+            row = fused_decode.project(self.lm_head, hidden.reshape(1, -1), None, 0.0, None, "")
             return row.float().view(*hidden.shape[:-1], -1)
         return self.lm_head(hidden).float()

@@ -17,12 +17,15 @@ checked against AR by token forcing like any other kernel's).
 
 Applies to steps of exactly one token in one row under the positional mask (AR decode, a small drafter's passes);
 multi-token verify steps and prefill keep the regular path. Needs fused projections (qkv_proj, gate_up_proj).
+With EngineConfig.lossless12 the four GEMVs (and the LM head's) read lossless 12-bit copies of the weights
+(formats/lossless12.py, kernels/gemv12.py): the same weights in 3/4 of the bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specpilot.kernels.gemv12 import gemv12_call
 from specpilot.models.cache import KVCache
 
 
@@ -32,15 +35,26 @@ def _ops():
     return kernel_op("gemv_fused"), kernel_op("rope_write"), kernel_op("decode_attention_one")
 
 
+def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
+    """One fused GEMV launch through `linear`: over its lossless 12-bit copy when it has one (`packed12`, set by
+    DenseLM.use_lossless12; same weights, 3/4 of the bytes), else over its bf16 weight."""
+    from specpilot.models.dense import kernel_op
+
+    packed = getattr(linear, "packed12", None)
+    if packed is not None:
+        return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act)
+    return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
+
+
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None) -> torch.Tensor:
     """x [1, 1, H] (the residual stream) -> the layer's output [1, 1, H]; K/V of the token written at `positions`."""
-    gemv, rope_write, attend = _ops()
+    _, rope_write, attend = _ops()
     attn, mlp = layer.self_attn, layer.mlp
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
     x2 = x.view(1, h)
-    qkv = gemv(x2, attn.qkv_proj.weight, attn.qkv_proj.bias, pre.weight, pre.eps, None, "")  # [1, (n + 2g) d]
+    qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [1, (n + 2g) d]
     q, k, v = qkv.split((n * d, g * d, g * d), dim=-1)
     q, k, v = q.view(1, 1, n, d).transpose(1, 2), k.view(1, 1, g, d).transpose(1, 2), v.view(1, 1, g, d).transpose(1, 2)
     qn = attn.q_norm.weight if attn.q_norm is not None else None
@@ -50,9 +64,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, 1, d]
     keys, values = cache.read(i, kv_len)
     out = attend(q, keys, values, positions)  # [1, n, 1, d]
-    x2 = gemv(out.reshape(1, n * d), attn.o_proj.weight, None, None, pre.eps, x2, "")  # + residual
-    act = gemv(x2, mlp.gate_up_proj.weight, None, post.weight, post.eps, None, "silu_mul")  # [1, I]
-    x2 = gemv(act, mlp.down_proj.weight, None, None, post.eps, x2, "")  # + residual
+    x2 = project(attn.o_proj, out.reshape(1, n * d), None, pre.eps, x2, "")  # + residual
+    act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [1, I]
+    x2 = project(mlp.down_proj, act, None, post.eps, x2, "")  # + residual
     return x2.view(1, 1, h)
 
 
