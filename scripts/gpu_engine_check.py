@@ -110,6 +110,26 @@ def main() -> int:
         record("spec_other_fused_decode", [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p)
                                            for p in prompts])
 
+    def lossless12():
+        # bf16 (the format's dtype): fused one-token steps over the 12-bit copies vs over the bf16 weights. Only the
+        # GEMVs' summation order differs, so random weights (near-tied logits) may part after a while: recorded, not
+        # a problem; a problem is a copy that does not restore its weights exactly
+        from specpilot.formats.lossless12 import unpack
+
+        b16 = copy.deepcopy(target).to(torch.bfloat16).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        w12 = copy.deepcopy(b16).use_lossless12()
+        exact = all(torch.equal(unpack(m.packed12).view(torch.int16), m.weight.view(torch.int16))
+                    for m in w12.modules() if hasattr(m, "packed12"))
+        c = base.with_(dtype="bfloat16")
+        a = [Engine(b16, c).generate(p).output_ids for p in prompts]
+        b = [Engine(w12, c).generate(p).output_ids for p in prompts]
+        agree = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), len(u)) for u, v in zip(a, b)]
+        result["ar_lossless12"] = {"weights_exact": exact, "tokens_before_first_difference": agree,
+                                   "lengths": [len(u) for u in a]}
+        print("ar_lossless12", result["ar_lossless12"], flush=True)
+        if not exact:
+            problems.append("lossless12_weights_not_exact")
+
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -143,6 +163,7 @@ def main() -> int:
                 problems.append(name)
 
     for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("fused_decode", fused_decode),
+                     ("lossless12", lossless12),
                      ("dflash", dflash),
                      ("batch", batch)):
         section(name, fn)

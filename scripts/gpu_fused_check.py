@@ -5,8 +5,10 @@ Why: the CPU tests run these kernels in Triton's interpreter, one program at a t
 any order (the one-launch attention's last-program merge depends on its atomics' ordering) and bf16 rounds for
 real. Checks: (1) one-launch attention == the two-launch kernel bit for bit, 200 calls with fresh positions,
 eagerly and as a replayed CUDA graph, counters zero afterwards; (2) the fused GEMV (norm prologue, bias, residual,
-SiLU * up) and RoPE + K/V write against their PyTorch twins at the 1.5B and 8B shapes; (3) graphed time of each
-fused launch vs the launches it replaces (`--only=attention,gemv,rope` picks parts). Last stdout line: one JSON object (times in us).
+SiLU * up) and RoPE + K/V write against their PyTorch twins at the 1.5B and 8B shapes, and the same GEMVs (+ the
+LM head) over lossless 12-bit weights (kernels/gemv12.py): their decode bit-exact (one-hot inputs pick single
+weight columns), their outputs vs the twins; (3) graphed time of each fused launch vs the launches it replaces
+(`--only=attention,gemv,rope` picks parts). Last stdout line: one JSON object (times in us).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from specpilot.costmodel import synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.kernels.decode_attention import _counters, decode_attention
+from specpilot.formats.lossless12 import pack
+from specpilot.kernels.gemv12 import gemv12
 from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_reference
 from specpilot.kernels.rope_write import rope_write, rope_write_reference
 
@@ -102,7 +106,8 @@ def gemv_parity(out: dict) -> None:
                  "o_residual": (torch.randn(1, c.num_attention_heads * c.head_dim, device="cuda", dtype=torch.bfloat16),
                                 w(H, c.num_attention_heads * c.head_dim), dict(residual=x)),
                  "gate_up_norm_silu": (x, w(2 * I, H), dict(norm_weight=nw, eps=1e-6, act="silu_mul")),
-                 "down_residual": (torch.randn(1, I, device="cuda", dtype=torch.bfloat16), w(H, I), dict(residual=x))}
+                 "down_residual": (torch.randn(1, I, device="cuda", dtype=torch.bfloat16), w(H, I), dict(residual=x)),
+                 "lm_head": (x, w(c.vocab_size, H), dict())}
         for case, (xi, wi, kw) in cases.items():
             got, want = gemv_fused(xi, wi, **kw), gemv_fused_reference(xi, wi, **kw)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
@@ -110,9 +115,32 @@ def gemv_parity(out: dict) -> None:
             plain_us = graphed_us(lambda: torch.nn.functional.linear(xi, wi, bias))
             us = graphed_us(lambda: gemv_fused(xi, wi, **kw))
             gbs = wi.numel() * 2 / us / 1e3
-            out[f"gemv_{name}_{case}"] = {"max_rel_err": round(err, 5), "fused_us": us, "cublas_linear_us": plain_us,
-                                          "fused_TBps": round(gbs, 2)}
-            print(name, case, out[f"gemv_{name}_{case}"], flush=True)
+            row = {"max_rel_err": round(err, 5), "fused_us": us, "cublas_linear_us": plain_us,
+                   "fused_TBps": round(gbs, 2)}
+            p = pack(wi)
+            got12 = gemv12(xi, p, **kw)
+            us12 = graphed_us(lambda: gemv12(xi, p, **kw))
+            row.update({"w12_max_rel_err": round(((got12.float() - want.float()).abs().max()
+                                                  / want.float().abs().max()).item(), 5),
+                        "w12_equal_frac": round((got12 == want).float().mean().item(), 4),
+                        "w12_us": us12, "w12_TBps_stored": round(p.nbytes() / us12 / 1e6, 2),
+                        "w12_exceptions": p.num_exceptions, "w12_decode_exact": _decode_exact(p, wi)})
+            out[f"gemv_{name}_{case}"] = row
+            print(name, case, row, flush=True)
+
+
+def _decode_exact(p, wi) -> bool:
+    """One-hot inputs pick single columns of W: gemv12 must return them bit for bit (a GEMV with one nonzero
+    product per row has no summation order), over the first 16 columns (both nibbles, both low-byte halves) and
+    48 random ones."""
+    k = wi.shape[1]
+    cols = list(range(16)) + torch.randint(16, k, (48,)).tolist()
+    for col in cols:
+        e = torch.zeros(1, k, device=wi.device, dtype=wi.dtype)
+        e[0, col] = 1
+        if not torch.equal(gemv12(e, p)[0], wi[:, col]):
+            return False
+    return True
 
 
 def rope_parity(out: dict) -> None:

@@ -9,7 +9,8 @@ pass grows with its tokens: the cost model prices draft lengths with it)
 (uncompiled) is "all kernels" plus the Triton GEMV for few-token projections (`model.use_gemv_kernel()`: M = 1 and
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
 "fuseddecode" is "all kernels" with one-token steps through models/fused_decode.py (six launches a layer; its
-T > 1 rows run the "all kernels" path); median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
+T > 1 rows run the "all kernels" path); "fuseddecode12" the same over lossless 12-bit weights (its T = 1 row also
+gives the floor of the bytes it reads); median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
 Last stdout line: one JSON object.
 """
 
@@ -32,7 +33,7 @@ def median_ms(fn, repeats=100) -> float:
 
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
-               "fused": "_fuseddecode"}
+               "fused": "_fuseddecode", "fused12": "_fuseddecode12"}
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
@@ -48,7 +49,7 @@ def main(shapes, flags=()) -> int:
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
-                    (True, False), (True, True)]
+                    (False, "fused12"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -57,12 +58,13 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv", "fused")
+            every = kernel in ("all", "all_gemv", "fused", "fused12")
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
-            model.use_fused_decode(kernel == "fused")
+            model.use_fused_decode(kernel in ("fused", "fused12"))
+            model.use_lossless12(kernel == "fused12")
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -74,6 +76,9 @@ def main(shapes, flags=()) -> int:
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3  # (bytes only: any kernel flags)
                 key = f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
+                if kernel == "fused12" and T == 1:  # the 16-bit floor above; this one counts the bytes it reads
+                    f12 = pass_floor_s(forward_cost(cfg, 1, 512, fused_decode=True, lossless12=True), hw) * 1e3
+                    res[key].update({"floor12_ms": round(f12, 4), "over_floor12": round(ms / f12, 3)})
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
             res[f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_setup_s"] = round(setup, 1)
             del runner

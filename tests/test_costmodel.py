@@ -600,3 +600,17 @@ def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():
     full = _passes(target, drafter, "model", knobs, prof, tau=4.9)
     assert [p.num_tokens for p in full] == [5, 2, 1, 1, 1]
     assert full[1].num_kernels > full[2].num_kernels  # the 2-token catch-up takes the regular path
+
+
+def test_lossless12_prices_one_token_fused_passes_at_three_quarters_of_the_weight_bytes():
+    from specpilot.costmodel import forward_cost, synthetic_config
+
+    cfg = synthetic_config("qwen3-8b")
+    base = forward_cost(cfg, 1, 512, fused_decode=True)
+    w12 = forward_cost(cfg, 1, 512, fused_decode=True, lossless12=True)
+    assert 0.74 < w12.weight_bytes / base.weight_bytes < 0.76 and w12.head_bytes < base.head_bytes
+    assert w12.num_kernels == base.num_kernels and w12.kv_bytes == base.kv_bytes
+    # multi-token passes (verify) and unfused ones keep the 16-bit weights
+    for kw in (dict(num_tokens=4, fused_decode=True), dict(num_tokens=1, fused_decode=False)):
+        t = kw.pop("num_tokens")
+        assert forward_cost(cfg, t, 512, lossless12=True, **kw).weight_bytes == forward_cost(cfg, t, 512, **kw).weight_bytes

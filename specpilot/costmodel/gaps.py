@@ -100,6 +100,7 @@ class StepProfile:
     act_kernel: bool = False
     add_norm_kernel: bool = False
     fused_decode: bool = False  # one-token passes in six launches a layer (EngineConfig.fused_decode)
+    lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)

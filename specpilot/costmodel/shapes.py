@@ -104,10 +104,18 @@ def param_count(cfg: ModelConfig) -> int:
 # --- one forward pass ---------------------------------------------------------------------------------------
 
 
-def _weight_bytes(cfg: ModelConfig, T: int, dtype_bytes: int) -> float:
-    layers = cfg.num_hidden_layers * (_layer_linear_params(cfg) + _layer_norm_params(cfg))
+# lossless 12-bit weights (formats/lossless12.py): bytes a weight, the exception lists included (measured on
+# Qwen2.5-Coder-1.5B and N(0, 0.02) matrices: 1.500-1.507)
+LOSSLESS12_BYTES = 1.505
+
+
+def _weight_bytes(cfg: ModelConfig, T: int, dtype_bytes: int, linear_bytes: float | None = None) -> float:
+    """Weights a pass reads; `linear_bytes`: bytes a weight of the projections and the LM head when they are
+    stored otherwise (lossless 12-bit), else dtype_bytes."""
+    linear = cfg.num_hidden_layers * _layer_linear_params(cfg) + _lm_head_params(cfg)
     rows = T * cfg.hidden_size  # embedding rows gathered; the full matrix only counts as the LM head
-    return (layers + cfg.hidden_size + _lm_head_params(cfg) + rows) * dtype_bytes
+    other = cfg.num_hidden_layers * _layer_norm_params(cfg) + cfg.hidden_size + rows
+    return linear * (dtype_bytes if linear_bytes is None else linear_bytes) + other * dtype_bytes
 
 
 def _kv_bytes(cfg: ModelConfig, T: int, context_len: int, dtype_bytes: int) -> float:
@@ -128,7 +136,7 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
-KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode")
+KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "lossless12")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -137,9 +145,9 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
-    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel or fused_decode, which
-    are the dense model's), for dflash_pass_cost."""
-    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode")}
+    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode or
+    lossless12, which are the dense model's), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "lossless12")}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
@@ -187,18 +195,21 @@ def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: b
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
-                 add_norm_kernel: bool = False, fused_decode: bool = False) -> PassCost:
+                 add_norm_kernel: bool = False, fused_decode: bool = False, lossless12: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
     Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
-    kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py)."""
+    kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py);
+    `lossless12` (with fused_decode) its weight bytes: the projections and the LM head read 12-bit copies."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
     kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel, act_kernel, add_norm_kernel)
     eager = eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel)
-    if fused_decode and num_tokens == 1 and not compiled:  # six launches a layer, the head without a mask
+    one_token_fused = fused_decode and num_tokens == 1 and not compiled
+    linear_bytes = LOSSLESS12_BYTES if lossless12 and one_token_fused and dtype_bytes == 2 else None
+    if one_token_fused:  # six launches a layer, the head without a mask
         L = cfg.num_hidden_layers
         final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
         kernels = (L * _FUSED_DECODE_LAYER_KERNELS + _FUSED_DECODE_HEAD_KERNELS + final_norm,
@@ -207,7 +218,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
-        weight_bytes=_weight_bytes(cfg, num_tokens, dtype_bytes),
+        weight_bytes=_weight_bytes(cfg, num_tokens, dtype_bytes, linear_bytes),
         kv_bytes=_kv_bytes(cfg, num_tokens, context_len, dtype_bytes),
         activation_bytes=_activation_bytes(cfg, num_tokens, dtype_bytes),
         flops=_flops(cfg, num_tokens, context_len),
@@ -215,7 +226,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_linear_kernels=kernels[1],
         num_layers=cfg.num_hidden_layers,
         attn_keys=pool_len if pool_len else context_len + num_tokens,
-        head_bytes=_lm_head_params(cfg) * dtype_bytes,
+        head_bytes=_lm_head_params(cfg) * (dtype_bytes if linear_bytes is None else linear_bytes),
         num_eager_kernels=eager,
     )
 

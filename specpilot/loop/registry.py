@@ -204,6 +204,11 @@ register(_cuda_switch(
     "one-token steps (AR decode, a small drafter's passes) in six launches a layer: RMSNorms as GEMV prologues, "
     "residual adds and SiLU * up as GEMV epilogues, RoPE with the K/V write, one-launch attention"))
 register(Mechanism(
+    "lossless12", ("verify", "draft"), {"lossless12": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.dtype == "bfloat16",
+    "one-token steps' GEMVs (and the LM head's) read lossless 12-bit copies of the weights (an 8-entry magnitude "
+    "table + the low byte, exact exceptions): the same weights in 3/4 of the bytes"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
