@@ -9,16 +9,23 @@ exactly in a short per-row list (measured: 1.6e-4 of Qwen2.5-Coder-1.5B's weight
 The GEMV kernel (kernels/gemv12.py) rebuilds each weight's bf16 bits in registers, so the weights stay exact and
 only the GEMV's fp32 summation order differs from a bf16 kernel's (as any two kernels' do).
 
-Layout of a matrix W [N, K] (K even), a `Packed12`:
-  lo     uint8 [N, K]    bf16 low bytes, each row as its even columns (0, 2, ...) then its odd ones (1, 3, ...)
-  codes  uint8 [N, K/2]  byte j: code of column 2j (low nibble) | code of column 2j + 1 (high nibble);
-                         code = sign << 3 | index into `table`
+Layout of a matrix W [N, K] (K a multiple of 8), a `Packed12`:
+  lo     uint8 [N, K]    the bf16 low bytes (exponent bit 0 + mantissa), in place
+  codes  uint8 [N, K/2]  each weight's magnitude index (3 bits, into `table`) and sign, for column pairs
+                         (j, K/2 + j): the first and second half of the row side by side; four pairs j = 4g..4g+3
+                         share one little-endian 32-bit word:
+                           bits 4k..4k+2       index of column 4g + k          (k = 0..3)
+                           bits 16+4k..18+4k   index of column K/2 + 4g + k
+                           bit 8k + 7          sign of column 4g + k
+                           bit 8k + 3          sign of column K/2 + 4g + k
   table  uint8 [8]       magnitude bytes (bf16 bits 14..8); entry 0 is always 0 (zero and the tiniest values)
   exc_ptr int32 [N + 1], exc_col int32 [E], exc_val fp32 [E]: the exceptions of row n are
                          exc_col/exc_val[exc_ptr[n]:exc_ptr[n + 1]]; their codes decode to +0, so the GEMV adds
                          exc_val * x[col] to the row (exact: bf16 -> fp32 is exact).
-The even/odd split lets the kernel load every plane contiguously: byte j of `codes` pairs with lo[j] (even
-column 2j) and lo[K/2 + j] (odd column 2j + 1).
+Why this word: the kernel decodes four weights of a row half with ~10 GPU instructions. The four 3-bit indices sit
+in nibbles, so `and 0x7777` makes them a byte-permute selector that looks the four magnitudes up in the table held
+in two registers; the four signs sit at the byte tops, so one `and 0x80808080` puts them in place; the second
+half's take one shift more. And the halves keep every load contiguous: x[j] and x[K/2 + j], lo[j] and lo[K/2 + j].
 """
 
 from __future__ import annotations
@@ -62,8 +69,9 @@ class Packed12:
 def _check(w: torch.Tensor) -> None:
     if w.dtype != torch.bfloat16:
         raise ConfigError(f"lossless 12-bit weights need a bf16 matrix, got {w.dtype} (the format splits bf16 bits)")
-    if w.dim() != 2 or w.shape[1] % 2 or w.numel() == 0:
-        raise ConfigError(f"lossless 12-bit weights need a non-empty [N, K] matrix with K even, got {tuple(w.shape)}")
+    if w.dim() != 2 or w.shape[1] % 8 or w.numel() == 0:
+        raise ConfigError(f"lossless 12-bit weights need a non-empty [N, K] matrix with K a multiple of 8, got "
+                          f"{tuple(w.shape)}")
 
 
 def _bits(w: torch.Tensor) -> torch.Tensor:
@@ -95,8 +103,8 @@ def pack(w: torch.Tensor) -> Packed12:
     exc_val = (bits[rows, cols] << 16).view(torch.float32)  # bf16 -> fp32 by its bits (NaN payloads too)
     exc_ptr = torch.zeros(n + 1, dtype=torch.int32, device=w.device)
     exc_ptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
-    lo8 = torch.cat([lo[:, 0::2], lo[:, 1::2]], dim=1).to(torch.uint8).contiguous()
-    codes = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    lo8 = lo.to(torch.uint8).contiguous()
+    codes = _words(code[:, : k // 2], code[:, k // 2:])
     t = [int(v) for v in table.tolist()]
     words = tuple(_int32(sum(t[4 * w + i] << (8 * i) for i in range(4))) for w in range(2))
     return Packed12(lo8, codes, table.to(torch.uint8), exc_ptr, cols.to(torch.int32).contiguous(),
@@ -107,13 +115,35 @@ def _int32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word  # as a signed int32 kernel argument
 
 
+_K = torch.arange(4)
+
+
+def _words(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Codes (sign << 3 | index, int32) of the two row halves [N, K/2] -> the code words as uint8 [N, K/2]."""
+    n, h = first.shape
+    a, b = first.reshape(n, h // 4, 4), second.reshape(n, h // 4, 4)
+    k = _K.to(first.device)
+    word = (((a & 7) << (4 * k)) | ((b & 7) << (16 + 4 * k)) | ((a >> 3) << (8 * k + 7))
+            | ((b >> 3) << (8 * k + 3))).sum(-1, dtype=torch.int64)  # disjoint bits: the sum is the OR
+    word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    return word.contiguous().view(torch.uint8).reshape(n, h)  # little-endian bytes
+
+
+def _codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of _words: uint8 [N, K/2] -> the two halves' codes (sign << 3 | index), int32 [N, K/2] each."""
+    n, h = codes.shape
+    word = codes.contiguous().view(torch.int32).reshape(n, h // 4, 1).to(torch.int64) & 0xFFFFFFFF
+    k = _K.to(codes.device)
+    a = ((word >> (4 * k)) & 7) | (((word >> (8 * k + 7)) & 1) << 3)
+    b = ((word >> (16 + 4 * k)) & 7) | (((word >> (8 * k + 3)) & 1) << 3)
+    return a.reshape(n, h).to(torch.int32), b.reshape(n, h).to(torch.int32)
+
+
 def unpack(p: Packed12) -> torch.Tensor:
     """Packed12 -> the bf16 matrix, exactly (the reference the kernel's decoding is tested against)."""
     n, k = p.shape
     lo = p.lo.to(torch.int32)
-    lo = torch.stack([lo[:, : k // 2], lo[:, k // 2:]], dim=-1).reshape(n, k)  # even, odd -> interleaved
-    c = p.codes.to(torch.int32)
-    code = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(n, k)
+    code = torch.cat(_codes(p.codes), dim=1)
     hi = p.table.to(torch.int32)[code & 7] | ((code >> 3) << 7)
     bits = (hi << 8) | lo
     w = (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16).clone()  # uint16 -> int16 range

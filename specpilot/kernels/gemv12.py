@@ -5,11 +5,11 @@ floor by a quarter while every weight stays exactly the bf16 value it was (the f
 computes what kernels/gemv_fused.py computes from the bf16 matrix, up to the fp32 summation order.
 
 Kernel: as gemv_fused's non-paired loop (each program owns BLOCK_N output rows, accumulates an fp32 [BLOCK_N,
-BLOCK_J] tile over K, reduces once), but each K step covers 2 BLOCK_J columns: BLOCK_J code bytes (two 4-bit codes
-each), the BLOCK_J even-column low bytes and the BLOCK_J odd-column ones, all three contiguous loads. Decoding a
-weight = its magnitude byte from the 8-entry table, the sign, and the low byte, put together as the bf16 bits:
-- on the GPU in inline PTX, four weights per call (byte permutes: `prmt` looks four magnitudes up in the table held
-  in two registers, and another two build the four bf16 bit patterns) -- ~4 instructions a weight beside its FMA;
+BLOCK_J] tile over K, reduces once), but each K step covers the column pairs (j, K/2 + j) of BLOCK_J positions:
+BLOCK_J code bytes, the two halves' BLOCK_J low bytes and x values, all contiguous loads. Decoding a weight = its
+magnitude byte from the 8-entry table, its sign, its low byte, put together as the bf16 bits:
+- on the GPU in inline PTX, four weights per call (byte permutes: one `prmt` looks four magnitudes up in the table
+  held in two registers, two more build the four bf16 bit patterns) -- ~2.5-3 instructions a weight beside its FMA;
 - in the interpreter (CPU tests) with plain integer ops and a table load, bit-identical.
 After the loop the program adds its rows' exceptions (weights the table does not cover, stored exactly beside the
 matrix: their codes decode to +0): value * x[col], the norm prologue applied to x[col] as in the loop.
@@ -37,18 +37,16 @@ except ImportError:  # CPU-only installs: the reference path only
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# four weights from one code register (byte k: the weight's 4-bit code in the nibble the variant names), one low-
-# byte register (byte k) and the table (two registers: magnitude bytes 0-3, 4-7) -> four fp32 values (exact)
+# four weights of one row half from one code word ($5: four code bytes), one low-byte register ($4: byte k = weight
+# k) and the table (two registers: magnitude bytes 0-3, 4-7) -> four fp32 values, exact. The word's layout
+# (formats/lossless12.py): the indices in nibbles (first half: nibbles 0-3, second: 4-7) become a byte-permute
+# selector with one `and`; the signs sit at the byte tops (first half) or 4 bits below them (second half).
 _DECODE_PTX = """{{
-.reg .b32 c, i, t, h, p;
-{nibbles}
-and.b32 i, c, 0x07070707;
-shr.b32 t, i, 4;
-or.b32 i, i, t;
-prmt.b32 i, i, i, 0x20;
-prmt.b32 h, $6, $10, i;
-and.b32 t, c, 0x08080808;
-shl.b32 t, t, 4;
+.reg .b32 s, t, h, p;
+{select}
+prmt.b32 h, $6, $10, s;
+{signs}
+and.b32 t, t, 0x80808080;
 or.b32 h, h, t;
 prmt.b32 p, $4, h, 0x5140;
 shl.b32 $0, p, 16;
@@ -57,8 +55,8 @@ prmt.b32 p, $4, h, 0x7362;
 shl.b32 $2, p, 16;
 and.b32 $3, p, 0xFFFF0000;
 }}"""
-_PTX_EVEN = _DECODE_PTX.format(nibbles="and.b32 c, $5, 0x0F0F0F0F;")  # low nibbles: the even columns
-_PTX_ODD = _DECODE_PTX.format(nibbles="shr.b32 c, $5, 4;\nand.b32 c, c, 0x0F0F0F0F;")  # high: the odd ones
+_PTX_FIRST = _DECODE_PTX.format(select="and.b32 s, $5, 0x7777;", signs="mov.b32 t, $5;")
+_PTX_SECOND = _DECODE_PTX.format(select="shr.b32 s, $5, 16;\nand.b32 s, s, 0x7777;", signs="shl.b32 t, $5, 4;")
 _CONSTRAINTS = "=r,=r,=r,=r,r,r" + ",r" * 8  # 4 outputs; low bytes, codes (4 a register); the two table words x4
 
 
@@ -70,25 +68,45 @@ def gemv12_reference(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | Non
 
 
 if triton is not None:
-    _PTX_EVEN_C, _PTX_ODD_C, _CONSTRAINTS_C = (tl.constexpr(v) for v in (_PTX_EVEN, _PTX_ODD, _CONSTRAINTS))
+    _PTX_FIRST_C, _PTX_SECOND_C, _CONSTRAINTS_C = (tl.constexpr(v) for v in (_PTX_FIRST, _PTX_SECOND, _CONSTRAINTS))
 
     @triton.jit
-    def _decode(lo, code, tab_ptr, t0, t1, ODD: tl.constexpr, ON_GPU: tl.constexpr):
-        """uint8 low bytes and code bytes [BN, BJ] -> the fp32 weights of the even (ODD False) or odd columns."""
+    def _decode(lo, code, c_word, tab_ptr, t0, t1, SECOND: tl.constexpr, ON_GPU: tl.constexpr):
+        """uint8 low bytes [BN, BJ] of the first (SECOND False) or second row half and the code bytes [BN, BJ]
+        -> the fp32 weights. The interpreter reads each element's whole code word (c_word, int32; the GPU's asm
+        gets it as the four code bytes of one register)."""
         if ON_GPU:
             a = tl.full(lo.shape, t0, tl.int32)
             b = tl.full(lo.shape, t1, tl.int32)
-            w = tl.inline_asm_elementwise(_PTX_ODD_C if ODD else _PTX_EVEN_C, _CONSTRAINTS_C, [lo, code, a, b],
-                                          dtype=tl.float32, is_pure=True, pack=4)
+            w = tl.inline_asm_elementwise(_PTX_SECOND_C if SECOND else _PTX_FIRST_C, _CONSTRAINTS_C,
+                                          [lo, code, a, b], dtype=tl.float32, is_pure=True, pack=4)
         else:
-            c = code.to(tl.int32)
-            if ODD:
-                c = c >> 4
-            c = c & 15
-            mag = tl.load(tab_ptr + (c & 7)).to(tl.int32)
-            bits = ((c >> 3) << 31) | (mag << 24) | (lo.to(tl.int32) << 16)
+            k = tl.arange(0, lo.shape[1])[None, :] % 4  # the element's place in its word
+            if SECOND:
+                idx, sign = (c_word >> (16 + 4 * k)) & 7, (c_word >> (8 * k + 3)) & 1
+            else:
+                idx, sign = (c_word >> (4 * k)) & 7, (c_word >> (8 * k + 7)) & 1
+            mag = tl.load(tab_ptr + idx).to(tl.int32)
+            bits = (sign << 31) | (mag << 24) | (lo.to(tl.int32) << 16)
             w = bits.to(tl.float32, bitcast=True)
         return w
+
+    @triton.jit
+    def _accumulate(acc, lo_rows, c_rows, j, m, KH, ha, hb, tab_ptr, t0, t1, ON_GPU: tl.constexpr):
+        """acc [BN, BJ] + the products of one K step: weights (j, KH + j) of each row times ha, hb."""
+        code = tl.load(c_rows + j[None, :], mask=m, other=0)
+        c_word = 0
+        if not ON_GPU:  # the interpreter decodes element by element: give each its whole 32-bit word
+            w0 = c_rows + (j - j % 4)[None, :]
+            c_word = (tl.load(w0, mask=m, other=0).to(tl.int32) | (tl.load(w0 + 1, mask=m, other=0).to(tl.int32) << 8)
+                      | (tl.load(w0 + 2, mask=m, other=0).to(tl.int32) << 16)
+                      | (tl.load(w0 + 3, mask=m, other=0).to(tl.int32) << 24))
+        wa = _decode(tl.load(lo_rows + j[None, :], mask=m, other=0), code, c_word, tab_ptr, t0, t1, False, ON_GPU)
+        wb = _decode(tl.load(lo_rows + KH + j[None, :], mask=m, other=0), code, c_word, tab_ptr, t0, t1, True,
+                     ON_GPU)
+        acc += wa * ha[None, :]
+        acc += wb * hb[None, :]
+        return acc
 
     @triton.jit
     def _exceptions(y, r0, n_rows, BLOCK_N: tl.constexpr, ep_ptr, ec_ptr, ev_ptr, x_ptr, nw_ptr, rstd,
@@ -130,30 +148,19 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
         if SILU_MUL:
             acc_up = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-        for j0 in range(0, KH, BLOCK_J):
+        for j0 in range(0, KH, BLOCK_J):  # column pairs (j, KH + j): the two halves of the row
             j = j0 + tl.arange(0, BLOCK_J)
             jm = j < KH
-            he = tl.load(x_ptr + 2 * j, mask=jm, other=0.0).to(tl.float32)
-            ho = tl.load(x_ptr + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+            ha = tl.load(x_ptr + j, mask=jm, other=0.0).to(tl.float32)
+            hb = tl.load(x_ptr + KH + j, mask=jm, other=0.0).to(tl.float32)
             if HAS_NORM:
-                he = _norm_h(he, tl.load(nw_ptr + 2 * j, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-                ho = _norm_h(ho, tl.load(nw_ptr + 2 * j + 1, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+                ha = _norm_h(ha, tl.load(nw_ptr + j, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+                hb = _norm_h(hb, tl.load(nw_ptr + KH + j, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
             m = n_mask[:, None] & jm[None, :]
-            code = tl.load(c_ptr + c_rows + j[None, :], mask=m, other=0)
-            we = _decode(tl.load(lo_ptr + lo_rows + j[None, :], mask=m, other=0), code, tab_ptr, t0, t1, False,
-                         ON_GPU)
-            wo = _decode(tl.load(lo_ptr + lo_rows + KH + j[None, :], mask=m, other=0), code, tab_ptr, t0, t1, True,
-                         ON_GPU)
-            acc += we * he[None, :]
-            acc += wo * ho[None, :]
-            if SILU_MUL:
-                code = tl.load(c_ptr + c_rows + N * KH + j[None, :], mask=m, other=0)
-                we = _decode(tl.load(lo_ptr + lo_rows + N * K + j[None, :], mask=m, other=0), code, tab_ptr, t0, t1,
-                             False, ON_GPU)
-                wo = _decode(tl.load(lo_ptr + lo_rows + N * K + KH + j[None, :], mask=m, other=0), code, tab_ptr,
-                             t0, t1, True, ON_GPU)
-                acc_up += we * he[None, :]
-                acc_up += wo * ho[None, :]
+            acc = _accumulate(acc, lo_ptr + lo_rows, c_ptr + c_rows, j, m, KH, ha, hb, tab_ptr, t0, t1, ON_GPU)
+            if SILU_MUL:  # the up rows N + n
+                acc_up = _accumulate(acc_up, lo_ptr + lo_rows + N * K, c_ptr + c_rows + N * KH, j, m, KH, ha, hb,
+                                     tab_ptr, t0, t1, ON_GPU)
         n_rows = 2 * N if SILU_MUL else N
         y = _exceptions(tl.sum(acc, axis=1), n0, n_rows, BLOCK_N, ep_ptr, ec_ptr, ev_ptr, x_ptr, nw_ptr, rstd, dt,
                         HAS_NORM, ON_GPU, EXC_BLOCK)
