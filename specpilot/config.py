@@ -81,6 +81,10 @@ class EngineConfig:
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps
     # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
+    pdl: bool = False  # CUDA sm_90+: the fused one-token path's kernels launch with programmatic dependent launch
+    # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
+    # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
+    # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl)
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -104,6 +108,8 @@ class EngineConfig:
             raise ConfigError(f"ngram_assist_tokens must be >= 0 (0 = num_draft_tokens), got {self.ngram_assist_tokens}")
         if self.max_seq_len < 16:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
+        if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
+            raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

@@ -204,6 +204,11 @@ register(_cuda_switch(
     "one-token steps (AR decode, a small drafter's passes) in six launches a layer: RMSNorms as GEMV prologues, "
     "residual adds and SiLU * up as GEMV epilogues, RoPE with the K/V write, one-launch attention"))
 register(Mechanism(
+    "pdl", ("draft", "verify"), {"pdl": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
+    "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
