@@ -44,6 +44,7 @@ class StepKnobs:
     act_kernel: bool = False  # act_kernel (SiLU and the multiply in one launch)
     add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
     fused_decode: bool = False  # fused_decode (a one-token pass in six launches a layer)
+    pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
