@@ -38,6 +38,9 @@ VARIANTS = {  # step-timing variant -> (compiled, attention kernel, norm + rope 
     "graphed_attnkernel": (False, True, False),
     "graphed_allkernels": (False, True, True),
     "compiled_attnkernel": (True, True, False),
+    # all kernels, one-token rows through models/fused_decode.py; "_pdl": launched with PDL (gaps.PDL_GAP_FACTOR)
+    "graphed_fuseddecode": (False, True, True),
+    "graphed_fuseddecode_pdl": (False, True, True),
 }
 CONTEXT, POOL = 512, 4096
 BAR = 0.15
@@ -193,7 +196,8 @@ ALL_KERNELS = ["norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel"]
 def predict_step(hw, shape: str, variant: str, T: int) -> float:
     compiled, kern, allk = VARIANTS[variant]
     cost = forward_cost(synthetic_config(shape), T, CONTEXT, pool_len=None if kern else POOL, fused=True,
-                        compiled=compiled, **{f: allk for f in ALL_KERNELS})
+                        compiled=compiled, **{f: allk for f in ALL_KERNELS},
+                        fused_decode="fuseddecode" in variant, pdl=variant.endswith("_pdl"))
     return pass_predicted_s(cost, hw, True, kern)
 
 

@@ -3,8 +3,10 @@
 
 On a random-weight model (fp32, so every path must give identical greedy tokens), checks that AR eager ==
 AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
-batched regeneration (eager and graphed) equals batch-1 AR. Then
-times a graphed and a compiled AR step at a real shape in bf16. Last stdout line: one JSON object.
+batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
+norm_kernel, fused_decode, pdl: the fused path launched with programmatic dependent launch, dflash, batch).
+`--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
+`--help`: this text. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from specpilot.engine import Engine, build_drafter
 from specpilot.models import random_model
 
 
-def main() -> int:
+SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "lossless12", "pdl", "dflash", "batch")
+
+
+def main(only: tuple[str, ...] = ()) -> int:
     import dataclasses
 
     result, problems = {}, []
@@ -48,7 +53,7 @@ def main() -> int:
         if not result[name]["equal"]:
             problems.append(name)
 
-    for name, (c, dm) in variants.items():
+    for name, (c, dm) in variants.items() if not only else ():
         t0 = time.time()
         eng = Engine(target, c, build_drafter(c, dm, target))
         outs = [eng.generate(p) for p in prompts]
@@ -129,6 +134,36 @@ def main() -> int:
         print("ar_lossless12", result["ar_lossless12"], flush=True)
         if not exact:
             problems.append("lossless12_weights_not_exact")
+    def pdl_launch():
+        # the fused one-token path's kernels launched with programmatic dependent launch (kernels/pdl.py,
+        # EngineConfig.pdl): each may start while the one before it drains and waits in-kernel, so a kernel that
+        # touched memory before its wait would show here as different tokens. Graphed AR (the check that matters),
+        # eager AR, n-gram speculation (PDL launches between regular verify blocks) and a small drafter's passes,
+        # all against eager AR, and graphed AR with pdl on against the same with pdl off directly
+        from specpilot.kernels import pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        drafter = copy.deepcopy(other).use_fused_decode()
+        model = base.with_(drafter_kind="model")
+        off = [Engine(fast, base).generate(p) for p in prompts]
+        if not pdl.set_enabled(True):
+            problems.append(f"pdl: not available here: {pdl.unsupported_reason()}")
+            return
+        try:
+            on_cfg = base.with_(pdl=True)
+            on = [Engine(fast, on_cfg).generate(p) for p in prompts]
+            record("ar_fused_decode_pdl", on)
+            same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
+            result["ar_fused_decode_pdl_equals_off"] = {"equal": same}
+            print("ar_fused_decode_pdl_equals_off", result["ar_fused_decode_pdl_equals_off"], flush=True)
+            if not same:
+                problems.append("ar_fused_decode_pdl_equals_off")
+            same_tokens((("ar_fused_decode_pdl_eager", on_cfg.with_(cuda_graphs=False), fast),
+                         ("spec_ngram_fused_decode_pdl", ngram.with_(pdl=True), fast)))
+            record("spec_other_fused_decode_pdl",
+                   [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p) for p in prompts])
+        finally:
+            pdl.set_enabled(False)
 
     def dflash():
         from specpilot.models.dflash import DFlashDrafter
@@ -162,15 +197,32 @@ def main() -> int:
             if outs != ref:
                 problems.append(name)
 
-    for name, fn in (("attention_kernel", attention_kernel), ("norm_kernel", norm_kernel), ("fused_decode", fused_decode),
-                     ("lossless12", lossless12),
-                     ("dflash", dflash),
-                     ("batch", batch)):
-        section(name, fn)
+    checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
+              "lossless12": lossless12, "pdl": pdl_launch, "dflash": dflash, "batch": batch}
+    for name in SECTIONS:
+        if not only or name in only:
+            section(name, checks[name])
     result["problems"] = problems
     print(json.dumps(result))
     return 1 if problems else 0
 
 
+def parse_args(argv: list[str]) -> tuple[str, ...]:
+    """-> the sections of --only= (empty: everything); `--help` prints the module docstring; bad input exits 2."""
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        print(f"\nusage: gpu_engine_check.py [--only={','.join(SECTIONS)}]")
+        sys.exit(0)
+    only: tuple[str, ...] = ()
+    for a in argv:
+        names = a.split("=", 1)[1].split(",") if a.startswith("--only=") else None
+        if names is None or not names or any(n not in SECTIONS for n in names):
+            print(f"gpu_engine_check.py: unexpected argument {a!r}; takes --only= with names from "
+                  f"{', '.join(SECTIONS)}", file=sys.stderr)
+            sys.exit(2)
+        only += tuple(names)
+    return only
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse_args(sys.argv[1:])))

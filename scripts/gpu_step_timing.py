@@ -10,8 +10,11 @@ pass grows with its tokens: the cost model prices draft lengths with it)
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
 "fuseddecode" is "all kernels" with one-token steps through models/fused_decode.py (six launches a layer; its
 T > 1 rows run the "all kernels" path); "fuseddecode12" the same over lossless 12-bit weights (its T = 1 row also
-gives the floor of the bytes it reads); median of 100 replays timed with CUDA events. Floors from the cost model with measured ceilings.
-Last stdout line: one JSON object.
+gives the floor of the bytes it reads); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
+dependent launch (kernels/pdl.py, EngineConfig.pdl; its `_pdl_on` entry says whether the GPU took it, and with
+"fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
+model's estimate costmodel/gaps.py PDL_GAP_FACTOR); median of 100 replays timed with CUDA events. Floors from the cost
+model with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
+from specpilot.kernels import pdl
 from specpilot.models import random_model
 
 
@@ -33,7 +37,8 @@ def median_ms(fn, repeats=100) -> float:
 
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
-               "fused": "_fuseddecode", "fused12": "_fuseddecode12"}
+               "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused_pdl": "_fuseddecode_pdl"}
+VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
@@ -49,7 +54,7 @@ def main(shapes, flags=()) -> int:
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
-                    (False, "fused12"), (True, False), (True, True)]
+                    (False, "fused12"), (False, "fused_pdl"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -58,13 +63,16 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv", "fused", "fused12")
+            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused_pdl")
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
-            model.use_fused_decode(kernel in ("fused", "fused12"))
+            model.use_fused_decode(kernel in ("fused", "fused12", "fused_pdl"))
             model.use_lossless12(kernel == "fused12")
+            pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
+            if kernel == "fused_pdl":
+                res["graphed_fuseddecode_pdl_on"] = pdl_on
             t0 = time.time()
             runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
                                  compile=compiled)
@@ -82,7 +90,12 @@ def main(shapes, flags=()) -> int:
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
             res[f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_setup_s"] = round(setup, 1)
             del runner
+            pdl.set_enabled(False)
             torch.cuda.empty_cache()
+        implied = pdl_gap_factor_implied(cfg, hw, res)
+        if implied is not None:
+            res["pdl_gap_factor_implied"] = implied
+            print(name, "pdl_gap_factor_implied", implied, flush=True)
         out["shapes"][name] = res
         del model
         torch.cuda.empty_cache()
@@ -90,6 +103,33 @@ def main(shapes, flags=()) -> int:
     return 0
 
 
+def pdl_gap_factor_implied(cfg, hw, res: dict) -> float | None:
+    """The share of a graphed launch gap (`graph_kernel_s`) a PDL launch still paid at T = 1, from the fuseddecode
+    and fuseddecode_pdl rows: 1 - saved time / (PDL launches x gap). None unless both ran and PDL was on."""
+    if not res.get("graphed_fuseddecode_pdl_on") or "graphed_fuseddecode_T1" not in res:
+        return None
+    saved_s = (res["graphed_fuseddecode_T1"]["ms"] - res["graphed_fuseddecode_pdl_T1"]["ms"]) / 1e3
+    launches = forward_cost(cfg, 1, 512, fused=True, norm_kernel=True, rope_kernel=True, act_kernel=True,
+                            add_norm_kernel=True, fused_decode=True, pdl=True).num_pdl_kernels
+    return round(1.0 - saved_s / (launches * hw.graph_kernel_s), 3)
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """-> (shapes, flags); `--help` prints the module docstring and exits; an unknown --variants name exits 2."""
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        print(f"\nusage: gpu_step_timing.py [SHAPE ...] [--no-compile] [--compiled-kernel-only] "
+              f"[--variants={','.join(VARIANT_NAMES)}]")
+        sys.exit(0)
+    flags = [a for a in argv if a.startswith("--")]
+    for f in flags:
+        unknown = [v for v in f.split("=", 1)[1].split(",") if v not in VARIANT_NAMES] if f.startswith(
+            "--variants=") else []
+        if unknown:
+            print(f"gpu_step_timing.py: unknown variants {unknown}; known: {', '.join(VARIANT_NAMES)}", file=sys.stderr)
+            sys.exit(2)
+    return [a for a in argv if not a.startswith("--")] or ["qwen2.5-1.5b", "qwen3-8b"], flags
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    sys.exit(main(args or ["qwen2.5-1.5b", "qwen3-8b"], [a for a in sys.argv[1:] if a.startswith("--")]))
+    sys.exit(main(*parse_args(sys.argv[1:])))

@@ -85,6 +85,10 @@ class EngineConfig:
     # lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py): every weight exact, 1.5 bytes
     # instead of 2, so the bytes floor of a decode step drops by a quarter; the bf16 weights stay for prefill and
     # verify (memory +3/4 of the weights). Off until an H200 run times it
+    pdl: bool = False  # CUDA sm_90+: the fused one-token path's kernels launch with programmatic dependent launch
+    # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
+    # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
+    # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl)
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -108,6 +112,8 @@ class EngineConfig:
             raise ConfigError(f"ngram_assist_tokens must be >= 0 (0 = num_draft_tokens), got {self.ngram_assist_tokens}")
         if self.max_seq_len < 16:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
+        if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
+            raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

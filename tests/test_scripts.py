@@ -77,3 +77,20 @@ def test_regen_cache_script_round_trip(tmp_path):
     assert {k: r["response_ids"] for k, r in got.items()} == {r["id"]: r["response_ids"] for r in recs}
     assert all(r["prompt_ids"] is None for r in got.values())  # re-encoded from the prompts on use
     assert json.loads((tmp_path / "seeded" / META).read_text())["target"] == "/tmp/models/q15"
+
+
+@pytest.mark.parametrize("script, names", [("gpu_step_timing.py", ("fuseddecode", "fuseddecode_pdl")),
+                                           ("gpu_engine_check.py", ("fused_decode", "pdl"))])
+def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
+    """`--help` imports the script and prints what it takes (the PDL variant / section among them); a misspelt
+    variant or section exits 2 at once instead of measuring nothing on the GPU."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert all(n in r.stdout for n in names)
+    bad = "--variants=fuseddecode,fuseddecod_pdl" if script == "gpu_step_timing.py" else "--only=pdll"
+    r = subprocess.run([sys.executable, str(SCRIPTS / script), bad], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2 and ("unknown" in r.stderr or "unexpected" in r.stderr), r.stderr

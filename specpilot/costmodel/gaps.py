@@ -39,13 +39,22 @@ def pass_floor_s(cost: PassCost, hw: HardwareCeilings) -> float:
     return max(cost.total_bytes / hw.hbm_bytes_per_s, cost.flops / hw.bf16_flops_per_s)
 
 
+# A kernel launched with PDL (PassCost.num_pdl_kernels) pays this share of a graphed launch's gap, taken as
+# `graph_kernel_s` (a tiny graphed kernel is mostly gap): it launches while the kernel before it drains and waits
+# in-kernel. AN ESTIMATE, not measured yet: to be replaced by the H200's fuseddecode vs fuseddecode_pdl step times
+# (scripts/gpu_step_timing.py).
+PDL_GAP_FACTOR = 0.5
+
+
 def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
                      attention_kernel: bool = False) -> float:
     """Calibrated prediction of one pass of our implementation (not a bound).
 
     Graphed: weights stream at the graphed GEMV chains' rate (1.5B- and 8B-like chains, interpolated by bytes per
     layer; grown by the M = 16 chain's ratio at the pass's T), and the other kernels pay `graph_kernel_s` each, the
-    eager RMSNorm / RoPE chains' kernels `eager_kernel_s(T)` (fp32 casts and reductions, dearer, growing with T). Eager: every kernel pays
+    eager RMSNorm / RoPE chains' kernels `eager_kernel_s(T)` (fp32 casts and reductions, dearer, growing with T);
+    kernels launched with PDL (GEMVs included: the GEMV chains' rates were measured with full gaps) each give back
+    (1 - PDL_GAP_FACTOR) * `graph_kernel_s`. Eager: every kernel pays
     the host launch `launch_s` (additive: the host's overlap with long GEMVs is ignored, so eager predictions lean
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
@@ -56,7 +65,8 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     if graphed:
         eager = min(cost.num_eager_kernels, cost.num_kernels - cost.num_linear_kernels)
         overhead_s = ((cost.num_kernels - cost.num_linear_kernels - eager) * hw.graph_kernel_s
-                      + eager * hw.eager_kernel_s(cost.num_tokens))
+                      + eager * hw.eager_kernel_s(cost.num_tokens)
+                      - cost.num_pdl_kernels * (1.0 - PDL_GAP_FACTOR) * hw.graph_kernel_s)
     else:
         overhead_s = cost.num_kernels * hw.launch_s
     # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
@@ -101,6 +111,7 @@ class StepProfile:
     add_norm_kernel: bool = False
     fused_decode: bool = False  # one-token passes in six launches a layer (EngineConfig.fused_decode)
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
+    pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)

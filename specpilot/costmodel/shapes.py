@@ -46,6 +46,10 @@ _COMPILED_LAYER_OTHER_KERNELS = 6
 # (+ the final norm)
 _FUSED_DECODE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 2
 _FUSED_DECODE_HEAD_KERNELS = 1 + 7 + 1 + 1
+# pdl (kernels/pdl.py), with fused_decode: the six launches a layer and the LM head GEMV launch with programmatic
+# dependent launch (the embedding, RoPE tables, final norm and cast do not)
+_PDL_KERNELS_PER_LAYER = _FUSED_DECODE_LAYER_KERNELS
+_PDL_HEAD_KERNELS = 1
 _COMPILED_HEAD_OTHER_KERNELS = 3
 
 
@@ -65,6 +69,9 @@ class PassCost:
     # of num_kernels, the eager RMSNorm (8 each) and RoPE (10 a layer) kernels: fp32 elementwise / reduction
     # chains that cost more per graphed kernel than a tiny add (HardwareCeilings.eager_kernel_s)
     num_eager_kernels: int = 0
+    # of num_kernels, those launched with PDL (EngineConfig.pdl: a fused one-token pass): each may start while the
+    # kernel before it drains, so it pays only part of a graphed launch's gap (gaps.PDL_GAP_FACTOR)
+    num_pdl_kernels: int = 0
 
     @property
     def total_bytes(self) -> float:
@@ -136,7 +143,7 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
-KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "lossless12")
+KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "lossless12", "pdl")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -145,9 +152,10 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
-    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode or
-    lossless12, which are the dense model's), for dflash_pass_cost."""
-    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "lossless12")}
+    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode,
+    lossless12 or pdl, which are the dense model's), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "lossless12",
+                                                                    "pdl")}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
@@ -195,13 +203,15 @@ def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: b
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
-                 add_norm_kernel: bool = False, fused_decode: bool = False, lossless12: bool = False) -> PassCost:
+                 add_norm_kernel: bool = False, fused_decode: bool = False, lossless12: bool = False,
+                 pdl: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
     Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
     kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py);
-    `lossless12` (with fused_decode) its weight bytes: the projections and the LM head read 12-bit copies."""
+    `lossless12` (with fused_decode) its weight bytes: the projections and the LM head read 12-bit copies; and `pdl`
+    (with fused_decode) marks that pass's fused kernels as launched with PDL (`num_pdl_kernels`)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -209,12 +219,14 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     eager = eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel)
     one_token_fused = fused_decode and num_tokens == 1 and not compiled
     linear_bytes = LOSSLESS12_BYTES if lossless12 and one_token_fused and dtype_bytes == 2 else None
+    pdl_kernels = 0
     if one_token_fused:  # six launches a layer, the head without a mask
         L = cfg.num_hidden_layers
         final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
         kernels = (L * _FUSED_DECODE_LAYER_KERNELS + _FUSED_DECODE_HEAD_KERNELS + final_norm,
                    L * _FUSED_LINEARS_PER_LAYER + 1)
         eager = 0 if norm_kernel else _NORM_KERNELS
+        pdl_kernels = L * _PDL_KERNELS_PER_LAYER + _PDL_HEAD_KERNELS if pdl else 0
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
@@ -228,6 +240,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         attn_keys=pool_len if pool_len else context_len + num_tokens,
         head_bytes=_lm_head_params(cfg) * (dtype_bytes if linear_bytes is None else linear_bytes),
         num_eager_kernels=eager,
+        num_pdl_kernels=pdl_kernels,
     )
 
 

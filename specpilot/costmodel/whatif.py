@@ -45,6 +45,7 @@ class StepKnobs:
     add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
     fused_decode: bool = False  # fused_decode (a one-token pass in six launches a layer)
     lossless12: bool = False  # lossless12 (that pass's GEMVs read 12-bit weight copies: 3/4 of the bytes)
+    pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:

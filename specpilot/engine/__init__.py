@@ -79,6 +79,22 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn(f"lossless12 needs bf16 weights (dtype {config.dtype}): the 16-bit weights stay",
                           RuntimeWarning, stacklevel=2)
+    _apply_pdl(config)
+
+
+def _apply_pdl(config: EngineConfig) -> None:
+    """EngineConfig.pdl -> the process-wide PDL switch (kernels/pdl.py), set whenever a model is laid out for a
+    config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture). PDL
+    only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
+    Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper it warns and stays off."""
+    from specpilot.kernels import pdl
+
+    want = config.pdl and str(config.device).startswith("cuda")
+    if want and not (config.fused_projections and config.fused_decode):
+        warnings.warn("pdl needs fused_decode (and the fused_projections it reads): only the fused one-token path "
+                      "launches with PDL, so pdl stays off", RuntimeWarning, stacklevel=3)
+        want = False
+    pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None)
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

@@ -33,6 +33,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
@@ -178,8 +180,17 @@ if triton is not None:
                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
                             H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                            UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr):
+                            UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
+        # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
+        # then wait for the previous one before the first load. q, positions and the K/V just written by
+        # rope_write all come from earlier kernels; and nothing may be stored (partials, counters, the output)
+        # before the wait: the predecessor may still be running, still reading a buffer the allocator handed us.
+        # Every program waits, even those that exit early, so the counters of this launch are never touched
+        # before the previous attention launch (which left them at zero) has completed.
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // H_KV
@@ -275,11 +286,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     consts = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
     scale = D ** -0.5 if scale is None else scale
-    if one_launch:
+    if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
+        pdl = launch_options()
         _split_merge_kernel[(B * Hkv, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, scale, **consts,
-            SPLITS_P2=_pow2(splits))
+            SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, **pdl.kwargs)
         return out
     _split_kernel[(B * Hkv, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, scale, **consts)
     _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),

@@ -5,8 +5,8 @@ floor by a quarter while every weight stays exactly the bf16 value it was (the f
 computes what kernels/gemv_fused.py computes from the bf16 matrix, up to the fp32 summation order.
 
 Kernel: as gemv_fused's non-paired loop (each program owns BLOCK_N output rows, accumulates an fp32 [BLOCK_N,
-BLOCK_J] tile over K, reduces once), but each K step covers the column pairs (j, K/2 + j) of BLOCK_J positions:
-BLOCK_J code bytes, the two halves' BLOCK_J low bytes and x values, all contiguous loads. Decoding a weight = its
+BLOCK_G] tile over K, reduces once), but each K step reads 32-bit words: BLOCK_G code words and BLOCK_G low-byte
+words of each row half (4 BLOCK_G column pairs (j, K/2 + j)), and the matching x values, all contiguous. Decoding a weight = its
 magnitude byte from the 8-entry table, its sign, its low byte, put together as the bf16 bits:
 - on the GPU in inline PTX, four weights per call (byte permutes: one `prmt` looks four magnitudes up in the table
   held in two registers, two more build the four bf16 bit patterns) -- ~2.5-3 instructions a weight beside its FMA;
@@ -32,19 +32,21 @@ try:
     import triton.language as tl
 
     from specpilot.kernels.gemv_fused import _epilogue, _norm_h, _norm_rstd
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# four weights of one row half from one code word ($5: four code bytes), one low-byte register ($4: byte k = weight
-# k) and the table (two registers: magnitude bytes 0-3, 4-7) -> four fp32 values, exact. The word's layout
-# (formats/lossless12.py): the indices in nibbles (first half: nibbles 0-3, second: 4-7) become a byte-permute
+# four weights of one row half from its low-byte word ($4: byte k = weight k's low byte), its code word ($5) and
+# the table (two registers $6, $7: magnitude bytes 0-3, 4-7) -> four fp32 values ($0-$3), exact. The code word's
+# layout (formats/lossless12.py): the indices in nibbles (first half: nibbles 0-3, second: 4-7) become a byte-permute
 # selector with one `and`; the signs sit at the byte tops (first half) or 4 bits below them (second half).
+# Operands are whole 32-bit words (pack 1), so which register holds which weight never depends on a tile layout.
 _DECODE_PTX = """{{
 .reg .b32 s, t, h, p;
 {select}
-prmt.b32 h, $6, $10, s;
+prmt.b32 h, $6, $7, s;
 {signs}
 and.b32 t, t, 0x80808080;
 or.b32 h, h, t;
@@ -57,7 +59,7 @@ and.b32 $3, p, 0xFFFF0000;
 }}"""
 _PTX_FIRST = _DECODE_PTX.format(select="and.b32 s, $5, 0x7777;", signs="mov.b32 t, $5;")
 _PTX_SECOND = _DECODE_PTX.format(select="shr.b32 s, $5, 16;\nand.b32 s, s, 0x7777;", signs="shl.b32 t, $5, 4;")
-_CONSTRAINTS = "=r,=r,=r,=r,r,r" + ",r" * 8  # 4 outputs; low bytes, codes (4 a register); the two table words x4
+_CONSTRAINTS = "=r,=r,=r,=r,r,r,r,r"  # 4 fp32 outputs; low-byte word, code word, the two table words
 
 
 def gemv12_reference(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, *,
@@ -71,41 +73,56 @@ if triton is not None:
     _PTX_FIRST_C, _PTX_SECOND_C, _CONSTRAINTS_C = (tl.constexpr(v) for v in (_PTX_FIRST, _PTX_SECOND, _CONSTRAINTS))
 
     @triton.jit
-    def _decode(lo, code, c_word, tab_ptr, t0, t1, SECOND: tl.constexpr, ON_GPU: tl.constexpr):
-        """uint8 low bytes [BN, BJ] of the first (SECOND False) or second row half and the code bytes [BN, BJ]
-        -> the fp32 weights. The interpreter reads each element's whole code word (c_word, int32; the GPU's asm
-        gets it as the four code bytes of one register)."""
-        if ON_GPU:
-            a = tl.full(lo.shape, t0, tl.int32)
-            b = tl.full(lo.shape, t1, tl.int32)
-            w = tl.inline_asm_elementwise(_PTX_SECOND_C if SECOND else _PTX_FIRST_C, _CONSTRAINTS_C,
-                                          [lo, code, a, b], dtype=tl.float32, is_pure=True, pack=4)
+    def _decode_one(lw, cw, tab_ptr, k: tl.constexpr, SECOND: tl.constexpr):
+        """The interpreter's decode of weight k of each word (plain integer ops, bit-identical to the PTX)."""
+        if SECOND:
+            idx, sign = (cw >> (16 + 4 * k)) & 7, (cw >> (8 * k + 3)) & 1
         else:
-            k = tl.arange(0, lo.shape[1])[None, :] % 4  # the element's place in its word
-            if SECOND:
-                idx, sign = (c_word >> (16 + 4 * k)) & 7, (c_word >> (8 * k + 3)) & 1
-            else:
-                idx, sign = (c_word >> (4 * k)) & 7, (c_word >> (8 * k + 7)) & 1
-            mag = tl.load(tab_ptr + idx).to(tl.int32)
-            bits = (sign << 31) | (mag << 24) | (lo.to(tl.int32) << 16)
-            w = bits.to(tl.float32, bitcast=True)
-        return w
+            idx, sign = (cw >> (4 * k)) & 7, (cw >> (8 * k + 7)) & 1
+        mag = tl.load(tab_ptr + idx).to(tl.int32)
+        return ((sign << 31) | (mag << 24) | (((lw >> (8 * k)) & 255) << 16)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _accumulate(acc, lo_rows, c_rows, j, m, KH, ha, hb, tab_ptr, t0, t1, ON_GPU: tl.constexpr):
-        """acc [BN, BJ] + the products of one K step: weights (j, KH + j) of each row times ha, hb."""
-        code = tl.load(c_rows + j[None, :], mask=m, other=0)
-        c_word = 0
-        if not ON_GPU:  # the interpreter decodes element by element: give each its whole 32-bit word
-            w0 = c_rows + (j - j % 4)[None, :]
-            c_word = (tl.load(w0, mask=m, other=0).to(tl.int32) | (tl.load(w0 + 1, mask=m, other=0).to(tl.int32) << 8)
-                      | (tl.load(w0 + 2, mask=m, other=0).to(tl.int32) << 16)
-                      | (tl.load(w0 + 3, mask=m, other=0).to(tl.int32) << 24))
-        wa = _decode(tl.load(lo_rows + j[None, :], mask=m, other=0), code, c_word, tab_ptr, t0, t1, False, ON_GPU)
-        wb = _decode(tl.load(lo_rows + KH + j[None, :], mask=m, other=0), code, c_word, tab_ptr, t0, t1, True,
-                     ON_GPU)
-        acc += wa * ha[None, :]
-        acc += wb * hb[None, :]
+    def _decode(lw, cw, tab_ptr, t0, t1, SECOND: tl.constexpr, ON_GPU: tl.constexpr):
+        """int32 low-byte words and code words [BN, BG] of the first (SECOND False) or second row half -> the four
+        fp32 weights of each word (weight k: column 4 g + k of that half)."""
+        if ON_GPU:
+            a = tl.full(lw.shape, t0, tl.int32)
+            b = tl.full(lw.shape, t1, tl.int32)
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                _PTX_SECOND_C if SECOND else _PTX_FIRST_C, _CONSTRAINTS_C, [lw, cw, a, b],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            w0 = _decode_one(lw, cw, tab_ptr, 0, SECOND)
+            w1 = _decode_one(lw, cw, tab_ptr, 1, SECOND)
+            w2 = _decode_one(lw, cw, tab_ptr, 2, SECOND)
+            w3 = _decode_one(lw, cw, tab_ptr, 3, SECOND)
+        return w0, w1, w2, w3
+
+    @triton.jit
+    def _split4(x4):
+        """[BG, 4] -> its four columns [BG] (column k = x4[:, k])."""
+        even, odd = tl.split(tl.reshape(x4, (x4.shape[0], 2, 2)))  # k = 2 a + b: b = 0 -> k 0, 2; b = 1 -> k 1, 3
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _accumulate(acc, lo_rows, c_rows, g, m, CW, xa, xb, tab_ptr, t0, t1, ON_GPU: tl.constexpr):
+        """acc [BN, BG] + the products of one K step: the four weights of word g in each row half times x."""
+        cw = tl.load(c_rows + g[None, :], mask=m, other=0)
+        wa = _decode(tl.load(lo_rows + g[None, :], mask=m, other=0), cw, tab_ptr, t0, t1, False, ON_GPU)
+        wb = _decode(tl.load(lo_rows + CW + g[None, :], mask=m, other=0), cw, tab_ptr, t0, t1, True, ON_GPU)
+        a0, a1, a2, a3 = xa
+        b0, b1, b2, b3 = xb
+        acc += wa[0] * a0[None, :]
+        acc += wa[1] * a1[None, :]
+        acc += wa[2] * a2[None, :]
+        acc += wa[3] * a3[None, :]
+        acc += wb[0] * b0[None, :]
+        acc += wb[1] * b1[None, :]
+        acc += wb[2] * b2[None, :]
+        acc += wb[3] * b3[None, :]
         return acc
 
     @triton.jit
@@ -131,36 +148,48 @@ if triton is not None:
 
     @triton.jit
     def _gemv12_kernel(x_ptr, lo_ptr, c_ptr, tab_ptr, t0, t1, ep_ptr, ec_ptr, ev_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-                       N, K, KH, eps,
+                       N, K, CW, eps,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                        SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, EXC_BLOCK: tl.constexpr):
-        """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n)."""
+                       BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EXC_BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+        """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
+        lo_ptr / c_ptr: the planes as int32 words (K / 4 and CW = K / 8 a row); each K step takes BLOCK_G words
+        of each half (4 BLOCK_G column pairs). USE_PDL: as gemv_fused's (kernels/pdl.py): nothing is read or
+        written before the wait."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         dt = y_ptr.dtype.element_ty
         n0 = tl.program_id(0) * BLOCK_N
         n_offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
-        lo_rows = n_offs.to(tl.int64)[:, None] * K  # [BN, 1]
-        c_rows = n_offs.to(tl.int64)[:, None] * KH
+        lo_rows = n_offs.to(tl.int64)[:, None] * (2 * CW)  # [BN, 1], in words
+        c_rows = n_offs.to(tl.int64)[:, None] * CW
+        KH = 4 * CW
         rstd = 0.0
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
-        acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
         if SILU_MUL:
-            acc_up = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-        for j0 in range(0, KH, BLOCK_J):  # column pairs (j, KH + j): the two halves of the row
-            j = j0 + tl.arange(0, BLOCK_J)
-            jm = j < KH
-            ha = tl.load(x_ptr + j, mask=jm, other=0.0).to(tl.float32)
-            hb = tl.load(x_ptr + KH + j, mask=jm, other=0.0).to(tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+        k4 = tl.arange(0, 4)
+        for g0 in range(0, CW, BLOCK_G):  # words g: columns 4 g + k of the first half, KH + 4 g + k of the second
+            g = g0 + tl.arange(0, BLOCK_G)
+            gm = g < CW
+            cols = 4 * g[:, None] + k4[None, :]  # [BG, 4]
+            xa = tl.load(x_ptr + cols, mask=gm[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + KH + cols, mask=gm[:, None], other=0.0).to(tl.float32)
             if HAS_NORM:
-                ha = _norm_h(ha, tl.load(nw_ptr + j, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-                hb = _norm_h(hb, tl.load(nw_ptr + KH + j, mask=jm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-            m = n_mask[:, None] & jm[None, :]
-            acc = _accumulate(acc, lo_ptr + lo_rows, c_ptr + c_rows, j, m, KH, ha, hb, tab_ptr, t0, t1, ON_GPU)
+                xa = _norm_h(xa, tl.load(nw_ptr + cols, mask=gm[:, None], other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+                xb = _norm_h(xb, tl.load(nw_ptr + KH + cols, mask=gm[:, None], other=0.0).to(tl.float32), rstd, dt,
+                             ON_GPU)
+            xa4, xb4 = _split4(xa), _split4(xb)
+            m = n_mask[:, None] & gm[None, :]
+            acc = _accumulate(acc, lo_ptr + lo_rows, c_ptr + c_rows, g, m, CW, xa4, xb4, tab_ptr, t0, t1, ON_GPU)
             if SILU_MUL:  # the up rows N + n
-                acc_up = _accumulate(acc_up, lo_ptr + lo_rows + N * K, c_ptr + c_rows + N * KH, j, m, KH, ha, hb,
-                                     tab_ptr, t0, t1, ON_GPU)
+                acc_up = _accumulate(acc_up, lo_ptr + lo_rows + N * 2 * CW, c_ptr + c_rows + N * CW, g, m, CW, xa4,
+                                     xb4, tab_ptr, t0, t1, ON_GPU)
         n_rows = 2 * N if SILU_MUL else N
         y = _exceptions(tl.sum(acc, axis=1), n0, n_rows, BLOCK_N, ep_ptr, ec_ptr, ev_ptr, x_ptr, nw_ptr, rstd, dt,
                         HAS_NORM, ON_GPU, EXC_BLOCK)
@@ -170,8 +199,8 @@ if triton is not None:
                             rstd, dt, HAS_NORM, ON_GPU, EXC_BLOCK)
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
-    # 28 choices (each K step reads 2 BLOCK_J columns: BLOCK_J = 256 moves as many weights as gemv_fused's 512)
-    _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_J": bj, "EXC_BLOCK": 16}, num_warps=w, num_stages=s)
+    # 28 choices (a K step covers 2 BLOCK_J = 8 BLOCK_G columns: BLOCK_J = 256 moves as many weights as gemv_fused's 512)
+    _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_G": bj // 4, "EXC_BLOCK": 16}, num_warps=w, num_stages=s)
                 for bn, bj in ((2, 256), (4, 128), (4, 256), (8, 128), (8, 256), (16, 128), (32, 64))
                 for w in (4, 8) for s in (1, 3)]
 
@@ -199,16 +228,19 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
     y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
     t0, t1 = packed.words
     dummy = packed.exc_val
-    args = (x, packed.lo, packed.codes, packed.table, t0, t1, packed.exc_ptr, packed.exc_col, packed.exc_val,
-            dummy if bias is None else bias, dummy if norm_weight is None else norm_weight,
-            dummy if residual is None else residual, y, out_n, K, K // 2, float(eps))
+    args = (x, packed.lo.view(torch.int32), packed.codes.view(torch.int32), packed.table, t0, t1, packed.exc_ptr,
+            packed.exc_col, packed.exc_val, dummy if bias is None else bias,
+            dummy if norm_weight is None else norm_weight, dummy if residual is None else residual, y, out_n, K,
+            K // 8, float(eps))
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
                  SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1)
     if _INTERPRET:
-        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_J=32, EXC_BLOCK=4)
+        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_G=8, EXC_BLOCK=4)
     else:
-        _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
+        pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on (kernels/pdl.py)
+        _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, USE_PDL=pdl.use_pdl,
+                                                                      **pdl.kwargs)
     return y
 
 

@@ -39,6 +39,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -145,12 +146,20 @@ if triton is not None:
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
                            HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
+                           USE_PDL: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
         interleaved (gate n, up n, gate n+1, ...) and one accumulator, split after the reduction, instead of two
-        tiles and two accumulators (the same loop as a plain GEMV of 2 BLOCK_N rows; same numbers)."""
+        tiles and two accumulators (the same loop as a plain GEMV of 2 BLOCK_N rows; same numbers).
+
+        USE_PDL (launched with PDL, kernels/pdl.py): let the next kernel launch now, then wait for the previous one
+        before anything else. Nothing may be read or written before the wait: the predecessor may still be running
+        and may still read the buffer the allocator gave us as y (weights could be loaded early; not done here)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         dt = y_ptr.dtype.element_ty
         n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
@@ -225,9 +234,10 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
     args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual, y, out_n, K, weight.stride(0), float(eps))
+    pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
                  SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,  # unused pointers: dummies (the weight)
-                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1)
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl, **pdl.kwargs)
     if _INTERPRET:
         _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
     else:

@@ -30,6 +30,7 @@ try:
     import triton
     import triton.language as tl
 
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # the per-row math, shared with the RoPE kernel
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -60,7 +61,15 @@ if triton is not None:
     def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, qw_ptr, kw_ptr,
                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, scb, sct, ssb, sst, spb, spt,
                            skcb, skch, skcs, svcb, svch, svcs, sqob, sqoh, sqot, T, H, HKV, S, eps,
-                           D: tl.constexpr, BLOCK_H: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
+                           D: tl.constexpr, BLOCK_H: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+        # USE_PDL (launched with PDL, kernels/pdl.py): the next kernel may launch now; then wait for the previous
+        # one before the first load. Everything this kernel reads (q/k/v from the qkv GEMV, cos/sin, positions) is
+        # written by earlier kernels, and nothing may be stored before the wait: the predecessor may still be
+        # running, still reading the buffer the allocator handed us as the rotated-q output
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         bt = tl.program_id(0)
         which = tl.program_id(1)  # 0: q, 1: k, 2: v
         b = (bt // T).to(tl.int64)
@@ -139,6 +148,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         return qo
     scb = cos.stride(0) if cos.shape[0] == B else 0
     ssb = sin.stride(0) if sin.shape[0] == B else 0
+    pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     _rope_write_kernel[(B * T, 3)](
         q, k, v, cos, sin, positions, k_cache, v_cache, qo, qw, kw,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -147,7 +157,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), qo.stride(0), qo.stride(1), qo.stride(2), T, H, Hkv, S, eps,
         D=D, BLOCK_H=triton.next_power_of_2(max(H, Hkv)), Q_NORM=q_norm_weight is not None,
-        K_NORM=k_norm_weight is not None,
+        K_NORM=k_norm_weight is not None, USE_PDL=pdl.use_pdl, **pdl.kwargs,
     )
     return qo
 

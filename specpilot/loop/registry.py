@@ -209,6 +209,11 @@ register(Mechanism(
     "one-token steps' GEMVs (and the LM head's) read lossless 12-bit copies of the weights (an 8-entry magnitude "
     "table + the low byte, exact exceptions): the same weights in 3/4 of the bytes"))
 register(Mechanism(
+    "pdl", ("draft", "verify"), {"pdl": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
+    "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))

@@ -1,0 +1,85 @@
+"""Compile the fused one-token path's kernels for sm_90 (no GPU needed) and report where PDL's calls land in PTX.
+
+Run as a script, without TRITON_INTERPRET (the interpreter replaces `triton.jit`, so nothing compiles under it):
+tests/test_pdl.py starts it in a subprocess. Prints one JSON object: kernel case -> for USE_PDL off and on, the PTX
+line numbers of `griddepcontrol.launch_dependents`, `griddepcontrol.wait`, the first global load / store / atomic,
+the first branch or basic-block label, and the compiled `launch_pdl` option. The wait is provably before every
+global memory access when it sits in the entry block (before any branch or block label) and every access is
+textually after it: accesses in the entry block follow it, and every other block runs after the entry block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red|cp\.async[.\w]*)\.global\b|\b(atom|red)\.(gpu|sys|cta|acq|rel)")
+BRANCH = re.compile(r"^\s*(@%p\d+\s+)?bra\b|^\$L__BB")
+
+
+def _signature(fn, consts: dict, types) -> dict:
+    return {n: "constexpr" if n in consts else types(n) for n in fn.arg_names}
+
+
+def _cases():
+    from specpilot.kernels import decode_attention as da
+    from specpilot.kernels import gemv_fused as gf
+    from specpilot.kernels import rope_write as rw
+
+    def gemv_types(n):
+        return "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+
+    def rope_types(n):
+        return "*i64" if n == "pos_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+
+    def attn_types(n):
+        ptr = {"pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "cnt_ptr": "*i32"}
+        return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
+
+    gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
+                BLOCK_K=256, PAIRED=False)
+    yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
+        gemv_types
+    yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
+    yield "gemv_norm_silu_mul", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True}, \
+        gemv_types
+    yield "gemv_norm_silu_mul_paired", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
+                                                               "SILU_MUL": True, "PAIRED": True}, gemv_types
+    yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
+    yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
+                                                               UPCAST=False, SPLITS_P2=32), attn_types
+
+
+def _first(lines, pattern) -> int | None:
+    return next((i for i, line in enumerate(lines) if re.search(pattern, line)), None)
+
+
+def report() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = {}
+    for name, fn, consts, types in _cases():
+        out[name] = {}
+        for use_pdl in (False, True):
+            c = {**consts, "USE_PDL": use_pdl}
+            src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_pdl})
+            lines = compiled.asm["ptx"].splitlines()
+            out[name]["on" if use_pdl else "off"] = {
+                "launch_dependents": _first(lines, r"griddepcontrol\.launch_dependents"),
+                "wait": _first(lines, r"griddepcontrol\.wait"),
+                "first_global_access": _first(lines, GLOBAL_ACCESS.pattern),
+                "first_branch": _first(lines, BRANCH.pattern),
+                "launch_pdl": bool(compiled.metadata.launch_pdl),
+            }
+    return out
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("pdl_ptx.py compiles kernels: run it without TRITON_INTERPRET")
+    print(json.dumps(report()))

@@ -1,0 +1,249 @@
+"""Programmatic dependent launch for the fused one-token path (kernels/pdl.py, EngineConfig.pdl).
+
+The CPU cannot run PDL (the interpreter has no griddepcontrol), so these tests hold the parts that decide whether it
+is correct: the switch is off unless it can work; every fused-path launch made with the switch on carries
+`launch_pdl=True` AND `USE_PDL=True` (a kernel launched with PDL that did not wait would race its predecessor);
+and, compiled for sm_90, each kernel's `griddepcontrol.wait` comes before its first global load or store.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.config import EngineConfig
+from specpilot.errors import ConfigError
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+
+from specpilot.kernels import pdl  # noqa: E402  (after the skip: it imports triton's griddepcontrol intrinsics)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _switch_off():
+    """Every test starts and ends with the process-wide switch off."""
+    pdl._enabled = False
+    yield
+    pdl._enabled = False
+
+
+def _force_on(monkeypatch):
+    """The switch on as if on an H200 (the interpreter cannot run PDL: the recorders below strip it again)."""
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)
+    assert pdl.set_enabled(True)
+
+
+# --- the switch ---------------------------------------------------------------------------------------------
+
+
+def test_switch_is_off_by_default_and_stays_off_where_pdl_cannot_run():
+    assert not pdl.enabled() and pdl.launch_options() == ({}, False)
+    assert "interpreter" in pdl.unsupported_reason()  # conftest runs the kernels interpreted on CPU
+    with pytest.warns(RuntimeWarning, match="pdl.*stays off.*interpreter"):
+        assert pdl.set_enabled(True) is False
+    assert not pdl.enabled() and pdl.launch_options().kwargs == {}
+    with pytest.raises(TypeError, match="bool"):
+        pdl.set_enabled("yes")
+
+
+def test_switch_on_gives_the_launch_kwarg_and_the_constexpr_together(monkeypatch):
+    _force_on(monkeypatch)
+    opts = pdl.launch_options()
+    assert opts.kwargs == {"launch_pdl": True} and opts.use_pdl is True
+    opts.kwargs["launch_pdl"] = False  # a caller's copy: the switch is not changed through it
+    assert pdl.launch_options().kwargs == {"launch_pdl": True}
+    assert pdl.set_enabled(False) is False and pdl.launch_options() == ({}, False)
+
+
+# --- the config field and the engine ------------------------------------------------------------------------
+
+
+def test_config_field_validates_and_round_trips():
+    assert EngineConfig().pdl is False  # off until measured on the GPU
+    cfg = EngineConfig(pdl=True)
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in ("false", 1, None):
+        with pytest.raises(ConfigError, match="pdl"):
+            EngineConfig(pdl=bad)
+
+
+def test_cli_derives_the_pdl_flag():
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--pdl"])).pdl
+    assert not engine_config(parser.parse_args([])).pdl
+
+
+def test_engine_sets_the_switch_from_the_config(monkeypatch):
+    from specpilot.engine import _apply_pdl
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ignored quietly on CPU, like the other CUDA switches
+        _apply_pdl(EngineConfig(pdl=True))
+    assert not pdl.enabled()
+    _apply_pdl(EngineConfig(device="cuda", pdl=True))
+    assert pdl.enabled()
+    _apply_pdl(EngineConfig(device="cuda"))  # the newest config decides
+    assert not pdl.enabled()
+    for needs in (dict(fused_decode=False), dict(fused_projections=False)):
+        with pytest.warns(RuntimeWarning, match="pdl needs fused_decode"):
+            _apply_pdl(EngineConfig(device="cuda", pdl=True, **needs))
+        assert not pdl.enabled()
+
+
+def test_laying_out_a_model_applies_the_switch(tiny_model_dir, monkeypatch):
+    from specpilot import engine
+    from specpilot.models import load_model
+
+    seen = []
+    monkeypatch.setattr(engine, "_apply_pdl", lambda config: seen.append(config.pdl))
+    engine._apply_layout(load_model(tiny_model_dir("qwen2")), EngineConfig(pdl=True))
+    assert seen == [True]
+
+
+# --- every fused-path launch carries launch_pdl and USE_PDL together -------------------------------------------
+
+
+class Recorder:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then runs the real (interpreted)
+    kernel without PDL, which the interpreter cannot run."""
+
+    def __init__(self, name: str, kernel, log: list):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, dict(kwargs)))
+            kwargs.pop("launch_pdl", None)
+            kwargs["USE_PDL"] = False
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+FUSED_PATH = {"gemv_fused": ("_kernel",), "rope_write": ("_rope_write_kernel",),
+              "decode_attention": ("_split_merge_kernel",)}
+
+
+def _record(monkeypatch, log: list, also_unfused: bool = False) -> None:
+    import importlib
+
+    for module, names in FUSED_PATH.items():
+        mod = importlib.import_module(f"specpilot.kernels.{module}")
+        for name in names + (("_split_kernel", "_combine_kernel") if also_unfused and module == "decode_attention"
+                             else ()):
+            monkeypatch.setattr(mod, name, Recorder(name, getattr(mod, name), log))
+
+
+def _pdl_of(kwargs: dict) -> tuple[bool, bool]:
+    return kwargs.get("launch_pdl", False), kwargs.get("USE_PDL", False)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_each_fused_path_kernel_launches_with_pdl_exactly_when_switched_on(monkeypatch, on):
+    from specpilot.kernels.decode_attention import decode_attention, decode_attention_reference
+    from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_reference
+    from specpilot.kernels.rope_write import rope_write, rope_write_reference
+
+    if on:
+        _force_on(monkeypatch)
+    log = []
+    _record(monkeypatch, log, also_unfused=True)
+    torch.manual_seed(0)
+    x, w, nw = torch.randn(1, 64), torch.randn(24, 64), torch.rand(64) + 0.5
+    y = gemv_fused(x, w, norm_weight=nw)
+    assert torch.allclose(y, gemv_fused_reference(x, w, norm_weight=nw), atol=1e-5)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    cos, sin = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    pos = torch.tensor([[5]])
+    kc, vc = torch.zeros(1, 2, 32, 16), torch.zeros(1, 2, 32, 16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qo = rope_write(q, k, v, cos, sin, pos, kc, vc)
+    assert torch.allclose(qo, rope_write_reference(q, k, v, cos, sin, pos, kc2, vc2), atol=1e-5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    kc.normal_(), vc.normal_()
+    out = decode_attention(qo, kc, vc, pos, split_s=8, block_s=8, one_launch=True)
+    assert torch.allclose(out, decode_attention_reference(qo, kc, vc, pos), atol=1e-5)
+    decode_attention(qo, kc, vc, pos, split_s=8, block_s=8)  # two launches: not the fused path
+    fused = {name: _pdl_of(kw) for name, kw in log if name not in ("_split_kernel", "_combine_kernel")}
+    assert fused == {"_kernel": (on, on), "_rope_write_kernel": (on, on), "_split_merge_kernel": (on, on)}
+    # the split + merge pair never launches with PDL: its kernels do not wait
+    assert [(name, _pdl_of(kw)) for name, kw in log if name in ("_split_kernel", "_combine_kernel")] == \
+        [("_split_kernel", (False, False)), ("_combine_kernel", (False, False))]
+
+
+def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_numbers(tiny_model_dir, monkeypatch):
+    """One graphed-shape one-token step of a tiny model: with the switch on, all 6 launches a layer and the LM head
+    GEMV carry launch_pdl=True and USE_PDL=True (one without would run with stream order, one with launch_pdl but
+    no wait would race its predecessor); the logits are those of the switch off."""
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen3")).use_fused_decode()
+    L = model.config.num_hidden_layers
+
+    def step(m):
+        cache = m.new_cache(1, 32)
+        ids, positions = torch.tensor([[3, 9, 27, 4, 11, 5]]), torch.arange(6)[None]
+        with torch.no_grad():
+            m(ids, positions, cache, kv_len=6)  # prefill: the regular path
+            del log[:]
+            return m.logits(m(torch.tensor([[8]]), torch.tensor([[6]]), cache, kv_len=None))
+
+    log = []
+    _record(monkeypatch, log)
+    off = step(copy.deepcopy(model))
+    assert len(log) == 6 * L + 1 and all(_pdl_of(kw) == (False, False) for _, kw in log)
+    _force_on(monkeypatch)
+    on = step(model)
+    assert len(log) == 6 * L + 1
+    assert [name for name, kw in log if _pdl_of(kw) != (True, True)] == []
+    assert torch.equal(on, off)
+
+
+# --- compiled for sm_90: nothing touches global memory before the wait ----------------------------------------
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this Triton cannot compile for NVIDIA GPUs")
+def test_compiled_kernels_wait_before_their_first_global_access():
+    """tests/pdl_ptx.py compiles each fused-path kernel for sm_90 (no GPU needed) in a process without the
+    interpreter. With USE_PDL: launch_dependents, then wait, in the entry block, before any global load, store or
+    atomic (so before every one of them in execution order); without it: no griddepcontrol at all."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "pdl_ptx.py")], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
+            "rope_write_qk_norm", "attention_one_launch"} <= set(report)
+    for name, cases in report.items():
+        off, on = cases["off"], cases["on"]
+        assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
+        assert on["launch_pdl"], name
+        assert on["launch_dependents"] is not None and on["wait"] is not None, name
+        assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
+        assert on["first_branch"] is None or on["wait"] < on["first_branch"], (name, on)
