@@ -100,12 +100,20 @@ if triton is not None:
         return w0, w1, w2, w3
 
     @triton.jit
-    def _split4(x4):
-        """[BG, 4] -> its four columns [BG] (column k = x4[:, k])."""
-        even, odd = tl.split(tl.reshape(x4, (x4.shape[0], 2, 2)))  # k = 2 a + b: b = 0 -> k 0, 2; b = 1 -> k 1, 3
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        return x0, x1, x2, x3
+    def _x_one(x_ptr, nw_ptr, cols, gm, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr, ON_GPU: tl.constexpr):
+        h = tl.load(x_ptr + cols, mask=gm, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            h = _norm_h(h, tl.load(nw_ptr + cols, mask=gm, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+        return h
+
+    @triton.jit
+    def _x4(x_ptr, nw_ptr, c0, gm, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr, ON_GPU: tl.constexpr):
+        """The (normed) inputs of columns c0 + k, k = 0..3, each [BG]: four strided loads (L1 hits) in the tile's
+        own column layout; a [BG, 4] load split in registers cost a shared-memory round trip per K step."""
+        return (_x_one(x_ptr, nw_ptr, c0, gm, rstd, dt, HAS_NORM, ON_GPU),
+                _x_one(x_ptr, nw_ptr, c0 + 1, gm, rstd, dt, HAS_NORM, ON_GPU),
+                _x_one(x_ptr, nw_ptr, c0 + 2, gm, rstd, dt, HAS_NORM, ON_GPU),
+                _x_one(x_ptr, nw_ptr, c0 + 3, gm, rstd, dt, HAS_NORM, ON_GPU))
 
     @triton.jit
     def _accumulate(acc, lo_rows, c_rows, g, m, CW, xa, xb, tab_ptr, t0, t1, ON_GPU: tl.constexpr):
@@ -173,18 +181,11 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
         if SILU_MUL:
             acc_up = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-        k4 = tl.arange(0, 4)
         for g0 in range(0, CW, BLOCK_G):  # words g: columns 4 g + k of the first half, KH + 4 g + k of the second
             g = g0 + tl.arange(0, BLOCK_G)
             gm = g < CW
-            cols = 4 * g[:, None] + k4[None, :]  # [BG, 4]
-            xa = tl.load(x_ptr + cols, mask=gm[:, None], other=0.0).to(tl.float32)
-            xb = tl.load(x_ptr + KH + cols, mask=gm[:, None], other=0.0).to(tl.float32)
-            if HAS_NORM:
-                xa = _norm_h(xa, tl.load(nw_ptr + cols, mask=gm[:, None], other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-                xb = _norm_h(xb, tl.load(nw_ptr + KH + cols, mask=gm[:, None], other=0.0).to(tl.float32), rstd, dt,
-                             ON_GPU)
-            xa4, xb4 = _split4(xa), _split4(xb)
+            xa4 = _x4(x_ptr, nw_ptr, 4 * g, gm, rstd, dt, HAS_NORM, ON_GPU)
+            xb4 = _x4(x_ptr, nw_ptr, KH + 4 * g, gm, rstd, dt, HAS_NORM, ON_GPU)
             m = n_mask[:, None] & gm[None, :]
             acc = _accumulate(acc, lo_ptr + lo_rows, c_ptr + c_rows, g, m, CW, xa4, xb4, tab_ptr, t0, t1, ON_GPU)
             if SILU_MUL:  # the up rows N + n
