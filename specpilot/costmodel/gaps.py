@@ -41,9 +41,9 @@ def pass_floor_s(cost: PassCost, hw: HardwareCeilings) -> float:
 
 # A kernel launched with PDL (PassCost.num_pdl_kernels) pays this share of a graphed launch's gap, taken as
 # `graph_kernel_s` (a tiny graphed kernel is mostly gap): it launches while the kernel before it drains and waits
-# in-kernel. AN ESTIMATE, not measured yet: to be replaced by the H200's fuseddecode vs fuseddecode_pdl step times
-# (scripts/gpu_step_timing.py).
-PDL_GAP_FACTOR = 0.5
+# in-kernel. Measured once (H200, session 13, scripts/gpu_step_timing.py fuseddecode vs fuseddecode_pdl at the 1.5B
+# shape: 1.547 -> 1.530 ms, implied 0.914; within run-to-run noise, so PDL stays off by default).
+PDL_GAP_FACTOR = 0.9
 
 
 def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
@@ -60,7 +60,7 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
     """
     memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens, cost.head_bytes)
-                + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
+                / cost.weight_rate + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
         eager = min(cost.num_eager_kernels, cost.num_kernels - cost.num_linear_kernels)
