@@ -118,7 +118,7 @@ def gemv_parity(out: dict, only12: bool = False) -> None:
                 plain_us = graphed_us(lambda: torch.nn.functional.linear(xi, wi, bias))
                 us = graphed_us(lambda: gemv_fused(xi, wi, **kw))
                 row = {"max_rel_err": round(err, 5), "fused_us": us, "cublas_linear_us": plain_us,
-                       "fused_TBps": round(wi.numel() * 2 / us / 1e3, 2)}
+                       "fused_TBps": round(wi.numel() * 2 / us / 1e6, 2)}
             p = pack(wi)
             got12 = gemv12(xi, p, **kw)
             us12 = graphed_us(lambda: gemv12(xi, p, **kw))
