@@ -49,14 +49,14 @@ checks() {  # the engine's GPU parity check, the cost model's profiles, AR step 
   timeout 300 python3 scripts/gpu_engine_check.py > $R/engine_check.log 2>&1
   tail -1 $R/engine_check.log
   echo "[$(date +%T)] fused-decode kernels: parity stress and per-launch times; a small drafter's step with them"
-  timeout 150 python3 scripts/gpu_fused_check.py --only=gemv,rope > $R/fused_check.log 2>&1  # (attention: session 12)
+  timeout 200 python3 scripts/gpu_fused_check.py --only=gemv12,rope > $R/fused_check.log 2>&1  # (attention, 16-bit gemv: sessions 12-13)
   tail -1 $R/fused_check.log | cut -c1-300
   timeout 150 python3 scripts/gpu_model_draft_step.py --fused-decode > $R/model_draft_step.log 2>&1
   tail -1 $R/model_draft_step.log | cut -c1-300
   echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
   for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
-  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=attnkernel,allkernels,fuseddecode)} \
+  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=fuseddecode,fuseddecode_pdl,fuseddecode12)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
   [ "${FULLCHECKS:-0}" = 1 ] || return 0  # the rest was measured in session 11 (~330 s)
