@@ -56,7 +56,7 @@ checks() {  # the engine's GPU parity check, the cost model's profiles, AR step 
   echo "[$(date +%T)] cost model: predicted vs measured (1.5B + n-gram, + the 0.5B drafter, + DFlash; PROFILES)"
   for k in ${PROFILES:-ngram model dflash}; do OUT=$R timeout 120 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1; done
   echo "[$(date +%T)] AR step timing (SDPA and the attention kernel; COMPILE=1 adds compiled steps, ~6 min)"
-  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=fuseddecode,fuseddecode_pdl,fuseddecode12)} \
+  timeout ${STEP_S:-120} python3 scripts/gpu_step_timing.py qwen2.5-1.5b qwen3-8b ${STEP_FLAGS:-$([ "${COMPILE:-0}" = 1 ] || echo --no-compile --variants=fuseddecode,fuseddecode_pdl,fuseddecode12,fuseddecode12pre)} \
     > $R/step_timing.log 2>&1
   tail -1 $R/step_timing.log
   [ "${FULLCHECKS:-0}" = 1 ] || return 0  # the rest was measured in session 11 (~330 s)

@@ -10,7 +10,8 @@ pass grows with its tokens: the cost model prices draft lengths with it)
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
 "fuseddecode" is "all kernels" with one-token steps through models/fused_decode.py (six launches a layer; its
 T > 1 rows run the "all kernels" path); "fuseddecode12" the same over lossless 12-bit weights (its T = 1 row also
-gives the floor of the bytes it reads); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
+gives the floor of the bytes it reads), "fuseddecode12pre" with the norms in a launch of their own before the 12-bit
+GEMVs instead of in their prologues (models/fused_decode.py PRENORM_12BIT); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
 dependent launch (kernels/pdl.py, EngineConfig.pdl; its `_pdl_on` entry says whether the GPU took it, and with
 "fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
 model's estimate costmodel/gaps.py PDL_GAP_FACTOR); median of 100 replays timed with CUDA events. Floors from the cost
@@ -29,7 +30,7 @@ from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, syn
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
 from specpilot.kernels import pdl
-from specpilot.models import random_model
+from specpilot.models import fused_decode, random_model
 
 
 def median_ms(fn, repeats=100) -> float:
@@ -37,7 +38,8 @@ def median_ms(fn, repeats=100) -> float:
 
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
-               "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused_pdl": "_fuseddecode_pdl"}
+               "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
+               "fused_pdl": "_fuseddecode_pdl"}
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
@@ -54,7 +56,7 @@ def main(shapes, flags=()) -> int:
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
-                    (False, "fused12"), (False, "fused_pdl"), (True, False), (True, True)]
+                    (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -63,13 +65,14 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused_pdl")
+            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused12pre", "fused_pdl")
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
-            model.use_fused_decode(kernel in ("fused", "fused12", "fused_pdl"))
-            model.use_lossless12(kernel == "fused12")
+            model.use_fused_decode(kernel in ("fused", "fused12", "fused12pre", "fused_pdl"))
+            model.use_lossless12(kernel in ("fused12", "fused12pre"))
+            fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
             if kernel == "fused_pdl":
                 res["graphed_fuseddecode_pdl_on"] = pdl_on
@@ -84,7 +87,7 @@ def main(shapes, flags=()) -> int:
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3  # (bytes only: any kernel flags)
                 key = f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
-                if kernel == "fused12" and T == 1:  # the 16-bit floor above; this one counts the bytes it reads
+                if kernel in ("fused12", "fused12pre") and T == 1:  # the 16-bit floor above; this one counts the bytes it reads
                     f12 = pass_floor_s(forward_cost(cfg, 1, 512, fused_decode=True, lossless12=True), hw) * 1e3
                     res[key].update({"floor12_ms": round(f12, 4), "over_floor12": round(ms / f12, 3)})
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)

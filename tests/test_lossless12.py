@@ -197,3 +197,22 @@ def test_lossless12_needs_fused_decode_and_bf16(tiny_model_dir):
         load_model(tiny_model_dir("qwen2"), dtype=torch.bfloat16).use_lossless12()
     with pytest.raises(ConfigError, match="bf16"):
         load_model(tiny_model_dir("qwen2")).use_fused_decode().use_lossless12()
+
+
+def test_prenorm_launch_gives_the_prologue_numbers(tiny_model_dir, monkeypatch):
+    """PRENORM_12BIT: the norms in a launch of their own before the 12-bit GEMVs (same rounding as the prologue,
+    only the sum of squares' order may differ): the same logits up to that, the same tokens."""
+    from specpilot.models import fused_decode, load_model
+
+    model = load_model(tiny_model_dir("qwen2"), dtype=torch.bfloat16).use_fused_decode().use_lossless12()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2]])
+    prologue = _decode_steps(model, ids, 2)
+    calls = []
+    real = fused_decode.gemv12_call
+    monkeypatch.setattr(fused_decode, "PRENORM_12BIT", True)
+    monkeypatch.setattr(fused_decode, "gemv12_call", lambda x, p, b, nw, *a: calls.append(nw) or real(x, p, b, nw, *a))
+    separate = _decode_steps(model, ids, 2)
+    assert calls and all(nw is None for nw in calls)  # no 12-bit GEMV got a norm prologue
+    for a, b in zip(prologue, separate):
+        assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -35,6 +35,14 @@ def _ops():
     return kernel_op("gemv_fused"), kernel_op("rope_write"), kernel_op("decode_attention_one")
 
 
+# 12-bit GEMVs with a norm prologue: normalize x in one separate RMSNorm launch first (True) instead of in every
+# program of the GEMV (False). H200, session 13: the 12-bit GEMVs with the prologue streamed 2.5-2.7 TB/s of stored
+# bytes against 3.8-3.9 for the LM head without one; whether a launch more per norm wins back the difference in a
+# whole step is what scripts/gpu_step_timing.py's fuseddecode12pre variant measures. Same numbers either way (the
+# RMSNorm kernel rounds as the prologue does).
+PRENORM_12BIT = False
+
+
 def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
     """One fused GEMV launch through `linear`: over its lossless 12-bit copy when it has one (`packed12`, set by
     DenseLM.use_lossless12; same weights, 3/4 of the bytes), else over its bf16 weight."""
@@ -42,6 +50,8 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 
     packed = getattr(linear, "packed12", None)
     if packed is not None:
+        if PRENORM_12BIT and norm_weight is not None:
+            x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
         return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act)
     return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
 
