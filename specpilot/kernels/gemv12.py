@@ -6,8 +6,8 @@ computes what kernels/gemv_fused.py computes from the bf16 matrix, up to the fp3
 
 Kernel: as gemv_fused's non-paired loop (each program owns BLOCK_N output rows, accumulates an fp32 [BLOCK_N,
 BLOCK_G] tile over K, reduces once), but each K step reads 32-bit words: BLOCK_G code words and BLOCK_G low-byte
-words of each row half (4 BLOCK_G column pairs (j, K/2 + j)), and the matching x values, all contiguous. Decoding a weight = its
-magnitude byte from the 8-entry table, its sign, its low byte, put together as the bf16 bits:
+words of each row half (4 BLOCK_G column pairs (j, K/2 + j)) and the matching x values, all contiguous. Decoding a
+weight = its magnitude byte from the 8-entry table, its sign, its low byte, put together as the bf16 bits:
 - on the GPU in inline PTX, four weights per call (byte permutes: one `prmt` looks four magnitudes up in the table
   held in two registers, two more build the four bf16 bit patterns) -- ~2.5-3 instructions a weight beside its FMA;
 - in the interpreter (CPU tests) with plain integer ops and a table load, bit-identical.
@@ -211,7 +211,7 @@ if triton is not None:
                             rstd, dt, HAS_NORM, ON_GPU, EXC_BLOCK)
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
-    # 28 choices (a K step covers 2 BLOCK_J = 8 BLOCK_G columns: BLOCK_J = 256 moves as many weights as gemv_fused's 512)
+    # 28 choices (a K step covers 8 BLOCK_G = 2 bj columns: bj = 256 moves as many weights as gemv_fused's 512)
     _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_G": bj // 4, "EXC_BLOCK": 16}, num_warps=w, num_stages=s)
                 for bn, bj in ((2, 256), (4, 128), (4, 256), (8, 128), (8, 256), (16, 128), (32, 64))
                 for w in (4, 8) for s in (1, 3)]
