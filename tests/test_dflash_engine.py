@@ -127,3 +127,30 @@ def test_static_draft_step_is_used(setup, monkeypatch):
     want = Engine(target, cfg.with_(drafter_kind="none")).generate(list(range(1, 9)))
     assert res.output_ids == want.output_ids
     assert len(calls) >= 2
+
+
+def test_propose_logits_is_propose_with_logits(setup):
+    """`propose_logits` (scripts/tree_tau.py) runs propose's eager step and keeps the logits: their argmax is what
+    `propose` drafts, step after step, with the same context bookkeeping."""
+    from specpilot.drafters.dflash import DFlashBlockDrafter
+    from specpilot.models.dflash_io import load_dflash
+
+    target, path = setup
+    net = load_dflash(path)
+    B = net.block_size
+    plain, with_logits = DFlashBlockDrafter(net, target, 64), DFlashBlockDrafter(net, target, 64)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(40, net.fc.in_features, generator=g)
+    ids = torch.randint(0, 90, (40,), generator=g).tolist()
+    committed = 6
+    for d in (plain, with_logits):
+        d.observe(feats[: committed - 1])
+    for c in [0, 2, B, 1, 3]:
+        for d in (plain, with_logits):
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        k = 3 if c == 1 else B - 1
+        logits = with_logits.propose_logits(ids[:committed], k)
+        assert logits.shape == (k, net.config.vocab_size)
+        assert logits.argmax(-1).tolist() == plain.propose(ids[:committed], k).token_ids.tolist(), committed
+    assert with_logits.fed == plain.fed == committed - 1

@@ -107,12 +107,16 @@ class DFlashBlockDrafter:
     def observe(self, features: torch.Tensor) -> None:
         self.pending.append(features)
 
-    @torch.inference_mode()
-    def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    def _pending_context(self, context_ids: list[int]) -> tuple[int, torch.Tensor]:
         anchor_pos = len(context_ids) - 1
         ctx = torch.cat(self.pending) if self.pending else self.network.fc.weight.new_zeros(0, self.network.fc.in_features)
         if self.fed + ctx.shape[0] != anchor_pos:
             raise RuntimeError(f"DFlash context out of step: {self.fed} fed + {ctx.shape[0]} new != {anchor_pos}")
+        return anchor_pos, ctx
+
+    @torch.inference_mode()
+    def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        anchor_pos, ctx = self._pending_context(context_ids)
         k = min(num_tokens, self.network.block_size - 1)
         if self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
             tokens = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
@@ -121,3 +125,14 @@ class DFlashBlockDrafter:
                                  cache=self.cache, num_tokens=k)
         self.fed, self.pending = anchor_pos, []
         return Draft(tokens.to(torch.long))
+
+    @torch.inference_mode()
+    def propose_logits(self, context_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """`propose`'s eager step, returning the draft logits [k, V] instead of their argmax (analysis:
+        scripts/tree_tau.py ranks each position's candidates). Same bookkeeping as `propose`."""
+        anchor_pos, ctx = self._pending_context(context_ids)
+        k = min(num_tokens, self.network.block_size - 1)
+        logits = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
+                             cache=self.cache, num_tokens=k, return_logits=True)
+        self.fed, self.pending = anchor_pos, []
+        return logits

@@ -379,8 +379,10 @@ def draft_block(
     anchor_pos: int,
     cache: KVCache | None = None,
     num_tokens: int | None = None,
+    return_logits: bool = False,
 ) -> torch.Tensor:
-    """One greedy DFlash draft, as the reference's spec_generate does per step -> token ids [num_tokens].
+    """One greedy DFlash draft, as the reference's spec_generate does per step -> token ids [num_tokens]
+    (with `return_logits`, the draft logits [num_tokens, V] they are the argmax of instead).
 
     `anchor_id` is the last committed token (an int or a 0-d tensor), at position `anchor_pos`.
     `context_hidden` is `context_features(...)` of the target for positions anchor_pos-C .. anchor_pos-1 ([C, n*H]
@@ -403,4 +405,4 @@ def draft_block(
         kv_len=anchor_pos if cache is not None else None,
     )
     logits = drafter.compute_logits(hidden[:, 1:], lm_head)
-    return logits.argmax(dim=-1)[0]
+    return logits[0] if return_logits else logits.argmax(dim=-1)[0]
