@@ -4,7 +4,7 @@
 For each shape (q/k/v and gate/up projections fused): CUDA-graphed steps, plain and torch.compile'd, with SDPA or
 the split-KV attention kernel (and, uncompiled, with the RMSNorm and RoPE kernels too), at T = 1, 4, 8 and 16 after a 512-token prefill into a 4096-slot pool (how a verify
 pass grows with its tokens: the cost model prices draft lengths with it)
-(`--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel,
+(`--tokens=1,4,8,16,32,64` sets the step sizes, default 1-16; `--no-compile` skips the compiled variants, `--compiled-kernel-only` compiles only with the kernel,
 `--variants=sdpa,attnkernel,allkernels,allkernels_gemv,fuseddecode` keeps those uncompiled ones); "allkernels_gemv"
 (uncompiled) is "all kernels" plus the Triton GEMV for few-token projections (`model.use_gemv_kernel()`: M = 1 and
 wide N at 2-16 tokens, kernels/gemv.py `uses_kernel`), undone after its rows so later variants run the plain GEMMs;
@@ -45,6 +45,10 @@ POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kerne
 
 
 def main(shapes, flags=()) -> int:
+    # --tokens=1,4,8,16,32,64: the step sizes timed (default 1,4,8,16; 32 and 64 price a tree verify pass: a DFlash
+    # block with top-2 at its first one or two positions is 31 / 59 tokens, scripts/tree_tau.py)
+    tok = [f.split("=", 1)[1] for f in flags if f.startswith("--tokens=")]
+    tokens = tuple(int(t) for t in tok[0].split(",")) if tok else (1, 4, 8, 16)
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
     print("hardware", json.dumps(out["hardware"]), flush=True)  # first: a run cut by its time limit keeps it
@@ -77,11 +81,11 @@ def main(shapes, flags=()) -> int:
             if kernel == "fused_pdl":
                 res["graphed_fuseddecode_pdl_on"] = pdl_on
             t0 = time.time()
-            runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=(1, 4, 8, 16), cuda_graphs=True,
+            runner = ModelRunner(model.eval(), model.new_cache(1, POOL), buckets=tokens, cuda_graphs=True,
                                  compile=compiled)
             setup = time.time() - t0
             runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
-            for T in (1, 4, 8, 16):
+            for T in tokens:
                 ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
                 ms = median_ms(lambda: runner.step(ids, 512))
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3  # (bytes only: any kernel flags)
@@ -118,11 +122,12 @@ def pdl_gap_factor_implied(cfg, hw, res: dict) -> float | None:
 
 
 def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """-> (shapes, flags); `--help` prints the module docstring and exits; an unknown --variants name exits 2."""
+    """-> (shapes, flags); `--help` prints the module docstring and exits; an unknown --variants name or a bad
+    --tokens list exits 2."""
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         print(f"\nusage: gpu_step_timing.py [SHAPE ...] [--no-compile] [--compiled-kernel-only] "
-              f"[--variants={','.join(VARIANT_NAMES)}]")
+              f"[--variants={','.join(VARIANT_NAMES)}] [--tokens=1,4,8,16,32,64]")
         sys.exit(0)
     flags = [a for a in argv if a.startswith("--")]
     for f in flags:
@@ -130,6 +135,10 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
             "--variants=") else []
         if unknown:
             print(f"gpu_step_timing.py: unknown variants {unknown}; known: {', '.join(VARIANT_NAMES)}", file=sys.stderr)
+            sys.exit(2)
+        if f.startswith("--tokens=") and not all(t.isdigit() and int(t) > 0 for t in f.split("=", 1)[1].split(",")):
+            print(f"gpu_step_timing.py: --tokens takes positive integers, e.g. --tokens=1,16,32; got {f}",
+                  file=sys.stderr)
             sys.exit(2)
     return [a for a in argv if not a.startswith("--")] or ["qwen2.5-1.5b", "qwen3-8b"], flags
 

@@ -79,8 +79,9 @@ def test_regen_cache_script_round_trip(tmp_path):
     assert json.loads((tmp_path / "seeded" / META).read_text())["target"] == "/tmp/models/q15"
 
 
-@pytest.mark.parametrize("script, names", [("gpu_step_timing.py", ("fuseddecode", "fuseddecode_pdl")),
-                                           ("gpu_engine_check.py", ("fused_decode", "pdl"))])
+@pytest.mark.parametrize("script, names", [("gpu_step_timing.py", ("fuseddecode", "fuseddecode_pdl", "fuseddecode12pre",
+                                                                   "--tokens")),
+                                           ("gpu_engine_check.py", ("fused_decode", "pdl", "lossless12"))])
 def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
     """`--help` imports the script and prints what it takes (the PDL variant / section among them); a misspelt
     variant or section exits 2 at once instead of measuring nothing on the GPU."""
@@ -94,3 +95,7 @@ def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
     r = subprocess.run([sys.executable, str(SCRIPTS / script), bad], capture_output=True, text=True, timeout=120,
                        env=env)
     assert r.returncode == 2 and ("unknown" in r.stderr or "unexpected" in r.stderr), r.stderr
+    if script == "gpu_step_timing.py":  # a bad --tokens list too
+        r = subprocess.run([sys.executable, str(SCRIPTS / script), "--tokens=1,0"], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 2 and "positive integers" in r.stderr, r.stderr
