@@ -43,6 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specpilot.evaluator.bench import acceptance_by_steps as acceptance_by_position  # noqa: E402 (bench's profile)
+
 TARGET = "qwen2.5-coder-1.5b"
 DRAFTER = "dflash-qwen2.5-coder-1.5b"
 DEFAULT_VARIANTS = "chain,top2,top3,top2x2,top2x4,top2x1,top3x2"
@@ -94,16 +96,6 @@ def accepted_length(ranks: list[int | None], w: list[int]) -> int:
             break
         a += 1
     return a
-
-
-def acceptance_by_position(drafted: list[int], accepted: list[int]) -> list[float]:
-    """P(position i accepted | drafted and every position before it accepted), as bench reports it."""
-    reached, acc = {}, {}
-    for d, a in zip(drafted, accepted):
-        for i in range(min(d, a + 1)):
-            reached[i] = reached.get(i, 0) + 1
-            acc[i] = acc.get(i, 0) + (i < a)
-    return [round(acc[i] / reached[i], 4) for i in sorted(reached)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

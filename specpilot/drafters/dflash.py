@@ -116,23 +116,23 @@ class DFlashBlockDrafter:
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
-        anchor_pos, ctx = self._pending_context(context_ids)
-        k = min(num_tokens, self.network.block_size - 1)
-        if self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
-            tokens = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
-        else:
-            tokens = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
-                                 cache=self.cache, num_tokens=k)
-        self.fed, self.pending = anchor_pos, []
-        return Draft(tokens.to(torch.long))
+        return Draft(self._draft(context_ids, num_tokens, return_logits=False).to(torch.long))
 
     @torch.inference_mode()
     def propose_logits(self, context_ids: list[int], num_tokens: int) -> torch.Tensor:
         """`propose`'s eager step, returning the draft logits [k, V] instead of their argmax (analysis:
         scripts/tree_tau.py ranks each position's candidates). Same bookkeeping as `propose`."""
+        return self._draft(context_ids, num_tokens, return_logits=True)
+
+    def _draft(self, context_ids: list[int], num_tokens: int, return_logits: bool) -> torch.Tensor:
+        """The block at the last committed token -> its tokens [k] (the static graphed step where it applies) or,
+        with return_logits, the eager step's logits [k, V]; the pending context counts as fed afterwards."""
         anchor_pos, ctx = self._pending_context(context_ids)
         k = min(num_tokens, self.network.block_size - 1)
-        logits = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
-                             cache=self.cache, num_tokens=k, return_logits=True)
+        if not return_logits and self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
+            out = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
+        else:
+            out = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
+                              cache=self.cache, num_tokens=k, return_logits=return_logits)
         self.fed, self.pending = anchor_pos, []
-        return logits
+        return out

@@ -26,13 +26,18 @@ Generate = Callable[[list[int]], GenerationResult]
 
 def acceptance_by_position(results: list[GenerationResult]) -> list[float]:
     """P(draft token i accepted | it was drafted and every token before it accepted), i = 0..K-1."""
-    reached, accepted = {}, {}
-    for r in results:
-        for drafted, acc in zip(r.drafted_lengths, r.accepted_lengths):
-            for i in range(min(drafted, acc + 1)):
-                reached[i] = reached.get(i, 0) + 1
-                accepted[i] = accepted.get(i, 0) + (i < acc)
-    return [round(accepted[i] / reached[i], 4) for i in sorted(reached)]
+    return acceptance_by_steps([d for r in results for d in r.drafted_lengths],
+                               [a for r in results for a in r.accepted_lengths])
+
+
+def acceptance_by_steps(drafted: list[int], accepted: list[int]) -> list[float]:
+    """acceptance_by_position over steps given as (drafted, accepted) lengths."""
+    reached, acc_at = {}, {}
+    for d, a in zip(drafted, accepted):
+        for i in range(min(d, a + 1)):
+            reached[i] = reached.get(i, 0) + 1
+            acc_at[i] = acc_at.get(i, 0) + (i < a)
+    return [round(acc_at[i] / reached[i], 4) for i in sorted(reached)]
 
 
 def _tps(results: list[GenerationResult]) -> float:

@@ -61,10 +61,6 @@ class Packed12:
         return sum(t.numel() * t.element_size() for t in (self.lo, self.codes, self.table, self.exc_ptr,
                                                             self.exc_col, self.exc_val))
 
-    def to(self, device) -> "Packed12":
-        return Packed12(*(t.to(device) for t in (self.lo, self.codes, self.table, self.exc_ptr, self.exc_col,
-                                                   self.exc_val)), self.shape, self.words)
-
 
 def _check(w: torch.Tensor) -> None:
     if w.dtype != torch.bfloat16:

@@ -111,9 +111,9 @@ if triton is not None:
         """The (normed) inputs of columns c0 + k, k = 0..3, each [BG].
 
         Without a norm: four strided loads (L1 hits) in the tile's own column layout. With the norm prologue: one
-        [BG, 4] load, normed, split in registers (a shared-memory round trip a K step, but the norm's loads and
-        roundings run once per element instead of per strided slice). H200, session 13: each way was the faster
-        one for those GEMVs (no norm: down 1.5B 11.6 -> 8.6 us, 8B 33.5 -> 25.9; norm: gate_up 1.5B 18.9 vs 14.5)."""
+        [BG, 4] load, normed, split in registers (a shared-memory round trip a K step). Chosen by measurement:
+        on the H200 (session 13) each way was the faster one for those GEMVs (no norm: down 1.5B 11.6 -> 8.6 us,
+        8B 33.5 -> 25.9 strided; norm: gate_up 1.5B 14.5 split vs 18.9 strided)."""
         if HAS_NORM:
             cols = c0[:, None] + tl.arange(0, 4)[None, :]
             x4 = _x_one(x_ptr, nw_ptr, cols, gm[:, None], rstd, dt, HAS_NORM, ON_GPU)

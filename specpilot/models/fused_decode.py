@@ -32,7 +32,7 @@ from specpilot.models.cache import KVCache
 def _ops():
     from specpilot.models.dense import kernel_op
 
-    return kernel_op("gemv_fused"), kernel_op("rope_write"), kernel_op("decode_attention_one")
+    return kernel_op("rope_write"), kernel_op("decode_attention_one")
 
 
 # 12-bit GEMVs with a norm prologue: normalize x in one separate RMSNorm launch first (True) instead of in every
@@ -59,7 +59,7 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None) -> torch.Tensor:
     """x [1, 1, H] (the residual stream) -> the layer's output [1, 1, H]; K/V of the token written at `positions`."""
-    _, rope_write, attend = _ops()
+    rope_write, attend = _ops()
     attn, mlp = layer.self_attn, layer.mlp
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
