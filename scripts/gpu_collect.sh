@@ -5,6 +5,10 @@
 # pipeline is done the packed regeneration cache (regen-q15.NN.jsonl.gz, ~2 parts; <= 8 files come back in all).
 set -u
 R=/tmp/results
+if [ ! -d $R ]; then  # a fresh machine: the lease was lost and the pipeline's files with it (session 14 waited
+  echo "NO PIPELINE HERE: $R is missing (the machine was given back and this is a fresh one); nothing to collect"
+  exit 3              # out a whole 520 s call on one): stop at once rather than spend the device time waiting
+fi
 end=$(( $(date +%s) + ${1:-60} ))
 while [ "$(date +%s)" -lt $end ] && [ ! -e $R/DONE ]; do sleep 5; done
 for f in $R/lane0.log $R/lane1.log /tmp/runs/q15.log /tmp/runs/q15-helper.log /tmp/runs/q05.log; do
