@@ -129,7 +129,8 @@ def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
 
     def gen(ids):
         seen.append(len(ids))
-        return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
+        return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01, prefill_s=0.004,
+                                accepted_lengths=[0, 0], stage_s={"draft": 0.002, "verify": 0.006})
 
     def scorer(ids):  # stock argmax is always token 1 or 2 as the candidate wrote them
         logits = torch.zeros(len(ids), 4)
@@ -143,6 +144,10 @@ def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
     assert 50 not in seen
     spec = rep["systems"]["specpilot"]  # same generate for both: a step is one token at AR's speed
     assert spec["tau"] == 1.0 and spec["step_cost_ar_steps"] == pytest.approx(1.0, rel=1e-3)
+    # where the time went: prefill per prompt, stages per step (2 steps a prompt), and per prompt in the records
+    assert spec["prefill_ms_per_prompt"] == pytest.approx(4.0)
+    assert spec["stage_ms_per_step"] == {"draft": pytest.approx(1.0), "verify": pytest.approx(3.0)}
+    assert recs[0]["ar"]["prefill_s"] == 0.004 and recs[0]["ar"]["stage_s"] == {"draft": 0.002, "verify": 0.006}
     with pytest.raises(DatasetError, match="max-seq-len"):
         run_benchmark("x", prompts[1:2], lambda p: [7] * 50, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
                       max_prompt_tokens=10)

@@ -28,6 +28,7 @@ import torch
 
 from specpilot.drafters.base import Draft
 from specpilot.engine.graphs import capture, or_eager
+from specpilot.engine.runner import padded_length
 from specpilot.models.dflash import DFlashDrafter, _target_io, context_features, draft_block, target_capture_layers
 
 
@@ -42,6 +43,9 @@ class DFlashBlockDrafter:
         self.target_layers = target_capture_layers(self.layer_ids, self.num_target_layers)
         self.cache = network.new_cache(1, max_seq_len + network.block_size)
         self.device = network.fc.weight.device
+        # eager passes (the first, over the whole prompt) padded to a few context lengths on CUDA (engine/runner.py
+        # `padded_length`: every prompt length was a new shape for cuDNN's attention plans, ~tens of ms each)
+        self.pad_shapes = self.device.type == "cuda"
         self.graph = None
         self.static = static or (cuda_graphs and self.device.type == "cuda")
         if self.static:
@@ -132,7 +136,9 @@ class DFlashBlockDrafter:
         if not return_logits and self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
             out = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
         else:
+            C = ctx.shape[0]
+            pad_to = padded_length(C, self.cache.max_seq_len - (anchor_pos - C)) if self.pad_shapes and C else None
             out = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
-                              cache=self.cache, num_tokens=k, return_logits=return_logits)
+                              cache=self.cache, num_tokens=k, return_logits=return_logits, pad_to=pad_to)
         self.fed, self.pending = anchor_pos, []
         return out

@@ -11,6 +11,13 @@ verdict (verify/chain.py `greedy_verdict_packed`) on its logits, all in the step
 with `greedy_verdict=True`: one small long tensor [num_accepted, next_token, d_1 .. d_K], no extra launches.
 `static=True` runs the bucketed steps from their static buffers without capturing them (any device): the code a
 graph records, run eagerly, so CPU tests can hold it to the plain eager path.
+
+Eager passes of any length (the prompt's prefill, a step no bucket fits) are padded to one of a few lengths
+(`padded_length`) when `pad_shapes` is on (the default on CUDA): every prompt has a new length, and libraries that
+plan or tune per shape (cuDNN's attention builds an execution plan per new shape) made each new prompt cost
+35-135 ms before its first token on the H200 (BENCHMARKS.md, session 14) against ~1.5 ms a decode step. Padding
+tokens sit at the positions after the real ones, so under the positional causal mask no real token sees them, and
+their K/V land in slots that later steps overwrite before any query reaches them (as a bucket's padding does).
 """
 
 from __future__ import annotations
@@ -24,10 +31,18 @@ from specpilot.models import DenseLM, KVCache
 from specpilot.verify import greedy_verdict_packed
 
 
+def padded_length(T: int, room: int) -> int:
+    """The length an eager pass of T tokens is padded to: a power of two >= 16 up to 512 (at most 2x the tokens
+    where a pass is bound by its weight reads, not its tokens), then a multiple of 512; never past `room` (the
+    slots left) nor below T. 13 shapes for a 4k pool instead of one per prompt length."""
+    p = max(16, 1 << (T - 1).bit_length()) if T <= 512 else -(-T // 512) * 512
+    return max(T, min(p, room))
+
+
 class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
                  compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None,
-                 greedy_verdict: bool = False, static: bool = False):
+                 greedy_verdict: bool = False, static: bool = False, pad_shapes: bool | None = None):
         self.model, self.cache = model, cache
         # with capture_layers (even empty), features of every processed token are kept after each call in
         # `last_hidden` [T, F]: `feature_fn(final_hidden, layer_outputs)` or, by default, the layer outputs
@@ -40,6 +55,8 @@ class ModelRunner:
         # graphed decode step at small shapes; captured into the same CUDA graphs afterwards.
         self._fwd = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = model.lm_head.weight.device
+        # eager passes padded to a few lengths (padded_length; the module docstring says why): on CUDA by default
+        self.pad_shapes = self.device.type == "cuda" if pad_shapes is None else pad_shapes
         # T -> (graph or None when static and not captured, ids buffer, positions buffer, drafts-count buffer (None
         #       without the verdict), outputs: (logits, captured hidden, packed verdict or None); None when static)
         self.graphs: dict[int, tuple] = {}
@@ -53,9 +70,10 @@ class ModelRunner:
         if graphs or static:
             self._build(sorted(set(buckets), reverse=True), graphs)
 
-    def _run(self, ids, pos, kv_len=None, logits=True):
+    def _run(self, ids, pos, kv_len=None, logits=True, is_causal=False):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)
-        out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers or ())
+        out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers or (),
+                         is_causal=is_causal)
         hidden, layers = out if self.capture_layers else (out, [])
         feats = None
         if self.capture_layers is not None:
@@ -113,11 +131,23 @@ class ModelRunner:
         g.replay()
         return outputs
 
+    def _eager(self, ids: torch.Tensor, start: int, logits: bool):
+        """An eager pass over ids [T] at positions [start, start + T), padded to `padded_length` when pad_shapes is
+        on -> (logits [T, V] or None, captured hidden [T, F] or None) of the real tokens. From position 0 the pass
+        attends with SDPA's own causal mask (no [T, S] mask tensor; the padded length is the whole key range)."""
+        T = ids.shape[0]
+        n = padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
+        if n > T:  # padding tokens after the real ones (token 0: any id will do, nothing real sees them)
+            ids = torch.cat((ids, ids.new_zeros(n - T)))
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        out, feats = self._run(ids[None], pos, kv_len=start + n, logits=logits, is_causal=start == 0)
+        return (out[:T] if out is not None else None), (feats[:T] if feats is not None else None)
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
-        """K/V of ids [T] at positions [start, start + T); no LM head. Always eager (prompt lengths vary)."""
-        pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]
-        _, self.last_hidden = self._run(ids[None], pos, kv_len=start + ids.shape[0], logits=False)
+        """K/V of ids [T] at positions [start, start + T); no LM head. Always eager (prompt lengths vary; padded to a
+        few lengths on CUDA: see the module docstring)."""
+        _, self.last_hidden = self._eager(ids, start, logits=False)
 
     def _step(self, ids: torch.Tensor, start: int):
         # -> (logits [T, V], the packed greedy verdict [T + 1] when its bucket computed one, else None)
@@ -125,8 +155,7 @@ class ModelRunner:
         bucket = self._pick_bucket(T, start)
         if bucket is None:
             self.step_counts["unbucketed"] += 1
-            pos = torch.arange(start, start + T, device=self.device)[None]
-            logits, self.last_hidden = self._run(ids[None], pos, kv_len=start + T)
+            logits, self.last_hidden = self._eager(ids, start, logits=True)
             return logits, None
         logits, feats, packed = self._replay(bucket, ids, start)
         self.last_hidden = feats[:T] if feats is not None else None

@@ -89,7 +89,8 @@ def run_benchmark(
             v = force(scorer, ids, r.output_ids, tolerance)
             results[s].append(r)
             verdicts[s].append(v)
-            rec[s] = {"tokens": r.num_output_tokens, "s": round(r.elapsed_s, 5), "forcing_passed": v.passed,
+            rec[s] = {"tokens": r.num_output_tokens, "s": round(r.elapsed_s, 5), "prefill_s": round(r.prefill_s, 5),
+                      "stage_s": {k: round(x, 5) for k, x in r.stage_s.items()}, "forcing_passed": v.passed,
                       "mismatches": [m.__dict__ for m in v.mismatches], "output_ids": r.output_ids}
             if r.num_target_forwards:
                 rec[s]["tau"] = round(r.tau, 4)
@@ -107,7 +108,17 @@ def run_benchmark(
             "speedup_vs_ar": round(_tps(rs) / _tps(results["ar"][:n]), 4),
             "outputs_equal_ar": sum(r.output_ids == a for r, a in zip(rs, ar_out)),
             **merge(verdicts[s]),
+            # where the time went (session 14 found 35-135 ms a prompt outside the decode steps): the prefill, and
+            # for speculative systems the engine's stages per step (device time, from StageTimer)
+            "prefill_ms_per_prompt": round(1e3 * sum(r.prefill_s for r in rs) / max(n, 1), 3),
         }
+        steps = sum(len(r.accepted_lengths) for r in rs)
+        if steps:
+            stages = {}
+            for r in rs:
+                for k, x in r.stage_s.items():
+                    stages[k] = stages.get(k, 0.0) + x
+            entry["stage_ms_per_step"] = {k: round(1e3 * x / steps, 4) for k, x in stages.items()}
         if any(r.num_target_forwards for r in rs) and s != "ar":
             forwards = sum(r.num_target_forwards for r in rs)
             entry["tau"] = round(entry["tokens"] / forwards, 4)

@@ -380,6 +380,7 @@ def draft_block(
     cache: KVCache | None = None,
     num_tokens: int | None = None,
     return_logits: bool = False,
+    pad_to: int | None = None,
 ) -> torch.Tensor:
     """One greedy DFlash draft, as the reference's spec_generate does per step -> token ids [num_tokens]
     (with `return_logits`, the draft logits [num_tokens, V] they are the argmax of instead).
@@ -388,7 +389,11 @@ def draft_block(
     `context_hidden` is `context_features(...)` of the target for positions anchor_pos-C .. anchor_pos-1 ([C, n*H]
     or [1, C, n*H]): with a `cache`, only the positions not fed before (the reference feeds the prompt first, then
     each step the anchor and accepted drafts of the previous step); without one, the whole prefix.
-    `num_tokens` defaults to block_size - 1 (the reference shortens the block only at max_new_tokens)."""
+    `num_tokens` defaults to block_size - 1 (the reference shortens the block only at max_new_tokens).
+    `pad_to` (with a cache): the context is padded with zero rows to that many, at the positions from the anchor on,
+    and the pass attends over anchor + (pad_to - C) slots, so passes over contexts of different lengths share a few
+    shapes (engine/runner.py `padded_length` says why); the mask shows the block only slots below the anchor, so
+    the padding is never seen (the static step pads the same way)."""
     k = drafter.block_size - 1 if num_tokens is None else int(num_tokens)
     embed_w, lm_head = _target_io(target_model)
     device = embed_w.device
@@ -398,11 +403,18 @@ def draft_block(
     C = ctx.shape[1]
     if C > anchor_pos:
         raise ValueError(f"{C} context positions cannot all precede the anchor at position {anchor_pos}")
-    pos_ctx = torch.arange(anchor_pos - C, anchor_pos, device=device)[None]
+    pad = 0
+    if pad_to is not None and cache is not None and pad_to > C:
+        pad = pad_to - C
+        ctx = torch.cat((ctx, ctx.new_zeros(ctx.shape[0], pad, ctx.shape[2])), dim=1)
+        if anchor_pos + pad > cache.max_seq_len:
+            raise ValueError(f"padding the context to {pad_to} rows needs slots up to {anchor_pos + pad}; the cache "
+                             f"has {cache.max_seq_len}")
+    pos_ctx = torch.arange(anchor_pos - C, anchor_pos + pad, device=device)[None]
     pos_blk = torch.arange(anchor_pos, anchor_pos + k + 1, device=device)[None]
     hidden = drafter(
         drafter.embed(ids, embed_w), drafter.project_context(ctx), pos_ctx, pos_blk, cache,
-        kv_len=anchor_pos if cache is not None else None,
+        kv_len=anchor_pos + pad if cache is not None else None,
     )
     logits = drafter.compute_logits(hidden[:, 1:], lm_head)
     return logits[0] if return_logits else logits.argmax(dim=-1)[0]
