@@ -1,15 +1,19 @@
 #!/bin/bash
 # After the staging calls (GGUF pieces appended to /tmp/m/q15.gguf and /tmp/m/q05.gguf): check the sha256 of both
 # and convert them to HF folders in /tmp/models/{q15,q05}; then a short GPU smoke run of train-drafter.
+# MODELS="q15": only the 1.5B was staged (a single-GPU session's 33 pieces; SMOKE=0 then, the smoke run needs q05).
 set -u
 source scripts/gpu_env.sh || exit 1
-echo "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  /tmp/m/q15.gguf" > /tmp/m/sums
-echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/m/q05.gguf" >> /tmp/m/sums
+MODELS=${MODELS:-q15 q05}
+declare -A SUM=([q15]=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+                [q05]=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32)
+: > /tmp/m/sums
+for m in $MODELS; do echo "${SUM[$m]}  /tmp/m/$m.gguf" >> /tmp/m/sums; done
 sha256sum -c /tmp/m/sums || exit 1
 python3 -c "
 from pathlib import Path
 from specpilot.hub import convert_gguf
-for m in ('q15', 'q05'):
+for m in '$MODELS'.split():
     convert_gguf(Path(f'/tmp/m/{m}.gguf'), Path(f'/tmp/models/{m}'))
     print(m, 'converted', flush=True)
 " || exit 1
