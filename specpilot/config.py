@@ -62,9 +62,10 @@ class EngineConfig:
     gemv_kernel: bool = False  # few-token projections through our Triton GEMV instead of cuBLAS (CUDA only)
     attention_kernel: bool = True  # CUDA: steps of <= 16 tokens attend through the split-KV Triton kernel (x1.15-
     # x1.28 on whole H200 runs, BENCHMARKS.md session 8) instead of masked SDPA over the whole pool; ignored elsewhere
-    draft_attention_kernel: bool = False  # CUDA: the DFlash draft block attends through the same kernel (its
-    # masked SDPA over the whole draft pool was 0.36 of a 0.82 ms draft pass on the H200, session 10); off until the
-    # loop validates it on a GPU
+    draft_attention_kernel: bool = True  # CUDA: the DFlash draft block attends through the same kernel instead of
+    # masked SDPA over the whole draft pool (H200: the draft graph 0.823 -> 0.631 ms, session 11; GPU engine check
+    # equal, sessions 11-14). On since session 14's bench found the speculative step, not tau, holding SpecPilot
+    # below our fused AR
     norm_kernel: bool = True  # CUDA: every RMSNorm through one Triton launch (kernels/rmsnorm.py) instead of 8 eager
     # kernels (~32 per layer of a 1.5B graphed decode step, each >= ~1.1 us); same numbers. On since the H200 loop
     # accepted it (x1.21 dev / x1.22 held-out, DFlash on the 1.5B; BENCHMARKS.md session 11)

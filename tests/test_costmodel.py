@@ -492,7 +492,8 @@ def test_engine_fields_follow_the_config():
     from specpilot.config import EngineConfig, SamplingConfig
     from specpilot.costmodel.gaps import engine_fields
 
-    f = engine_fields(EngineConfig(max_seq_len=2048, cuda_graphs=True, attention_kernel=False))
+    f = engine_fields(EngineConfig(max_seq_len=2048, cuda_graphs=True, attention_kernel=False,
+                                   draft_attention_kernel=False))
     assert f["kv_pool_len"] == 2048 and f["draft_kv_pool_len"] == 2048 and f["fused_accept"]
     f = engine_fields(EngineConfig(attention_kernel=True, draft_attention_kernel=True,
                                    sampling=SamplingConfig(temperature=0.7)))
