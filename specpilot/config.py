@@ -71,12 +71,13 @@ class EngineConfig:
     # accepted it (x1.21 dev / x1.22 held-out, DFlash on the 1.5B; BENCHMARKS.md session 11)
     rope_kernel: bool = True  # CUDA: RoPE of q and k in one Triton launch per layer (kernels/rope.py) instead of
     # 10 eager kernels (neg, cat, 2 mul, add, each for q and k); same numbers. On since the loop accepted it (x1.16)
-    act_kernel: bool = False  # CUDA: the MLP's silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py)
-    # instead of 2 eager kernels (silu, mul; the gate+up halves read in place); bit-equal in bf16. Off until a GPU
-    # run (engine check, step timing, the loop) validates it
-    add_norm_kernel: bool = False  # CUDA: each residual add + the RMSNorm after it (post-attention; next layer's
+    act_kernel: bool = True  # CUDA: the MLP's silu(gate) * up in one Triton launch per layer (kernels/silu_mul.py)
+    # instead of 2 eager kernels (silu, mul; the gate+up halves read in place); bit-equal in bf16
+    add_norm_kernel: bool = True  # CUDA: each residual add + the RMSNorm after it (post-attention; next layer's
     # input norm / the final norm) in one Triton launch (kernels/add_rmsnorm.py) instead of the add + the norm's
-    # kernels, twice per layer; bit-equal in bf16. Off until a GPU run validates it
+    # kernels, twice per layer; bit-equal in bf16. Both on since session 14 (the 16-token verify step, now most of a
+    # speculative step, runs this path): H200 engine check equal, verify step 2.623 -> 2.484 ms at the 1.5B shape
+    # with both (session 11)
     fused_decode: bool = True  # CUDA: one-token steps (AR decode, a small drafter's passes, n-gram steps with
     # nothing drafted) through six launches per layer (models/fused_decode.py: norms as GEMV prologues, residual adds
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps

@@ -544,8 +544,8 @@ def test_act_and_add_norm_kernels_cut_their_kernels_and_the_loop_prices_them():
     assert forward_cost(cfg, 1, 512, compiled=True, act_kernel=True, add_norm_kernel=True).num_kernels == \
         forward_cost(cfg, 1, 512, compiled=True).num_kernels  # Inductor fuses them already
     for field in ("act_kernel", "add_norm_kernel"):
-        assert getattr(_knobs(EngineConfig(**{field: True})), field)
-        assert not getattr(_knobs(EngineConfig()), field)  # off by default until a GPU run validates them
+        assert not getattr(_knobs(EngineConfig(**{field: False})), field)
+        assert getattr(_knobs(EngineConfig()), field)  # on by default since session 14
         prof, gain, back = _ngram_switch_gains(cfg, field)
         assert gain > 1.0 > back
 
@@ -563,7 +563,8 @@ def test_dflash_pass_counts_the_rope_and_act_kernels_the_drafter_follows():
     # per layer: the block's q/k RoPE 10 -> 1 and the context keys' 5 -> 1; SiLU x mul 2 -> 1
     assert plain.num_kernels - rope.num_kernels == 2 * (9 + 4) and plain.num_kernels - act.num_kernels == 2
     assert plain.num_eager_kernels - rope.num_eager_kernels == 2 * (10 + 5)
-    assert draft_kernel_flags(EngineConfig()) == {"norm_kernel": True, "rope_kernel": True, "act_kernel": False}
+    assert draft_kernel_flags(EngineConfig()) == {"norm_kernel": True, "rope_kernel": True, "act_kernel": True}
+    assert draft_kernel_flags(EngineConfig(act_kernel=False))["act_kernel"] is False
 
 
 def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
