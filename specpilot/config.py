@@ -91,6 +91,9 @@ class EngineConfig:
     # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
     # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
     # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl)
+    pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
+    # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
+    # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -121,3 +121,19 @@ def test_padded_dflash_first_pass_drafts_as_unpadded(models):
     torch.testing.assert_close(out[32], out[None], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="slots"):
         draft_block(net, target, 5, ctx, anchor_pos=C, cache=net.new_cache(1, 20), pad_to=32)
+
+
+def test_pad_shapes_field_reaches_every_runner_on_cuda_only(models, monkeypatch):
+    import specpilot.engine as engine
+
+    assert not engine._pads(EngineConfig(device="cpu")) and engine._pads(EngineConfig(device="cuda"))
+    assert not engine._pads(EngineConfig(device="cuda", pad_shapes=False))
+    target = models["qwen2"]
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_seq_len=64)
+    eng = Engine(target, cfg, build_drafter(cfg, models["other"], target))
+    assert not eng.runner.pad_shapes and not eng.drafter.inner.runner.pad_shapes  # CPU: exact shapes
+    monkeypatch.setattr(engine, "_pads", lambda config: config.pad_shapes)  # as on CUDA
+    eng = Engine(target, cfg, build_drafter(cfg, models["other"], target))
+    assert eng.runner.pad_shapes and eng.drafter.inner.runner.pad_shapes
+    off = cfg.with_(pad_shapes=False)
+    assert not Engine(target, off, build_drafter(off, models["other"], target)).runner.pad_shapes

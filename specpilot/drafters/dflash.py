@@ -44,7 +44,7 @@ class DFlashBlockDrafter:
         self.cache = network.new_cache(1, max_seq_len + network.block_size)
         self.device = network.fc.weight.device
         # eager passes (the first, over the whole prompt) padded to a few context lengths on CUDA (engine/runner.py
-        # `padded_length`: every prompt length was a new shape for cuDNN's attention plans, ~tens of ms each)
+        # `padded_length`; EngineConfig.pad_shapes, set by build_drafter)
         self.pad_shapes = self.device.type == "cuda"
         self.graph = None
         self.static = static or (cuda_graphs and self.device.type == "cuda")

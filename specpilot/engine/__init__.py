@@ -42,6 +42,11 @@ def _kernel_on(config: EngineConfig, field: str = "attention_kernel") -> bool:
     return True
 
 
+def _pads(config: EngineConfig) -> bool:
+    """EngineConfig.pad_shapes applies: asked for and on CUDA (the per-shape planning it avoids is a GPU cost)."""
+    return config.pad_shapes and str(config.device).startswith("cuda")
+
+
 def _head_dim_fits(model: DenseLM, field: str) -> bool:
     """The attention kernels (split-KV attention, RoPE + K/V write) take head dims that are powers of two >= 16; a
     model with another (e.g. 80, 96) keeps SDPA rather than failing on its first step."""
@@ -137,7 +142,9 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
         use_norm_kernel(network, _kernel_on(config, "norm_kernel"))  # the drafter's RMSNorms follow the target's
         network.use_rope_kernel(_kernel_on(config, "rope_kernel"))  # its RoPE and MLP activation likewise
         network.use_act_kernel(_kernel_on(config, "act_kernel"))
-        return DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
+        drafter = DFlashBlockDrafter(network, target, config.max_seq_len, cuda_graphs=config.cuda_graphs)
+        drafter.pad_shapes = _pads(config)
+        return drafter
     if drafter_model is None:
         raise ConfigError("drafter 'model' needs a drafter model (--drafter NAME|PATH)")
     if isinstance(drafter_model, str):
@@ -153,7 +160,7 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
     long = config.ngram_assist_tokens if config.ngram_assist else 0
     buckets = tuple(sorted({1, 2, config.num_draft_tokens + 1, long + 1}))
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
-                         cuda_graphs=config.cuda_graphs, compile=config.compile)
+                         cuda_graphs=config.cuda_graphs, compile=config.compile, pad_shapes=_pads(config))
     return SmallARDrafter(runner, config.sampling, gen)
 
 
@@ -167,7 +174,8 @@ class Engine:
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,
                                   capture_layers=getattr(drafter, "target_layers", None),
                                   feature_fn=getattr(drafter, "features", None),
-                                  greedy_verdict=drafter is not None and config.sampling.greedy and config.fused_accept)
+                                  greedy_verdict=drafter is not None and config.sampling.greedy and config.fused_accept,
+                                  pad_shapes=_pads(config))
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

@@ -214,6 +214,11 @@ register(Mechanism(
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
 register(Mechanism(
+    "pad_shapes", ("other",), {"pad_shapes": [True, False]},
+    lambda dep, cfg: dep.on_cuda,
+    "eager passes (prefill, the DFlash drafter's first pass, steps no graph bucket fits) padded to a few lengths, "
+    "so libraries that plan per shape see a handful of shapes instead of one per prompt length"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
