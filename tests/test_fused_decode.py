@@ -264,3 +264,42 @@ def test_greedy_spec_with_fused_verify_equals_ar(tiny_model_dir, monkeypatch, dr
     assert max(calls) > 1  # verify blocks took the fused path
     if drafter_kind == "model":
         assert got.num_target_forwards < len(want)  # drafts were accepted: the drafter really ran
+
+
+def test_fused_verify_field_is_off_by_default_needs_fused_decode_and_is_a_loop_mechanism(monkeypatch):
+    import argparse
+
+    import specpilot.engine as eng
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.errors import ConfigError
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment, applicable
+    from specpilot.models import ModelConfig, random_model
+
+    assert not EngineConfig().fused_verify  # off until measured on the H200
+    with pytest.raises(ConfigError, match="fused_verify"):
+        EngineConfig(fused_verify="false")
+    assert "fused_verify" in EngineMeasure.LAYOUT and REGISTRY["fused_verify"].gap_stages == ("verify",)
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert "fused_verify" in [m.name for m in applicable(gpu, gpu.config)]
+    assert "fused_verify" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
+    cpu = Deployment("t", "d", EngineConfig(), "cpu")
+    assert "fused_verify" not in [m.name for m in applicable(cpu, cpu.config)]
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--fused-verify"])).fused_verify
+    assert not engine_config(parser.parse_args(["--no-fused-verify"])).fused_verify
+    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = random_model(cfg, dtype=torch.float32, device="cpu")
+    eng._apply_layout(model, EngineConfig(fused_verify=True))  # a CPU config: the switch applies on CUDA only
+    assert not model.fused_verify
+    monkeypatch.setattr(eng, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    on = EngineConfig(norm_kernel=False, rope_kernel=False, fused_verify=True)
+    eng._apply_layout(model, on)  # pretending to be on CUDA
+    assert model.fused_decode and model.fused_verify
+    alone = random_model(cfg, dtype=torch.float32, device="cpu")
+    with pytest.warns(RuntimeWarning, match="fused_verify needs fused_decode"):
+        eng._apply_layout(alone, on.with_(fused_decode=False))
+    assert not alone.fused_verify
