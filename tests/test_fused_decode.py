@@ -152,7 +152,8 @@ def _count_fused_layers(monkeypatch) -> list:
 
     calls = []
     real = fused_decode.decode_layer
-    monkeypatch.setattr(fused_decode, "decode_layer", lambda layer, x, *a: calls.append(x.shape[1]) or real(layer, x, *a))
+    monkeypatch.setattr(fused_decode, "decode_layer",
+                        lambda layer, x, *a: calls.append(x.shape[1]) or real(layer, x, *a))
     return calls
 
 
