@@ -5,10 +5,13 @@ Why: the CPU tests run these kernels in Triton's interpreter, one program at a t
 any order (the one-launch attention's last-program merge depends on its atomics' ordering) and bf16 rounds for
 real. Checks: (1) one-launch attention == the two-launch kernel bit for bit, 200 calls with fresh positions,
 eagerly and as a replayed CUDA graph, counters zero afterwards; (2) the fused GEMV (norm prologue, bias, residual,
-SiLU * up) and RoPE + K/V write against their PyTorch twins at the 1.5B and 8B shapes, and the same GEMVs (+ the
-LM head) over lossless 12-bit weights (kernels/gemv12.py): their decode bit-exact (one-hot inputs pick single
-weight columns), their outputs vs the twins; (3) graphed time of each fused launch vs the launches it replaces
-(`--only=attention,gemv,rope` picks parts; `gemv12`: only the 12-bit GEMVs). Last stdout line: one JSON object (times in us).
+SiLU * up) and RoPE + K/V write (1 and 16 tokens) against their PyTorch twins at the 1.5B and 8B shapes, and the
+same GEMVs (+ the LM head) over lossless 12-bit weights (kernels/gemv12.py): their decode bit-exact (one-hot inputs
+pick single weight columns), their outputs vs the twins; (3) the M-row fused GEMV of a fused verify step
+(EngineConfig.fused_verify, the tl.dot kernel) at M = 2, 5, 16 against the twin at the same shapes, and its graphed
+time at M = 16 vs M = 1 and vs cuBLAS at M = 16; (4) graphed time of each fused launch vs the launches it replaces
+(`--only=attention,gemv,gemm,rope` picks parts; `gemv12`: only the 12-bit GEMVs). Last stdout line: one JSON
+object (times in us).
 """
 
 from __future__ import annotations
@@ -131,6 +134,55 @@ def gemv_parity(out: dict, only12: bool = False) -> None:
             print(name, case, row, flush=True)
 
 
+def gemm_parity(out: dict) -> None:
+    """The M-row fused GEMV (M >= 2: kernels/gemv_fused.py `_gemm_fused_kernel`, tl.dot) against its twin at M = 2,
+    5, 16 (bf16: tl.dot's products exact, fp32 sums, so a few ulp at most), then graphed M = 16 vs M = 1 (the
+    weights are read once either way: ideally about the same time) and vs cuBLAS at M = 16 (the regular verify)."""
+    torch.manual_seed(3)
+    for name in ("qwen2.5-1.5b", "qwen3-8b"):
+        c = synthetic_config(name)
+        H, I, qkv = c.hidden_size, c.intermediate_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        heads = c.num_attention_heads * c.head_dim
+        nw = 1 + 0.02 * torch.randn(H, device="cuda", dtype=torch.bfloat16)
+
+        def w(n, k):
+            return 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+
+        # case -> (weight, K, kwargs); the residual cases get an [M, H] residual per M. The LM head of a verify
+        # step stays cuBLAS: timed for comparison only
+        cases = {"qkv_norm_bias": (w(qkv, H), H, dict(bias=0.02 * torch.randn(qkv, device="cuda", dtype=torch.bfloat16),
+                                                      norm_weight=nw, eps=1e-6)),
+                 "o_residual": (w(H, heads), heads, {}),
+                 "gate_up_norm_silu": (w(2 * I, H), H, dict(norm_weight=nw, eps=1e-6, act="silu_mul")),
+                 "down_residual": (w(H, I), I, {}),
+                 "lm_head": (w(c.vocab_size, H), H, {})}
+        for case, (wi, k, kw) in cases.items():
+            def inputs(M):
+                x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
+                if "residual" in case:
+                    return x, {**kw, "residual": torch.randn(M, H, device="cuda", dtype=torch.bfloat16)}
+                return x, kw
+
+            row = {}
+            for M in (2, 5, 16):
+                xi, kwi = inputs(M)
+                got, want = gemv_fused(xi, wi, **kwi), gemv_fused_reference(xi, wi, **kwi)
+                row[f"M{M}_max_rel_err"] = round(((got.float() - want.float()).abs().max()
+                                                  / want.float().abs().max()).item(), 5)
+                row[f"M{M}_equal_frac"] = round((got == want).float().mean().item(), 4)
+            (x1, kw1), (x16, kw16) = inputs(1), inputs(16)
+            bias = kw16.get("bias")
+            row["m1_us"] = graphed_us(lambda: gemv_fused(x1, wi, **kw1))
+            row["m16_us"] = graphed_us(lambda: gemv_fused(x16, wi, **kw16))
+            row["cublas_m16_us"] = graphed_us(lambda: torch.nn.functional.linear(x16, wi, bias))
+            row["m16_over_m1"] = round(row["m16_us"] / row["m1_us"], 3)
+            row["m16_TBps"] = round(wi.numel() * 2 / row["m16_us"] / 1e6, 2)
+            out[f"gemm_{name}_{case}"] = row
+            print(name, case, row, flush=True)
+        del cases
+        torch.cuda.empty_cache()
+
+
 def _decode_exact(p, wi) -> bool:
     """One-hot inputs pick single columns of W: gemv12 must return them bit for bit (a GEMV with one nonzero
     product per row has no summation order), over the first 16 columns (both nibbles, both low-byte halves) and
@@ -146,26 +198,30 @@ def _decode_exact(p, wi) -> bool:
 
 
 def rope_parity(out: dict) -> None:
+    """T = 1 (fused decode) and T = 16 (a fused verify block: one program per token and q / k / v)."""
     torch.manual_seed(2)
     for name, qk_norm in (("qwen2.5-1.5b", False), ("qwen3-8b", True)):
         c = synthetic_config(name)
         H, Hkv, D, S = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096
-        qkv = torch.randn(1, 1, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
-        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q, k, v = (t.view(1, 1, n, D).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
-        ang = torch.rand(1, 1, 1, D, device="cuda") * 6
-        cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-        pos = torch.tensor([[700]], device="cuda")
-        nw = (1 + 0.02 * torch.randn(D, device="cuda", dtype=torch.bfloat16)) if qk_norm else None
-        caches = [torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        ref_caches = [t.clone() for t in caches]
-        got = rope_write(q, k, v, cos, sin, pos, *caches, nw, nw)
-        want = rope_write_reference(q, k, v, cos, sin, pos, *ref_caches, nw, nw)
-        ok = torch.equal(caches[1], ref_caches[1])
-        err = max((got.float() - want.float()).abs().max().item(), (caches[0] - ref_caches[0]).float().abs().max().item())
-        out[f"rope_write_{name}"] = {"max_abs_err": err, "v_equal": ok,
-                                     "us": graphed_us(lambda: rope_write(q, k, v, cos, sin, pos, *caches, nw, nw))}
-        print(name, out[f"rope_write_{name}"], flush=True)
+        for T in (1, 16):
+            qkv = torch.randn(1, T, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+            q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+            q, k, v = (t.view(1, T, n, D).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
+            ang = torch.rand(1, 1, T, D, device="cuda") * 6
+            cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+            pos = torch.arange(700, 700 + T, device="cuda")[None]
+            nw = (1 + 0.02 * torch.randn(D, device="cuda", dtype=torch.bfloat16)) if qk_norm else None
+            caches = [torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            ref_caches = [t.clone() for t in caches]
+            got = rope_write(q, k, v, cos, sin, pos, *caches, nw, nw)
+            want = rope_write_reference(q, k, v, cos, sin, pos, *ref_caches, nw, nw)
+            ok = torch.equal(caches[1], ref_caches[1])
+            err = max((got.float() - want.float()).abs().max().item(),
+                      (caches[0] - ref_caches[0]).float().abs().max().item())
+            key = f"rope_write_{name}" + ("" if T == 1 else f"_T{T}")
+            out[key] = {"max_abs_err": err, "v_equal": ok,
+                        "us": graphed_us(lambda: rope_write(q, k, v, cos, sin, pos, *caches, nw, nw))}
+            print(name, key, out[key], flush=True)
 
 
 def main() -> int:
@@ -174,7 +230,7 @@ def main() -> int:
         return 2
     out = {"device": torch.cuda.get_device_name()}
     only = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")]  # e.g. --only=gemv
-    for fn in (attention_parity, gemv_parity, rope_parity):
+    for fn in (attention_parity, gemv_parity, gemm_parity, rope_parity):
         name = fn.__name__.split("_")[0]
         if only and name not in only[0] and not (name == "gemv" and "gemv12" in only[0]):
             continue

@@ -83,6 +83,11 @@ class EngineConfig:
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps
     # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
+    fused_verify: bool = False  # CUDA, with fused_decode: steps of 2-16 tokens in one row (speculative verify
+    # blocks, e.g. DFlash's 16) through the fused layer at T rows (models/fused_decode.py: M-row GEMVs via tl.dot
+    # with the norm prologues and residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention; seven
+    # launches a layer instead of ~12 with cuBLAS at M = 16, whose verify pass cost 2.5-3.6 one-token steps on the
+    # H200). Off until measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fusedverify)
     lossless12: bool = False  # CUDA, bf16, with fused_decode: the one-token steps' GEMVs (and the LM head's) read
     # lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py): every weight exact, 1.5 bytes
     # instead of 2, so the bytes floor of a decode step drops by a quarter; the bf16 weights stay for prefill and
@@ -119,6 +124,8 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
         if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
             raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
+        if not isinstance(self.fused_verify, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

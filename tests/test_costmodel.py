@@ -641,6 +641,51 @@ def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():
     assert full[1].num_kernels > full[2].num_kernels  # the 2-token catch-up takes the regular path
 
 
+def test_fused_verify_prices_2_to_16_token_passes_at_seven_launches_a_layer():
+    """EngineConfig.fused_verify (with fused_decode): a verify pass of 2-16 tokens runs fused decode's layer at T
+    rows with the two-launch split-KV attention: 7 launches a layer, the head as fused decode's; the bytes are any
+    pass's (weights once for all rows, activations per row). PDL: its 4 GEMVs and RoPE + K/V write a layer."""
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.shapes import draft_kernel_flags, kernel_flags
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+    from specpilot.loop import _knobs
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    L = cfg.num_hidden_layers
+    flags = dict(fused=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
+    for T in (2, 16):
+        block, regular = forward_cost(cfg, T, 512, **flags, fused_verify=True), forward_cost(cfg, T, 512, **flags)
+        # 4 GEMVs + RoPE/K-V write + split-KV attention and its merge a layer; embedding, RoPE tables (7), final
+        # norm, LM head (cuBLAS), cast
+        assert block.num_kernels == 7 * L + 1 + 7 + 1 + 1 + 1 and block.num_linear_kernels == 4 * L + 1
+        assert block.num_eager_kernels == 0 and block.num_kernels < regular.num_kernels
+        same = ("weight_bytes", "kv_bytes", "activation_bytes", "flops", "head_bytes", "weight_rate")
+        assert all(getattr(block, f) == getattr(regular, f) for f in same)
+        assert forward_cost(cfg, T, 512, **flags, fused_verify=True, pdl=True).num_pdl_kernels == 5 * L
+        # 12-bit copies are for one-token passes only
+        assert forward_cost(cfg, T, 512, **flags, fused_verify=True, lossless12=True) == block
+    # one token: fused decode's six; past 16 tokens, compiled, or without fused_decode: unchanged
+    assert forward_cost(cfg, 1, 512, **flags, fused_verify=True) == forward_cost(cfg, 1, 512, **flags)
+    assert forward_cost(cfg, 17, 512, **flags, fused_verify=True) == forward_cost(cfg, 17, 512, **flags)
+    assert forward_cost(cfg, 5, 512, **flags, compiled=True, fused_verify=True) == forward_cost(
+        cfg, 5, 512, **flags, compiled=True)
+    assert forward_cost(cfg, 5, 512, fused=True, fused_verify=True) == forward_cost(cfg, 5, 512, fused=True)
+    # the switch reaches the cost model from the config (a DFlash draft pass does not take it)
+    assert kernel_flags(EngineConfig(fused_verify=True))["fused_verify"] and not kernel_flags(EngineConfig())[
+        "fused_verify"]
+    assert "fused_verify" not in draft_kernel_flags(EngineConfig(fused_verify=True))
+    assert _knobs(EngineConfig(fused_verify=True)).fused_verify
+    assert engine_fields(EngineConfig(fused_verify=True))["fused_verify"]
+    # an n-gram step verifying 16 tokens: switching fused_verify on is predicted as a gain, off again as a loss
+    prof = StepProfile(draft_s=1e-4, verify_s=3.0e-3, accept_s=2e-4, other_s=2e-4, tau=3.0, num_draft_tokens=15,
+                       drafter_passes=0, context_len=600, fused_decode=True)
+    now = StepKnobs(15, fused=True, attention_kernel=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
+    new = dataclasses.replace(now, fused_verify=True)
+    assert predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=now, new=new) > 1.0 > predicted_gain(
+        cfg, None, prof, FAKE_HW, kind="ngram", now=new, new=now)
+
+
 def test_lossless12_prices_one_token_fused_passes_at_three_quarters_of_the_weight_bytes():
     from specpilot.costmodel import forward_cost, synthetic_config
 

@@ -1,7 +1,9 @@
-"""The fused one-token decode path (models/fused_decode.py, EngineConfig.fused_decode) against the regular one.
+"""The fused decode path (models/fused_decode.py) against the regular one: one-token steps (EngineConfig.fused_decode)
+and verify blocks of 2-16 tokens (EngineConfig.fused_verify).
 
 TRITON_INTERPRET=1 (conftest) runs its kernels on the CPU: the fused GEMV with norm prologue / residual and
-SiLU * up epilogues, RoPE with the K/V write, and the one-launch attention.
+SiLU * up epilogues (one row, or M rows through tl.dot), RoPE with the K/V write, the one-launch attention (one
+token) and the split-KV attention (a block).
 """
 
 import copy
@@ -127,3 +129,178 @@ def test_a_head_dim_the_kernels_cannot_take_keeps_the_eager_path(monkeypatch):
     ok = random_model(dataclasses.replace(cfg, head_dim=16, hidden_size=32), dtype=torch.float32, device="cpu")
     eng._apply_layout(ok, EngineConfig(norm_kernel=False, rope_kernel=False))
     assert ok.attention_kernel and ok.fused_decode
+
+
+# --- fused verify: 2-16 tokens in one row ---------------------------------------------------------------------
+
+
+def _verify_block(model, ids, T: int, return_layers=()):
+    """Prefill ids[:6], then one T-token step over the whole pool (as graphed): -> (logits [1, T, V], captured
+    layers, the cache)."""
+    cache = model.new_cache(1, 32)
+    pos = torch.arange(6 + T)[None]
+    with torch.no_grad():
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)
+        out = model(ids[:, 6:6 + T], pos[:, 6:6 + T], cache, kv_len=None, return_layers=return_layers)
+        hidden, captured = out if return_layers else (out, [])
+        return model.logits(hidden), captured, cache
+
+
+def _count_fused_layers(monkeypatch) -> list:
+    """-> a list that gets the token count of every fused_decode.decode_layer call."""
+    from specpilot.models import fused_decode
+
+    calls = []
+    real = fused_decode.decode_layer
+    monkeypatch.setattr(fused_decode, "decode_layer",
+                        lambda layer, x, *a: calls.append(x.shape[1]) or real(layer, x, *a))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])  # Qwen2: qkv bias; Qwen3: q/k norms
+@pytest.mark.parametrize("T", [2, 7, 16])
+def test_fused_verify_blocks_match_the_regular_path(tiny_model_dir, monkeypatch, family, T):
+    from specpilot.models import load_model
+
+    ref = load_model(tiny_model_dir(family)).fuse_projections()
+    fast = copy.deepcopy(ref).use_fused_verify()
+    assert fast.fused_verify and not fast.fused_decode
+    ids = torch.randint(3, 96, (1, 6 + T), generator=torch.Generator().manual_seed(T))
+    la, ca, cache_a = _verify_block(ref, ids, T, return_layers=(0, 1))
+    calls = _count_fused_layers(monkeypatch)
+    lb, cb, cache_b = _verify_block(fast, ids, T, return_layers=(0, 1))
+    # every layer fused, all T tokens at once (the 6-token prefill too: a positional step of <= 16 tokens)
+    assert calls == [6] * fast.config.num_hidden_layers + [T] * fast.config.num_hidden_layers
+    assert la.shape == lb.shape == (1, T, 96)
+    assert (la - lb).abs().max().item() < 1e-4
+    for a, b in zip(ca, cb):  # captured layer outputs (DFlash conditions on them)
+        assert a.shape == b.shape == (1, T, 64) and (a - b).abs().max().item() < 1e-4
+    # the K/V the block wrote (positions 6..6+T-1) are the regular path's, nothing past them
+    assert (cache_a.k - cache_b.k).abs().max().item() < 1e-5 and (cache_a.v - cache_b.v).abs().max().item() < 1e-5
+    assert cache_b.k[:, :, :, 6 + T:].abs().max().item() == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_verify_bf16_follows_the_regular_path(tiny_model_dir, family):
+    """bf16: the same rounding points as the eager modules, only summation orders differ (tl.dot's, the norms'):
+    the tolerance of the bf16 fused one-token tests (tests/test_lossless12.py), the same argmax."""
+    from specpilot.models import load_model
+
+    ref = load_model(tiny_model_dir(family), dtype=torch.bfloat16).fuse_projections()
+    fast = copy.deepcopy(ref).use_fused_decode().use_fused_verify()
+    ids = torch.randint(3, 96, (1, 22), generator=torch.Generator().manual_seed(1))
+    for T in (2, 16):
+        a, b = _verify_block(ref, ids, T)[0], _verify_block(fast, ids, T)[0]
+        assert (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    if family == "qwen2":  # lossless12: verify blocks read the bf16 weights it keeps (the 12-bit GEMV takes 1 row)
+        from specpilot.kernels import gemv12
+
+        w12 = copy.deepcopy(fast).use_lossless12()
+        real, calls = gemv12.gemv12, []
+        gemv12.gemv12 = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = _verify_block(w12, ids, 16)[0]
+        finally:
+            gemv12.gemv12 = real
+        assert not calls and torch.equal(got, b)
+
+
+def test_fused_verify_is_used_only_for_2_to_16_token_steps_in_one_row(tiny_model_dir, monkeypatch):
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen2")).use_fused_verify()
+    calls = _count_fused_layers(monkeypatch)
+    L = model.config.num_hidden_layers
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        model(torch.arange(1, 21)[None], torch.arange(20)[None], cache, kv_len=20)  # prefill of 20: regular
+        model(torch.tensor([[4]]), torch.tensor([[20]]), cache, kv_len=None)  # one token: fused_decode is off
+        assert not calls
+        for T in (2, 16):
+            model(torch.arange(T)[None], torch.arange(21, 21 + T)[None], cache, kv_len=None)
+        assert calls == [2] * L + [16] * L
+        calls.clear()
+        model(torch.arange(17)[None], torch.arange(21, 38)[None], cache, kv_len=None)  # 17 tokens: regular
+        mask = torch.ones(1, 4, 64, dtype=torch.bool)
+        model(torch.arange(4)[None], torch.arange(21, 25)[None], cache, kv_len=None, attn_mask=mask)  # a tree mask
+        two = model.new_cache(2, 64)
+        model(torch.ones(2, 4, dtype=torch.long), torch.arange(4).expand(2, 4), two, kv_len=None)  # two rows
+        assert not calls
+    model.use_fused_decode()
+    with torch.no_grad():
+        model(torch.tensor([[4]]), torch.tensor([[20]]), cache, kv_len=None)  # with fused_decode: one token too
+    assert calls == [1] * L
+    model.use_fused_verify(False)
+    assert not model.fused_verify and model.fused_decode
+
+
+@pytest.mark.parametrize("drafter_kind,k,static", [("ngram", 4, False), ("ngram", 15, True), ("model", 3, False),
+                                                   ("model", 3, True)])
+def test_greedy_spec_with_fused_verify_equals_ar(tiny_model_dir, monkeypatch, drafter_kind, k, static):
+    """Speculative decoding whose verify blocks run the fused path (n-gram: K + 1 up to 16 tokens; the model
+    drafter as itself: every draft accepted, so every block is full) gives regular AR's tokens, eagerly and through
+    the static bucket path (what a CUDA graph records: padded blocks over the whole KV pool)."""
+    from specpilot.config import EngineConfig
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine, build_drafter
+    from specpilot.engine.runner import ModelRunner
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("qwen2")
+    ref = load_model(path)
+    fast = load_model(path).use_fused_decode().use_fused_verify()
+    cfg = EngineConfig(drafter_kind=drafter_kind, num_draft_tokens=k, max_new_tokens=20, max_seq_len=64,
+                       ignore_eos=True, ngram_assist=0)
+    drafter = NgramDrafter(3, 1) if drafter_kind == "ngram" else build_drafter(cfg, load_model(path), fast)
+    eng = Engine(fast, cfg, drafter)
+    if static:
+        r = eng.runner
+        eng.runner = ModelRunner(fast, r.cache, buckets=(1, k + 1), static=True, greedy_verdict=True)
+    calls = _count_fused_layers(monkeypatch)
+    for prompt in ([5, 6, 7, 5, 6, 7, 1, 2], [9, 8, 7, 6, 5, 4, 9, 8, 7, 6, 5, 4, 9, 8]):
+        want = Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+        got = eng.generate(prompt)
+        assert got.output_ids == want
+    assert max(calls) > 1  # verify blocks took the fused path
+    if drafter_kind == "model":
+        assert got.num_target_forwards < len(want)  # drafts were accepted: the drafter really ran
+
+
+def test_fused_verify_field_is_off_by_default_needs_fused_decode_and_is_a_loop_mechanism(monkeypatch):
+    import argparse
+
+    import specpilot.engine as eng
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.errors import ConfigError
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment, applicable
+    from specpilot.models import ModelConfig, random_model
+
+    assert not EngineConfig().fused_verify  # off until measured on the H200
+    with pytest.raises(ConfigError, match="fused_verify"):
+        EngineConfig(fused_verify="false")
+    assert "fused_verify" in EngineMeasure.LAYOUT and REGISTRY["fused_verify"].gap_stages == ("verify",)
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert "fused_verify" in [m.name for m in applicable(gpu, gpu.config)]
+    assert "fused_verify" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
+    cpu = Deployment("t", "d", EngineConfig(), "cpu")
+    assert "fused_verify" not in [m.name for m in applicable(cpu, cpu.config)]
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--fused-verify"])).fused_verify
+    assert not engine_config(parser.parse_args(["--no-fused-verify"])).fused_verify
+    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = random_model(cfg, dtype=torch.float32, device="cpu")
+    eng._apply_layout(model, EngineConfig(fused_verify=True))  # a CPU config: the switch applies on CUDA only
+    assert not model.fused_verify
+    monkeypatch.setattr(eng, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
+    on = EngineConfig(norm_kernel=False, rope_kernel=False, fused_verify=True)
+    eng._apply_layout(model, on)  # pretending to be on CUDA
+    assert model.fused_decode and model.fused_verify
+    alone = random_model(cfg, dtype=torch.float32, device="cpu")
+    with pytest.warns(RuntimeWarning, match="fused_verify needs fused_decode"):
+        eng._apply_layout(alone, on.with_(fused_decode=False))
+    assert not alone.fused_verify

@@ -1,8 +1,9 @@
-"""Fused one-row GEMV (kernels/gemv_fused.py) vs its PyTorch twin, and the twin vs the eager dense.py modules.
+"""Fused GEMV of 1 to 16 rows (kernels/gemv_fused.py) vs its PyTorch twin, and the twin vs the eager dense.py modules.
 
 TRITON_INTERPRET=1 runs the kernel on CPU. bf16 and fp16 work in the interpreter here: loads and fp32 math are
 exact, and the kernel rounds fp32 -> bf16 itself (`_to_dtype`, round to nearest even; the interpreter's own cast
-truncates), so the 16-bit tests hold the kernel to the eager rounding points, not just to a tolerance."""
+truncates), so the 16-bit tests hold the kernel to the eager rounding points, not just to a tolerance. M >= 2 rows
+run the tl.dot kernel (a verify block, models/fused_decode.py), one row the GEMV loop."""
 
 import os
 
@@ -33,11 +34,14 @@ COMBOS = {
 }
 
 
-def _inputs(combo, K, N, dtype, seed):
-    """x [1, K], weight [N, K], and the combo's kwargs; N is the weight's row count (2I for silu_mul)."""
+def _inputs(combo, K, N, dtype, seed, rows=1):
+    """x [rows, K], weight [N, K], and the combo's kwargs; N is the weight's row count (2I for silu_mul). Rows of
+    several: scaled 0.2x to 2x, so each needs its own RMSNorm statistics."""
     spec = COMBOS[combo]
     g = torch.Generator().manual_seed(seed)
-    x = 3 * torch.randn(1, K, generator=g)
+    x = 3 * torch.randn(rows, K, generator=g)
+    if rows > 1:
+        x = x * torch.linspace(0.2, 2.0, rows)[:, None]
     w = torch.randn(N, K, generator=g) / K ** 0.5
     kw = dict(act=spec.get("act"))
     if spec.get("bias"):
@@ -45,7 +49,7 @@ def _inputs(combo, K, N, dtype, seed):
     if spec.get("norm"):
         kw["norm_weight"], kw["eps"] = 1 + 0.3 * torch.randn(K, generator=g), EPS
     if spec.get("residual"):
-        kw["residual"] = torch.randn(1, N, generator=g)
+        kw["residual"] = torch.randn(rows, N, generator=g)
     cast = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     return x.to(dtype), w.to(dtype), cast
 
@@ -87,12 +91,14 @@ def test_half_matches_reference(combo, dtype):
 
 @pytest.mark.parametrize("combo", list(COMBOS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_identity_weight_is_bit_exact(combo, dtype):
+@pytest.mark.parametrize("M", [1, 5])
+def test_identity_weight_is_bit_exact(combo, dtype, M):
     """With weight rows that each pick one input (one nonzero product per dot) the dot product has no summation
     order, so every rounding point is visible: the kernel must equal the eager modules bit for bit (a missing or
-    extra rounding of the normed input, of gate/up, of silu, of y before the bias or the residual shows here)."""
+    extra rounding of the normed input, of gate/up, of silu, of y before the bias or the residual shows here).
+    M = 5: the same through the tl.dot kernel."""
     K = 70
-    x, _, kw = _inputs(combo, K, 2 * K if COMBOS[combo].get("act") else K, dtype, seed=11)
+    x, _, kw = _inputs(combo, K, 2 * K if COMBOS[combo].get("act") else K, dtype, seed=11, rows=M)
     eye = torch.eye(K)
     w = torch.cat([eye, 1.5 * eye.flip(0)]) if kw["act"] else eye  # up = a permuted, scaled copy of the input
     w = w.to(dtype)
@@ -101,6 +107,63 @@ def test_identity_weight_is_bit_exact(combo, dtype):
         assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
     else:
         assert torch.equal(got, want)
+
+
+# M rows (a verify block) through the tl.dot kernel: K = 100, N = 37 / 38 (I = 19) are not multiples of its
+# interpreter tile (BLOCK_N 16, BLOCK_K 64); rows >= M of its 16-row x tile are masked
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_match_reference(combo, M, dtype):
+    N = 38 if COMBOS[combo].get("act") else 37
+    x, w, kw = _inputs(combo, 100, N, dtype, seed=M + N, rows=M)
+    got, want = gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw)
+    assert got.shape == want.shape == (M, N // 2 if kw["act"] else N) and got.dtype == dtype
+    assert torch.isfinite(got).all() and want.abs().max() > 0.1
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    else:  # the same rounding points as eager; only the fp32 summation orders differ
+        assert _ulps(got, want) <= 2
+        assert (got == want).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_their_strides(dtype):
+    """x and the residual as views whose rows are further apart than their lengths (e.g. slices of a wider
+    buffer): each row is read from its own stride."""
+    x, w, kw = _inputs("norm+bias", 100, 37, dtype, seed=4, rows=6)
+    wide_x = torch.zeros(6, 130, dtype=dtype)
+    wide_x[:, 7:107] = x
+    res = torch.randn(6, 37).to(dtype)
+    wide_r = torch.zeros(6, 50, dtype=dtype)
+    wide_r[:, 3:40] = res
+    for xi, ri in ((wide_x[:, 7:107], None), (x, wide_r[:, 3:40])):
+        args = dict(kw) if ri is None else dict(residual=ri)
+        got, want = gemv_fused(xi, w, **args), gemv_fused_reference(xi.contiguous(), w, **args)
+        if dtype == torch.float32:
+            assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        else:
+            assert _ulps(got, want) <= 2
+
+
+def test_one_row_keeps_the_gemv_kernel_and_rows_take_the_dot_kernel(monkeypatch):
+    """M == 1 runs the tuned one-row kernel (as before the M-row kernel existed), M >= 2 the tl.dot kernel."""
+    import specpilot.kernels.gemv_fused as gf
+
+    launched = []
+    for name in ("_kernel", "_gemm_kernel"):
+        real = getattr(gf, name)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, name=name):
+                launched.append(name)
+                return real[grid]
+
+        monkeypatch.setattr(gf, name, Spy())
+    for M in (1, 2, 16, 1):
+        x, w, kw = _inputs("norm+silu_mul", 64, 40, torch.float32, seed=M, rows=M)
+        assert gemv_fused(x, w, **kw).shape == (M, 20)
+    assert launched == ["_kernel", "_gemm_kernel", "_gemm_kernel", "_kernel"]
 
 
 def test_eps_reaches_the_kernel():
@@ -174,8 +237,11 @@ def test_decoder_mlp_half_through_two_launches():
 
 def test_bad_input_raises_value_error():
     x, w = torch.randn(1, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="one row"):
-        gemv_fused(torch.randn(2, 16), w)
+    for rows in (0, 17):  # 1 to 16 rows: the M-row kernel's x tile
+        with pytest.raises(ValueError, match="1 <= M <= 16"):
+            gemv_fused(torch.randn(rows, 16), w)
+    with pytest.raises(ValueError, match="residual"):  # one residual row per x row
+        gemv_fused(torch.randn(2, 16), w, residual=torch.randn(1, 8))
     with pytest.raises(ValueError, match="disagree on K"):
         gemv_fused(x, torch.randn(8, 15))
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -194,8 +260,8 @@ def test_bad_input_raises_value_error():
         gemv_fused(x, w, torch.randn(7))
     with pytest.raises(ValueError, match="share one"):
         gemv_fused(x, w.bfloat16())
-    with pytest.raises(ValueError, match="one row"):  # the reference validates the same way
-        gemv_fused_reference(torch.randn(2, 16), w)
+    with pytest.raises(ValueError, match="1 <= M <= 16"):  # the reference validates the same way
+        gemv_fused_reference(torch.randn(17, 16), w)
 
 
 def test_op_and_fake():
@@ -204,10 +270,16 @@ def test_op_and_fake():
     assert (got - gemv_fused_reference(x, w, **kw)).abs().max().item() < 1e-5
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    xr, rr = torch.randn(5, 40), torch.randn(5, 24)
+    got = gemv_fused_op(xr, w, kw["bias"], None, EPS, rr, "")
+    assert (got - gemv_fused_reference(xr, w, kw["bias"], residual=rr)).abs().max().item() < 1e-5
     with FakeTensorMode():
         fx, fw = torch.empty(1, 40), torch.empty(24, 40)
         assert gemv_fused_op(fx, fw, None, None, EPS, None, "silu_mul").shape == (1, 12)
         assert gemv_fused_op(fx, fw, None, None, EPS, torch.empty(1, 24), "").shape == (1, 24)
+        rows = torch.empty(5, 40)  # a verify block's rows
+        assert gemv_fused_op(rows, fw, None, None, EPS, None, "silu_mul").shape == (5, 12)
+        assert gemv_fused_op(rows, fw, None, None, EPS, torch.empty(5, 24), "").shape == (5, 24)
         with pytest.raises(ValueError):
             gemv_fused_op(fx, torch.empty(23, 40), None, None, EPS, None, "silu_mul")
 

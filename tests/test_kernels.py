@@ -206,6 +206,25 @@ def test_decode_attention_one_launch_is_its_own_opaque_op_under_torch_compile():
     assert sum("specpilot.decode_attention_one" in t for t in targets) == 1, targets
 
 
+def test_decode_attention_token_major_is_the_same_attention_laid_out_by_token():
+    """The fused verify step's op: the two-launch kernel's numbers bit for bit, stored as [B, T, H, D] so the
+    o_proj input (transpose + reshape) is a view; its fake (torch.compile) has the same strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specpilot.kernels.decode_attention import decode_attention, decode_attention_token_major_op
+
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    pos = torch.arange(200, 205)[None]
+    got = decode_attention_token_major_op(q, k, v, pos)
+    assert torch.equal(got, decode_attention(q, k, v, pos))
+    assert got.transpose(1, 2).is_contiguous() and got.transpose(1, 2).reshape(5, 64).data_ptr() == got.data_ptr()
+    with FakeTensorMode():
+        fake = decode_attention_token_major_op(torch.empty(1, 4, 5, 16), torch.empty(1, 2, 300, 16),
+                                               torch.empty(1, 2, 300, 16), torch.empty(1, 5, dtype=torch.long))
+        assert fake.shape == got.shape and fake.stride() == got.stride()
+
+
 # --- RMSNorm (kernels/rmsnorm.py) -------------------------------------------------------------------------------
 
 

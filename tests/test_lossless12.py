@@ -146,6 +146,8 @@ def test_kernel_rejects_bad_input():
         gemv12(torch.randn(1, 24).bfloat16(), p)
     with pytest.raises(ValueError, match="odd N"):
         gemv12(torch.randn(1, 16).bfloat16(), pack(_randn(7, 16, seed=4)), act="silu_mul")
+    with pytest.raises(ValueError, match="one row"):  # gemv_fused takes up to 16 rows; this kernel one
+        gemv12(torch.randn(2, 16).bfloat16(), p)
 
 
 def _decode_steps(model, ids, steps):

@@ -136,7 +136,7 @@ class Recorder:
         return launch
 
 
-FUSED_PATH = {"gemv_fused": ("_kernel",), "rope_write": ("_rope_write_kernel",),
+FUSED_PATH = {"gemv_fused": ("_kernel", "_gemm_kernel"), "rope_write": ("_rope_write_kernel",),
               "decode_attention": ("_split_merge_kernel",)}
 
 
@@ -215,6 +215,36 @@ def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_number
     assert torch.equal(on, off)
 
 
+def test_a_fused_verify_step_launches_its_gemvs_and_rope_write_with_pdl_and_keeps_its_numbers(tiny_model_dir,
+                                                                                               monkeypatch):
+    """A 5-token fused verify step (fused_verify): with the switch on, its 4 M-row GEMVs and RoPE + K/V write a
+    layer carry launch_pdl and USE_PDL; the split-KV attention pair never does (it does not wait: stream order
+    keeps it after its predecessor, and a PDL kernel after it waits for it); the logits are the switch off's."""
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen3")).use_fused_decode().use_fused_verify()
+    L = model.config.num_hidden_layers
+
+    def step(m):
+        cache = m.new_cache(1, 32)
+        with torch.no_grad():
+            m(torch.arange(3, 23)[None], torch.arange(20)[None], cache, kv_len=20)  # prefill of 20: regular
+            del log[:]
+            return m.logits(m(torch.tensor([[8, 9, 10, 11, 12]]), torch.arange(20, 25)[None], cache, kv_len=None))
+
+    log = []
+    _record(monkeypatch, log, also_unfused=True)
+    off = step(copy.deepcopy(model))
+    assert all(_pdl_of(kw) == (False, False) for _, kw in log)
+    _force_on(monkeypatch)
+    on = step(model)
+    layer = ["_gemm_kernel", "_rope_write_kernel", "_split_kernel", "_combine_kernel"] + ["_gemm_kernel"] * 3
+    assert [name for name, _ in log] == layer * L
+    assert all(_pdl_of(kw) == ((True, True) if name in ("_gemm_kernel", "_rope_write_kernel") else (False, False))
+               for name, kw in log)
+    assert torch.equal(on, off)
+
+
 # --- compiled for sm_90: nothing touches global memory before the wait ----------------------------------------
 
 
@@ -239,7 +269,8 @@ def test_compiled_kernels_wait_before_their_first_global_access():
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
-            "rope_write_qk_norm", "attention_one_launch"} <= set(report)
+            "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "rope_write_qk_norm",
+            "attention_one_launch"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name

@@ -46,10 +46,18 @@ _COMPILED_LAYER_OTHER_KERNELS = 6
 # (+ the final norm)
 _FUSED_DECODE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 2
 _FUSED_DECODE_HEAD_KERNELS = 1 + 7 + 1 + 1
+# fused_verify (with fused_decode), 2-16 tokens in one row: the same layer at T rows, but its attention is the
+# split-KV kernel + its merge (two launches; the one-launch variant is fused decode's alone): 7 a layer. The
+# head's count is unchanged (its LM head is cuBLAS's GEMM, no mask). Bytes as for any pass: the M-row GEMVs read
+# each weight once for all T rows, the activations count T rows
+_FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
 # pdl (kernels/pdl.py), with fused_decode: the six launches a layer and the LM head GEMV launch with programmatic
-# dependent launch (the embedding, RoPE tables, final norm and cast do not)
+# dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
+# RoPE + K/V write a layer (the split-KV attention pair and the cuBLAS LM head launch without)
 _PDL_KERNELS_PER_LAYER = _FUSED_DECODE_LAYER_KERNELS
 _PDL_HEAD_KERNELS = 1
+_PDL_VERIFY_KERNELS_PER_LAYER = _FUSED_LINEARS_PER_LAYER + 1
+MAX_FUSED_VERIFY_TOKENS = 16  # models/fused_decode.py MAX_TOKENS (no import: the cost model stays torch-free)
 _COMPILED_HEAD_OTHER_KERNELS = 3
 
 
@@ -149,7 +157,8 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
-KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "lossless12", "pdl")
+KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
+                "lossless12", "pdl")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -159,9 +168,9 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
     """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode,
-    lossless12 or pdl, which are the dense model's), for dflash_pass_cost."""
-    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "lossless12",
-                                                                    "pdl")}
+    fused_verify, lossless12 or pdl, which are the dense model's), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "fused_verify",
+                                                                    "lossless12", "pdl")}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
@@ -209,30 +218,34 @@ def eager_chain_kernels(cfg: ModelConfig, compiled: bool = False, norm_kernel: b
 def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_bytes: int = 2,
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
-                 add_norm_kernel: bool = False, fused_decode: bool = False, lossless12: bool = False,
-                 pdl: bool = False) -> PassCost:
+                 add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
+                 lossless12: bool = False, pdl: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
     Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
-    kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py);
-    `lossless12` (with fused_decode) its weight bytes: the projections and the LM head read 12-bit copies; and `pdl`
-    (with fused_decode) marks that pass's fused kernels as launched with PDL (`num_pdl_kernels`)."""
+    kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py),
+    `fused_verify` (with fused_decode) a 2-16-token pass's; `lossless12` (with fused_decode) a one-token pass's
+    weight bytes: the projections and the LM head read 12-bit copies; and `pdl` (with fused_decode) marks the fused
+    passes' Triton launches as launched with PDL (`num_pdl_kernels`)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
     kernels = _kernel_counts(cfg, fused, compiled, norm_kernel, rope_kernel, act_kernel, add_norm_kernel)
     eager = eager_chain_kernels(cfg, compiled, norm_kernel, rope_kernel, add_norm_kernel)
     one_token_fused = fused_decode and num_tokens == 1 and not compiled
+    block_fused = fused_decode and fused_verify and 2 <= num_tokens <= MAX_FUSED_VERIFY_TOKENS and not compiled
     linear_bytes = LOSSLESS12_BYTES if lossless12 and one_token_fused and dtype_bytes == 2 else None
     pdl_kernels = 0
-    if one_token_fused:  # six launches a layer, the head without a mask
+    if one_token_fused or block_fused:  # six (seven) launches a layer, the head without a mask
         L = cfg.num_hidden_layers
         final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
-        kernels = (L * _FUSED_DECODE_LAYER_KERNELS + _FUSED_DECODE_HEAD_KERNELS + final_norm,
-                   L * _FUSED_LINEARS_PER_LAYER + 1)
+        per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS
+        kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + final_norm, L * _FUSED_LINEARS_PER_LAYER + 1)
         eager = 0 if norm_kernel else _NORM_KERNELS
-        pdl_kernels = L * _PDL_KERNELS_PER_LAYER + _PDL_HEAD_KERNELS if pdl else 0
+        if pdl:
+            pdl_kernels = (L * _PDL_KERNELS_PER_LAYER + _PDL_HEAD_KERNELS if one_token_fused
+                           else L * _PDL_VERIFY_KERNELS_PER_LAYER)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,

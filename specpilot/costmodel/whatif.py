@@ -44,6 +44,7 @@ class StepKnobs:
     act_kernel: bool = False  # act_kernel (SiLU and the multiply in one launch)
     add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
     fused_decode: bool = False  # fused_decode (a one-token pass in six launches a layer)
+    fused_verify: bool = False  # fused_verify (with fused_decode: a 2-16-token pass in seven launches a layer)
     lossless12: bool = False  # lossless12 (that pass's GEMVs read 12-bit weight copies: 3/4 of the bytes)
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
 
@@ -82,7 +83,7 @@ def catch_up_tokens(tau: float, k: int) -> int:
     correction token, plus the last draft when all k were accepted (that draft's K/V was never written). Not ~tau:
     accepted drafts are already in its cache. 2 when most steps accept every draft (tau - k >= 1/2, the share of
     full accepts being at least tau - k), else 1. The difference matters under fused_decode, which runs only
-    one-token passes in six launches a layer."""
+    one-token passes in six launches a layer (without fused_verify)."""
     return 2 if k > 0 and tau - k >= 0.5 else 1
 
 

@@ -78,6 +78,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     # it stays off too
     if config.fused_projections and _kernel_on(config, "fused_decode") and _head_dim_fits(model, "fused_decode"):
         model.use_fused_decode()
+    if _kernel_on(config, "fused_verify"):  # fused decode's layer at T rows: with it or not at all
+        if model.fused_decode:
+            model.use_fused_verify()
+        else:
+            warnings.warn("fused_verify needs fused_decode (and the fused_projections it reads): verify steps keep "
+                          "the regular path", RuntimeWarning, stacklevel=2)
     if model.fused_decode and _kernel_on(config, "lossless12"):
         if model.lm_head.weight.dtype == torch.bfloat16:
             model.use_lossless12()

@@ -255,13 +255,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float | None = None, *, split_s: int = 128, block_s: int = 64,
-                     one_launch: bool = False) -> torch.Tensor:
+                     one_launch: bool = False, token_major: bool = False) -> torch.Tensor:
     """Masked (key slot <= query position) attention of q [B, H, T, D] over k/v [B, Hkv, S, D] -> [B, H, T, D].
 
     T <= MAX_T, H a multiple of Hkv, D a power of two >= 16; `split_s` keys per program (a multiple of
     `block_s`); positions [B, T] >= 0. `one_launch`: the slices are merged by the last program of each (b, kv head)
-    to finish instead of a second kernel (same numbers; see `_counters` for the one rule it adds). Static shapes,
-    no host sync: safe inside CUDA graphs."""
+    to finish instead of a second kernel (same numbers; see `_counters` for the one rule it adds). `token_major`:
+    the output lies in memory as [B, T, H, D] (returned as its [B, H, T, D] transpose), so the o_proj input
+    `out.transpose(1, 2).reshape(B * T, H * D)` is a view, not a copy kernel (models/fused_decode.py, T > 1).
+    Static shapes, no host sync: safe inside CUDA graphs."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     B, H, T, D = q.shape
@@ -280,7 +282,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     o = torch.empty(B * Hkv * splits * rows, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B * Hkv * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    if token_major:  # the kernels store through out's strides
+        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    else:
+        out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), pos.stride(0))
     consts = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -309,7 +314,8 @@ def _register_op():
     user Triton kernels itself, and that failed for `_split_kernel` in the loop's `compile` trial on the H200
     (session 10: InductorError in its compile worker), which kept `compile` and the kernel from combining.
     "specpilot::decode_attention_one" is the one-launch path (its counters end every call at zero, as they began:
-    no state torch.compile would need to know of)."""
+    no state torch.compile would need to know of); "specpilot::decode_attention_token_major" the two-launch path
+    with its output token-major (a fused verify step's, models/fused_decode.py)."""
 
     @torch.library.custom_op("specpilot::decode_attention", mutates_args=())
     def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -321,9 +327,17 @@ def _register_op():
         return decode_attention(q, k, v, positions, split_s=ONE_LAUNCH_SPLIT[0], block_s=ONE_LAUNCH_SPLIT[1],
                                 one_launch=True)
 
+    @torch.library.custom_op("specpilot::decode_attention_token_major", mutates_args=())
+    def decode_attention_token_major_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                                        ) -> torch.Tensor:
+        return decode_attention(q, k, v, positions, token_major=True)
+
     for op in (decode_attention_op, decode_attention_one_op):
         op.register_fake(lambda q, k, v, positions: torch.empty_like(q, memory_format=torch.contiguous_format))
-    return decode_attention_op, decode_attention_one_op
+    decode_attention_token_major_op.register_fake(  # the real output's strides: [B, T, H, D] memory
+        lambda q, k, v, positions: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
+    return decode_attention_op, decode_attention_one_op, decode_attention_token_major_op
 
 
-decode_attention_op, decode_attention_one_op = _register_op() if triton is not None else (None, None)
+decode_attention_op, decode_attention_one_op, decode_attention_token_major_op = (
+    _register_op() if triton is not None else (None, None, None))

@@ -236,7 +236,7 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
         raise ValueError(f"gemv12: lossless 12-bit weights are bf16, so x must be bf16; got {x.dtype}")
     n, k = packed.shape
     shape_only = torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # the matrix as _check sees it
-    K, out_n, act = _check(x, shape_only, bias, norm_weight, residual, act)
+    K, out_n, act = _check(x, shape_only, bias, norm_weight, residual, act, max_rows=1)
     y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
     t0, t1 = packed.words
     dummy = packed.exc_val

@@ -1,4 +1,4 @@
-"""One-row GEMV (M == 1) with an optional RMSNorm prologue and a residual-add or SiLU*up epilogue, in one launch.
+"""GEMV of 1 to 16 rows with an optional RMSNorm prologue and a residual-add or SiLU*up epilogue, in one launch.
 
 Why: a bs-1 decode step of a dense model (models/dense.py) is ~15 small kernels per layer; in a CUDA-graphed step
 each costs >= ~1.1 us plus its memory traffic. Folding the norm in front of the projection it feeds and the
@@ -13,13 +13,22 @@ Kernel (the M == 1 loop of kernels/gemv.py: each program owns BLOCK_N outputs an
   I + n (up) each K step (two tiles), so gate/up never reach memory and the output is [1, I].
 - residual: out = residual + y, added before the single store.
 
+M rows, 2 <= M <= 16 (a speculative verify block of T tokens: models/fused_decode.py with fused_verify): a second
+kernel, `_gemm_fused_kernel`, since the one-row loop would stream the weights once per row. Each program loads a
+weight tile [BLOCK_N, BLOCK_K] once per K step and multiplies it with an x tile of 16 rows (rows >= M masked to 0)
+through `tl.dot` (tensor cores; fp32 accumulation), so the weights are read once whatever M is. Prologue and
+epilogue are the one-row kernel's helpers applied to [16, BLOCK_K] / [16, BLOCK_N] tiles: rstd per row, the same
+rounding points per element. M == 1 keeps `_gemv_fused_kernel` (tuned and measured on the H200).
+
 Numbers: the eager rounding order of each module, with `_to_dtype` (round to nearest even) at the same points:
   RMSNorm.forward: xn = x_f32 * rsqrt(mean(x_f32^2) + eps), rounded to the dtype, times norm_weight, rounded;
   nn.Linear: fp32 accumulation (+ bias in fp32), rounded once to the dtype (as cuBLAS);
   MLP: silu in fp32 on the rounded gate (IEEE division, CUDA's expf), rounded, times the rounded up, rounded;
   residual: the sum of the two dtype values in fp32, rounded once (the eager bf16/fp16 add).
 Only summation orders differ (the mean's tree, the dot product's): fp32 agrees to ~1e-6 relative, bf16/fp16 to a
-few ulp (a 1-ulp flip of a normed input moves the dot product by that much).
+few ulp (a 1-ulp flip of a normed input moves the dot product by that much). In the M-row kernel the dot products
+are tl.dot's: 16-bit operands go in as they are (exact products, fp32 sums, as cuBLAS's nn.Linear); fp32 operands
+with input_precision="ieee", so a GPU does not round them to TF32.
 
 `gemv_fused_reference` is the plain-PyTorch twin built from the eager ops themselves (tests check it equals the
 dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused".
@@ -45,23 +54,26 @@ except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 ACTS = ("", "silu_mul")  # "" (or None): no activation
+MAX_ROWS = 16  # the M-row kernel's x tile: tl.dot's smallest M (a verify block of up to 16 tokens)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 INTERPRET_PAIRED = False  # the interpreter's fixed configuration takes the PAIRED layout (tests set it; on a GPU
 # the autotuner chooses)
 
 
-def _check(x, weight, bias, norm_weight, residual, act) -> tuple[int, int, str]:
-    """Validate shapes, strides and dtypes (ValueError) -> (K, output columns, act as a str)."""
+def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
+    """Validate shapes, strides and dtypes (ValueError) -> (K, output columns, act as a str). `max_rows`: 1 for a
+    one-row kernel (kernels/gemv12.py)."""
     act = act or ""
     if act not in ACTS:
         raise ValueError(f"gemv_fused: unknown act {act!r}; supported: None, 'silu_mul'")
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2:
-        raise ValueError(f"gemv_fused: need x [1, K] (one row) and weight [N, K]; got x {tuple(x.shape)}, "
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows or weight.dim() != 2:
+        rows = "x [1, K] (one row)" if max_rows == 1 else f"x [M, K] with 1 <= M <= {max_rows} rows"
+        raise ValueError(f"gemv_fused: need {rows} and weight [N, K]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    K, (N, K2) = x.shape[1], weight.shape
+    (M, K), (N, K2) = x.shape, weight.shape
     if K != K2 or K < 1 or N < 1:
-        raise ValueError(f"gemv_fused: x [1, {K}] and weight {tuple(weight.shape)} disagree on K (or are empty)")
+        raise ValueError(f"gemv_fused: x [{M}, {K}] and weight {tuple(weight.shape)} disagree on K (or are empty)")
     if x.stride(1) != 1 and K > 1:
         raise ValueError(f"gemv_fused: x must have unit stride along K, got strides {x.stride()}")
     if not weight.is_contiguous():
@@ -71,7 +83,7 @@ def _check(x, weight, bias, norm_weight, residual, act) -> tuple[int, int, str]:
     if act == "silu_mul" and N % 2:
         raise ValueError(f"gemv_fused: silu_mul needs the fused gate+up weight [2I, K]; got odd N = {N}")
     out_n = N // 2 if act == "silu_mul" else N
-    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,)), ("residual", residual, (1, N))):
+    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,)), ("residual", residual, (M, N))):
         if t is None:
             continue
         if tuple(t.shape) != shape or (t.stride(-1) != 1 and t.shape[-1] > 1):
@@ -121,11 +133,22 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                  SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
-        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise) [BN] -> the stored outputs: + bias,
-        nn.Linear's rounding, SiLU(gate) x up, + residual, each rounded where the eager modules round."""
-        dt = y_ptr.dtype.element_ty
+    def _norm_rstds(x_ptr, stride_xm, M, K, eps, K_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """[BLOCK_M] 1 / RMS of rows m < M (0 for the masked rows): `_norm_rstd` row by row, so each row's value is
+        the one-row kernel's bit for bit (a [BLOCK_M, K_P2] tile at once would not fit in registers at K ~ 4k)."""
+        rows = tl.arange(0, BLOCK_M)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for m in range(0, M):
+            rstd = tl.where(rows == m, _norm_rstd(x_ptr + m * stride_xm, K, eps, K_P2), rstd)
+        return rstd
+
+    @triton.jit
+    def _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
+        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise), [BN] or [rows, BN] -> the stored
+        outputs: + bias (columns n_offs, the same for every row), nn.Linear's rounding, SiLU(gate) x up,
+        + residual (read at r_ptrs), each rounded where the eager modules round; stored at y_ptrs under mask."""
+        dt = y_ptrs.dtype.element_ty
         if HAS_BIAS:
             y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
         y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
@@ -139,8 +162,15 @@ if triton is not None:
                 e = tl.exp(-y)
             y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
         if HAS_RES:
-            y += tl.load(r_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)  # the eager add, rounded below
-        tl.store(y_ptr + n_offs, _to_dtype(y, dt), mask=n_mask)
+            y += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)  # the eager add, rounded below
+        tl.store(y_ptrs, _to_dtype(y, dt), mask=mask)
+
+    @triton.jit
+    def _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                  SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
+        """`_epilogue_tile` for one row: y and u [BN] at columns n_offs."""
+        _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptr + n_offs, y_ptr + n_offs, n_mask, HAS_BIAS, HAS_RES,
+                       SILU_MUL, ON_GPU)
 
     @triton.jit
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
@@ -195,6 +225,64 @@ if triton is not None:
                 u = tl.sum(acc_up, axis=1)
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
+    @triton.jit
+    def _dot_acc(h, w, acc, ON_GPU: tl.constexpr):
+        """acc [BM, BN] + h [BM, BK] @ w [BN, BK]^T, fp32 sums. On the GPU 16-bit operands go in as they are (exact
+        products, fp32 sums: nn.Linear's numbers) and fp32 ones at IEEE precision, not TF32. The interpreter's dot
+        gets both upcast to fp32: a 16-bit product is exact in fp32, so the numbers are the same."""
+        if ON_GPU:
+            if h.dtype == tl.float32:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, tl.trans(w), acc)
+        else:
+            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _gemm_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+                           stride_ym, eps, M_BUCKET, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                           HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+        """y[m, n] for rows m < M (2 <= M <= BLOCK_M) and this program's BLOCK_N columns n < N (N = I with
+        SILU_MUL: gate row n, up row N + n).
+
+        The x tile has BLOCK_M = MAX_ROWS rows whatever M is (tl.dot's smallest M); rows >= M load as 0 and are not
+        stored, so one compiled kernel serves every M. M_BUCKET is never read: it is the autotuner's key (M rounded
+        up to a power of two). USE_PDL: as `_gemv_fused_kernel`'s (nothing read or written before the wait)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        dt = y_ptr.dtype.element_ty
+        m_offs = tl.arange(0, BLOCK_M)
+        m_mask = m_offs < M
+        n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < N
+        rows = n_offs.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+        x_rows = m_offs.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+        if HAS_NORM:
+            rstd = _norm_rstds(x_ptr, stride_xm, M, K, eps, K_P2, BLOCK_M)[:, None]  # [BM, 1]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = acc
+        for k0 in range(0, K, BLOCK_K):
+            k_offs = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k_offs < K
+            h = tl.load(x_ptr + x_rows + k_offs[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if HAS_NORM:  # [BM, BK]; the normed values are dtype values, so casting them back is exact
+                nw = tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+                h = _norm_h(h.to(tl.float32), nw[None, :], rstd, dt, ON_GPU).to(dt)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN, BK]
+            acc = _dot_acc(h, w, acc, ON_GPU)
+            if SILU_MUL:
+                wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                acc_up = _dot_acc(h, wu, acc_up, ON_GPU)
+        cols = n_offs[None, :]
+        _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptr + m_offs[:, None] * stride_rm + cols,
+                       y_ptr + m_offs[:, None] * stride_ym + cols, m_mask[:, None] & n_mask[None, :], HAS_BIAS,
+                       HAS_RES, SILU_MUL, ON_GPU)
+
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
     # (ON_GPU: libdevice's expf and the hardware's round-to-nearest-even casts; the interpreter has neither)
     # + wider tiles with 8 warps: more rows share each program's x-side work (the norm prologue), and more bytes
@@ -212,37 +300,64 @@ if triton is not None:
         silu = kwargs.get("SILU_MUL", named_args.get("SILU_MUL"))
         return [c for c in configs if silu or not c.kwargs.get("PAIRED", False)]
 
+    # M rows: tiles that keep enough programs streaming at 1.5B-8B widths (BLOCK_N 16-32 for N ~ 1.5k-4k) up to
+    # wide ones for gate_up / the 8B shapes; keyed on M's power-of-two bucket too (more rows, more x-side work)
+    _GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+                     for bn, bk in ((16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128),
+                                    (128, 64))
+                     for w in (4, 8)]
+
     if _INTERPRET:  # CPU tests: one small fixed configuration (masks on N and K get exercised)
         _kernel = _gemv_fused_kernel
+        _gemm_kernel = _gemm_fused_kernel
     else:
         _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"],
                                   prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
+        _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
+                                                                   "SILU_MUL", "M_BUCKET"])(_gemm_fused_kernel)
 
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                act: str | None = None) -> torch.Tensor:
-    """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for ONE row, in one launch.
+    """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for M = 1..16 rows, in one launch.
 
-    x [1, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps); residual
-    [1, N] (epilogue, not with act); act None or "silu_mul" (weight = fused gate+up [2I, K], output [1, I]). All one
-    dtype (fp32 / bf16 / fp16). -> a new [1, N] (or [1, I]) tensor in x's dtype. Static shapes, no host sync: safe
-    inside CUDA graphs (once autotuned outside capture)."""
+    x [M, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps, per row);
+    residual [M, N] unit stride along N (epilogue, not with act); act None or "silu_mul" (weight = fused gate+up
+    [2I, K], output [M, I]). All one dtype (fp32 / bf16 / fp16). -> a new [M, N] (or [M, I]) tensor in x's dtype.
+    M == 1 runs the one-row kernel, M >= 2 the tl.dot kernel. Static shapes, no host sync: safe inside CUDA graphs
+    (once autotuned outside capture)."""
     if triton is None:
         raise RuntimeError("gemv_fused needs triton")
     K, out_n, act = _check(x, weight, bias, norm_weight, residual, act)
-    y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
-    args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
-            weight if residual is None else residual, y, out_n, K, weight.stride(0), float(eps))
+    M = x.shape[0]
+    y = torch.empty(M, out_n, device=x.device, dtype=x.dtype)
+    ptrs = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
+            weight if residual is None else residual, y)  # unused pointers: dummies (the weight)
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-                 SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,  # unused pointers: dummies (the weight)
+                 SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl, **pdl.kwargs)
+    if M > 1:
+        _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps, flags)
+        return y
+    args = (*ptrs, out_n, K, weight.stride(0), float(eps))
     if _INTERPRET:
         _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
     else:
         _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
     return y
+
+
+def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, flags: dict) -> None:
+    """The M-row kernel (2 <= M <= 16) over gemv_fused's pointers (x, weight, bias, norm weight, residual, y)."""
+    x, y = ptrs[0], ptrs[-1]
+    args = (*ptrs, M, out_n, K, x.stride(0), stride_wn, stride_rm, y.stride(0), float(eps),
+            triton.next_power_of_2(M))
+    if _INTERPRET:  # BLOCK_N 16, BLOCK_K 64: the tests' N and K are not multiples of either
+        _gemm_kernel[(triton.cdiv(out_n, 16),)](*args, **flags, BLOCK_M=MAX_ROWS, BLOCK_N=16, BLOCK_K=64)
+    else:
+        _gemm_kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, BLOCK_M=MAX_ROWS)
 
 
 def _register_op():
@@ -257,7 +372,7 @@ def _register_op():
     @gemv_fused_op.register_fake
     def _(x, weight, bias, norm_weight, eps, residual, act):
         _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
-        return x.new_empty(1, out_n)
+        return x.new_empty(x.shape[0], out_n)
 
     return gemv_fused_op
 

@@ -204,6 +204,12 @@ register(_cuda_switch(
     "one-token steps (AR decode, a small drafter's passes) in six launches a layer: RMSNorms as GEMV prologues, "
     "residual adds and SiLU * up as GEMV epilogues, RoPE with the K/V write, one-launch attention"))
 register(Mechanism(
+    "fused_verify", ("verify",), {"fused_verify": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "verify steps of 2-16 tokens in one row through fused decode's layer at T rows: M-row GEMVs (tl.dot, weights "
+    "read once) with the norm prologues and residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention: "
+    "seven launches a layer instead of ~12 with cuBLAS"))
+register(Mechanism(
     "lossless12", ("verify", "draft"), {"lossless12": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.dtype == "bfloat16",
     "one-token steps' GEMVs (and the LM head's) read lossless 12-bit copies of the weights (an 8-entry magnitude "

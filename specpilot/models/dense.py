@@ -28,7 +28,7 @@ _KERNEL_OPS: dict[str, object] = {}
 
 
 # ops that live in another kernel's module (kernels/<module>.py): op name -> module
-_OP_MODULE = {"decode_attention_one": "decode_attention"}
+_OP_MODULE = {"decode_attention_one": "decode_attention", "decode_attention_token_major": "decode_attention"}
 
 
 def kernel_op(name: str):
@@ -239,6 +239,7 @@ class DenseLM(nn.Module):
         self.act_kernel = False  # use_act_kernel(): the MLP's silu(gate) * up in one Triton kernel per layer
         self.add_norm_kernel = False  # use_add_norm_kernel(): each residual add + the norm after it in one kernel
         self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
+        self.fused_verify = False  # use_fused_verify(): 2-16-token steps through seven launches a layer (the same)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -323,11 +324,24 @@ class DenseLM(nn.Module):
         self.fused_decode = on
         return self
 
+    def use_fused_verify(self, on: bool = True) -> "DenseLM":
+        """Steps of 2 to 16 tokens in one row under the positional mask (a speculative verify block) through the
+        fused layer of models/fused_decode.py at T rows: the M-row fused GEMVs (norm prologues, residual and SiLU *
+        up epilogues), RoPE + K/V write, the split-KV attention; the LM head stays cuBLAS. Other steps are
+        unchanged. Fuses the projections first (it reads qkv_proj, gate_up_proj)."""
+        if on:
+            for name, what in (("gemv_fused", "fused GEMV"), ("rope_write", "RoPE + K/V write kernel"),
+                               ("decode_attention_token_major", "attention kernel")):
+                require_kernel(name, what)
+            self.fuse_projections()
+        self.fused_verify = on
+        return self
+
     def use_lossless12(self, on: bool = True) -> "DenseLM":
         """One-token fused steps read lossless 12-bit copies of the projection and LM-head weights
         (formats/lossless12.py: every weight exact, 1.5 bytes instead of 2; kernels/gemv12.py). The bf16 weights
-        stay for prefill and multi-token steps (cuBLAS), so memory grows by 3/4 of the weights. Needs bf16 weights
-        and fused decode on (the only path that reads the copies)."""
+        stay for prefill and multi-token steps (cuBLAS, or the fused verify path's M-row GEMVs), so memory grows by
+        3/4 of the weights. Needs bf16 weights and fused decode on (the only path that reads the copies)."""
         from specpilot.formats.lossless12 import pack
 
         if on:
@@ -381,7 +395,8 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        fused = fused_decode.applies(self, input_ids, attn_mask, is_causal)  # one token: six launches a layer
+        # one token (fused_decode) or 2-16 (fused_verify) in one row: six or seven launches a layer
+        fused = fused_decode.applies(self, input_ids, attn_mask, is_causal)
         if fused or is_causal or (attn_mask is None and self.attention_kernel and T <= 16):
             mask = None  # SDPA's causal mask, or positional: the attention kernel applies it from `positions`
         else:
@@ -415,4 +430,4 @@ class DenseLM(nn.Module):
         if self.fused_decode and hidden.numel() == hidden.shape[-1]:  # one row: the fused path's GEMV, no cuBLAS
             row = fused_decode.project(self.lm_head, hidden.reshape(1, -1), None, 0.0, None, "")
             return row.float().view(*hidden.shape[:-1], -1)
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden).float()  # several rows (a fused verify step's too): cuBLAS

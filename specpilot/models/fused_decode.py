@@ -1,4 +1,5 @@
-"""A one-token decode pass through a dense layer in six launches (EngineConfig.fused_decode).
+"""A decode or verify pass of 1 to 16 tokens through a dense layer in six or seven launches (EngineConfig.fused_decode,
+EngineConfig.fused_verify).
 
 Why: at bs 1 a graphed decode step of a 1.5B-class model is bound by its ~15 kernels per layer, not by its bytes
 (H200, session 11: 2.07 ms with every elementwise kernel fused = 2.8x the 0.74 ms bytes/bandwidth floor; the
@@ -15,10 +16,18 @@ each launch reproducing the eager modules' rounding order (only the GEMVs' fp32 
 cuBLAS's), so a fused step gives the eager step's tokens up to that rounding (the engine's greedy outputs are
 checked against AR by token forcing like any other kernel's).
 
-Applies to steps of exactly one token in one row under the positional mask (AR decode, a small drafter's passes);
-multi-token verify steps and prefill keep the regular path. Needs fused projections (qkv_proj, gate_up_proj).
-With EngineConfig.lossless12 the four GEMVs (and the LM head's) read lossless 12-bit copies of the weights
-(formats/lossless12.py, kernels/gemv12.py): the same weights in 3/4 of the bytes.
+One token (fused_decode: AR decode, a small drafter's passes): the GEMVs are gemv_fused's one-row kernel and the
+attention is one launch (its slices merged by the last program). 2 to 16 tokens in one row (fused_verify: a
+speculative verify block, e.g. DFlash's 16): the same layer with T rows, because the regular path of a verify step
+(~12 launches a layer, cuBLAS at M = 16) cost 2.5-3.6 one-token steps on the H200. The GEMVs are gemv_fused's M-row
+kernel (the weights read once for all T rows), RoPE + K/V write takes the T tokens in one launch as it is, and the
+attention is the split-KV kernel and its merge: seven launches a layer. The attention writes its output
+token-major, so o_proj reads it as [T, H * D] without a copy.
+
+Both apply under the positional mask only; prefill of more than 16 tokens, batches and custom masks (trees) keep
+the regular path. Needs fused projections (qkv_proj, gate_up_proj). With EngineConfig.lossless12 the one-token
+GEMVs (and the LM head's) read lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py):
+the same weights in 3/4 of the bytes; multi-token steps read the bf16 weights, which use_lossless12 keeps.
 """
 
 from __future__ import annotations
@@ -29,10 +38,14 @@ from specpilot.kernels.gemv12 import gemv12_call
 from specpilot.models.cache import KVCache
 
 
-def _ops():
+MAX_TOKENS = 16  # a fused step's tokens: the M-row GEMV's rows (kernels/gemv_fused.py MAX_ROWS) and the split-KV
+# attention's queries (kernels/decode_attention.py MAX_T)
+
+
+def _ops(T: int):
     from specpilot.models.dense import kernel_op
 
-    return kernel_op("rope_write"), kernel_op("decode_attention_one")
+    return kernel_op("rope_write"), kernel_op("decode_attention_one" if T == 1 else "decode_attention_token_major")
 
 
 # 12-bit GEMVs with a norm prologue: normalize x in one separate RMSNorm launch first (True) instead of in every
@@ -44,11 +57,12 @@ PRENORM_12BIT = False
 
 
 def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
-    """One fused GEMV launch through `linear`: over its lossless 12-bit copy when it has one (`packed12`, set by
-    DenseLM.use_lossless12; same weights, 3/4 of the bytes), else over its bf16 weight."""
+    """One fused GEMV launch through `linear` for x2 [M, K]: one row over its lossless 12-bit copy when it has one
+    (`packed12`, set by DenseLM.use_lossless12; same weights, 3/4 of the bytes), else (and for M > 1 rows: the
+    12-bit GEMV takes one) over its bf16 weight."""
     from specpilot.models.dense import kernel_op
 
-    packed = getattr(linear, "packed12", None)
+    packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
     if packed is not None:
         if PRENORM_12BIT and norm_weight is not None:
             x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
@@ -58,28 +72,34 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None) -> torch.Tensor:
-    """x [1, 1, H] (the residual stream) -> the layer's output [1, 1, H]; K/V of the token written at `positions`."""
-    rope_write, attend = _ops()
+    """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
+    written at `positions` [1, T]."""
+    T = x.shape[1]
+    rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
-    x2 = x.view(1, h)
-    qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [1, (n + 2g) d]
+    x2 = x.view(T, h)
+    qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
     q, k, v = qkv.split((n * d, g * d, g * d), dim=-1)
-    q, k, v = q.view(1, 1, n, d).transpose(1, 2), k.view(1, 1, g, d).transpose(1, 2), v.view(1, 1, g, d).transpose(1, 2)
+    q, k, v = q.view(1, T, n, d).transpose(1, 2), k.view(1, T, g, d).transpose(1, 2), v.view(1, T, g, d).transpose(1, 2)
     qn = attn.q_norm.weight if attn.q_norm is not None else None
     kn = attn.k_norm.weight if attn.k_norm is not None else None
     eps = attn.q_norm.eps if attn.q_norm is not None else pre.eps
     i = attn.layer_idx
-    q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, 1, d]
+    q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
     keys, values = cache.read(i, kv_len)
-    out = attend(q, keys, values, positions)  # [1, n, 1, d]
-    x2 = project(attn.o_proj, out.reshape(1, n * d), None, pre.eps, x2, "")  # + residual
-    act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [1, I]
+    out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
+    x2 = project(attn.o_proj, out.transpose(1, 2).reshape(T, n * d), None, pre.eps, x2, "")  # + residual (a view)
+    act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "")  # + residual
-    return x2.view(1, 1, h)
+    return x2.view(1, T, h)
 
 
 def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
-    """Whether `model.forward` runs this path: switched on, one token in one row, the positional mask."""
-    return model.fused_decode and input_ids.numel() == 1 and attn_mask is None and not is_causal
+    """Whether `model.forward` runs this path: the positional mask, one row, and one token with fused_decode on or
+    2..16 tokens with fused_verify on."""
+    if attn_mask is not None or is_causal or input_ids.shape[0] != 1:
+        return False
+    T = input_ids.shape[1]
+    return model.fused_decode if T == 1 else model.fused_verify and T <= MAX_TOKENS
