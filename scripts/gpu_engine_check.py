@@ -4,7 +4,8 @@
 On a random-weight model (fp32, so every path must give identical greedy tokens), checks that AR eager ==
 AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
-norm_kernel, fused_decode, pdl: the fused path launched with programmatic dependent launch, dflash, batch).
+norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
+programmatic dependent launch, dflash, batch).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
 """
@@ -23,7 +24,8 @@ from specpilot.engine import Engine, build_drafter
 from specpilot.models import random_model
 
 
-SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "pdl", "dflash", "batch", "lossless12")  # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
+SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "dflash", "batch",
+            "lossless12")  # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -115,6 +117,27 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("spec_other_fused_decode", [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p)
                                            for p in prompts])
 
+    def fused_verify():
+        # verify blocks of 2-16 tokens through fused decode's layer at T rows (models/fused_decode.py,
+        # EngineConfig.fused_verify: M-row GEMVs, RoPE + K/V write, split-KV attention): n-gram speculation (blocks
+        # of up to 5 and of up to 16 tokens), a small drafter (itself: every block full; another model), graphed and
+        # eager, and a random DFlash drafter's 8-token blocks (its features captured from the fused layers)
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        on = base.with_(fused_verify=True)
+        ngram_on, model = ngram.with_(fused_verify=True), on.with_(drafter_kind="model")
+        same_tokens((("ar_fused_verify", on, fast), ("spec_ngram_fused_verify", ngram_on, fast),
+                     ("spec_ngram_fused_verify_eager", ngram_on.with_(cuda_graphs=False), fast),
+                     ("spec_ngram16_fused_verify", ngram_on.with_(num_draft_tokens=15), fast)))
+        for name, c, drafter in (("spec_self_fused_verify", model, copy.deepcopy(fast)),
+                                 ("spec_other_fused_verify", model,
+                                  copy.deepcopy(other).use_fused_decode().use_fused_verify()),
+                                 ("spec_other_fused_verify_eager", model.with_(cuda_graphs=False),
+                                  copy.deepcopy(other).use_fused_decode().use_fused_verify())):
+            record(name, [Engine(fast, c, build_drafter(c, drafter, fast)).generate(p) for p in prompts])
+        c = on.with_(drafter_kind="dflash", num_draft_tokens=7)
+        record("spec_dflash_fused_verify", [Engine(fast, c, build_drafter(c, dflash_net(), fast)).generate(p)
+                                            for p in prompts])
+
     def lossless12():
         # bf16 (the format's dtype): fused one-token steps over the 12-bit copies vs over the bf16 weights. Only the
         # GEMVs' summation order differs, so random weights (near-tied logits) may part after a while: recorded, not
@@ -165,13 +188,16 @@ def main(only: tuple[str, ...] = ()) -> int:
         finally:
             pdl.set_enabled(False)
 
-    def dflash():
+    def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
 
-        torch.manual_seed(2)  # a random DFlash drafter: graphed (static) draft steps must draft what eager ones do
+        torch.manual_seed(2)  # a random DFlash drafter, one layer, blocks of 8
         net = DFlashDrafter(new_drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=5))
-        net = net.cuda().eval()
+        return net.cuda().eval()
+
+    def dflash():
+        net = dflash_net()  # graphed (static) draft steps must draft what eager ones do
         taus = {}
         for graphs, kern in ((False, False), (True, False), (True, True)):
             c = base.with_(drafter_kind="dflash", num_draft_tokens=7, cuda_graphs=graphs, draft_attention_kernel=kern)
@@ -198,7 +224,8 @@ def main(only: tuple[str, ...] = ()) -> int:
                 problems.append(name)
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
-              "lossless12": lossless12, "pdl": pdl_launch, "dflash": dflash, "batch": batch}
+              "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch, "dflash": dflash,
+              "batch": batch}
     for name in SECTIONS:
         if not only or name in only:
             section(name, checks[name])

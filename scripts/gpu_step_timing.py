@@ -14,8 +14,10 @@ gives the floor of the bytes it reads), "fuseddecode12pre" with the norms in a l
 GEMVs instead of in their prologues (models/fused_decode.py PRENORM_12BIT); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
 dependent launch (kernels/pdl.py, EngineConfig.pdl; its `_pdl_on` entry says whether the GPU took it, and with
 "fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
-model's estimate costmodel/gaps.py PDL_GAP_FACTOR); median of 100 replays timed with CUDA events. Floors from the cost
-model with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
+model's estimate costmodel/gaps.py PDL_GAP_FACTOR); "fusedverify" is "fuseddecode" with its 2-16-token steps through the
+same fused layer at T rows too (EngineConfig.fused_verify: M-row GEMVs, split-KV attention; `--variants=fuseddecode,
+fusedverify --tokens=1,16` compares the T = 16 step of both); median of 100 replays timed with CUDA events. Floors from
+the cost model with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def median_ms(fn, repeats=100) -> float:
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
-               "fused_pdl": "_fuseddecode_pdl"}
+               "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify"}
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
@@ -60,7 +62,8 @@ def main(shapes, flags=()) -> int:
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
-                    (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (True, False), (True, True)]
+                    (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
+                    (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -69,12 +72,13 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused12pre", "fused_pdl")
+            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused12pre", "fused_pdl", "fused_verify")
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
-            model.use_fused_decode(kernel in ("fused", "fused12", "fused12pre", "fused_pdl"))
+            model.use_fused_decode(kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify"))
+            model.use_fused_verify(kernel == "fused_verify")  # T = 2..16 rows through the fused layer as well
             model.use_lossless12(kernel in ("fused12", "fused12pre"))
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
