@@ -52,3 +52,18 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash_dir(tmp_path_factory):
+    """Path of a saved tiny random DFlash drafter (2 layers, block 5) for the tiny qwen3 target (2 layers)."""
+    from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+    from specpilot.models.dflash_io import save_dflash
+
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=5, mask_token_id=95,
+                       target_layer_ids=(0, 1), num_target_layers=2, vocab_size=96)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-dflash")
+    save_dflash(DFlashDrafter(cfg).eval(), path)
+    return str(path)

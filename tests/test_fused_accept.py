@@ -18,7 +18,6 @@ from specpilot.engine import Engine, build_drafter
 from specpilot.engine.reference import reference_greedy
 from specpilot.engine.runner import ModelRunner
 from specpilot.models import load_model
-from specpilot.models.dflash import DFlashConfig, DFlashDrafter
 from specpilot.sampling import probs_from_logits
 from specpilot.verify import greedy_verdict_packed, verify_chain
 
@@ -143,18 +142,6 @@ def _prompts():
     return repetitive + [torch.randint(3, 96, (9,), generator=g).tolist()]  # the last: few n-gram hits (K = 0)
 
 
-def _dflash(tmp_path_factory):
-    from specpilot.models.dflash_io import save_dflash
-
-    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, block_size=5, mask_token_id=95,
-                       target_layer_ids=(0, 1), num_target_layers=2, vocab_size=96)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("dflash-fused")
-    save_dflash(DFlashDrafter(cfg).eval(), path)
-    return str(path)
-
-
 LIMITS = {"length": dict(max_new_tokens=23, max_seq_len=128), "context": dict(max_new_tokens=100, max_seq_len=40)}
 
 
@@ -163,7 +150,7 @@ LIMITS = {"length": dict(max_new_tokens=23, max_seq_len=128), "context": dict(ma
     ("dflash", True, "length"), ("dflash", True, "context"),
     ("ngram", False, "length"), ("ngram", False, "context"),  # the eager fused path also runs in every other
 ])                                                            # greedy engine test (it is the default)
-def test_fused_greedy_equals_ar_and_the_unfused_path(models, tmp_path_factory, kind, static, limits):
+def test_fused_greedy_equals_ar_and_the_unfused_path(models, tiny_dflash_dir, kind, static, limits):
     """Token for token equal to AR, and step for step equal to the unfused path (same drafts, same verdicts),
     with K = 0 steps (n-gram misses) and K shortened by max_new_tokens (23 is no multiple of K + 1) or by the
     context limit (max_seq_len=40: the last steps no longer fit the bucket and run eagerly, down to K = 0)."""
@@ -176,7 +163,7 @@ def test_fused_greedy_equals_ar_and_the_unfused_path(models, tmp_path_factory, k
     elif kind == "model":
         drafter = lambda: build_drafter(cfg, models["other"], target)  # noqa: E731
     else:
-        path = _dflash(tmp_path_factory)
+        path = tiny_dflash_dir
         target = models["qwen3"]  # as in test_dflash_engine.py
         cfg = cfg.with_(drafter_kind="dflash")
         drafter = lambda: build_drafter(cfg, path, target)  # noqa: E731

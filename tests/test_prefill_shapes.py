@@ -54,31 +54,14 @@ def test_padded_pass_gives_the_real_tokens_the_unpadded_numbers(models, family, 
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def _pad_everything(eng: Engine) -> Engine:
-    eng.runner.pad_shapes = True
-    d = eng.drafter
-    for obj in (d, getattr(d, "inner", None), getattr(d, "runner", None), getattr(getattr(d, "inner", None), "runner", None)):
-        if obj is not None and hasattr(obj, "pad_shapes"):
-            obj.pad_shapes = True
-    return eng
-
-
-def _dflash_path(tmp_path_factory):
-    from specpilot.models.dflash_io import save_dflash
-
-    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, block_size=5, mask_token_id=95,
-                       target_layer_ids=(0, 1), num_target_layers=2, vocab_size=96)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("dflash-pad")
-    save_dflash(DFlashDrafter(cfg).eval(), path)
-    return str(path)
-
-
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "dflash"])
-def test_padded_engines_equal_the_reference_greedy_output(models, tmp_path_factory, kind):
+def test_padded_engines_equal_the_reference_greedy_output(models, tiny_dflash_dir, kind, monkeypatch):
     """Greedy outputs with every eager pass padded (target prefill, a model drafter's first feed, DFlash's first
-    pass) equal plain greedy decoding, also near the end of the pool (max_seq_len 40: padding capped by the room)."""
+    pass) equal plain greedy decoding, also near the end of the pool (max_seq_len 40: padding capped by the room).
+    The engine pads as on CUDA (its `_pads` switch), through the same wiring."""
+    import specpilot.engine as engine
+
+    monkeypatch.setattr(engine, "_pads", lambda config: config.pad_shapes)
     target = models["qwen3" if kind == "dflash" else "qwen2"]
     for max_seq_len, prompt_len in ((128, 21), (40, 30)):
         cfg = EngineConfig(drafter_kind=kind, num_draft_tokens=4, max_new_tokens=20, max_seq_len=max_seq_len,
@@ -89,8 +72,9 @@ def test_padded_engines_equal_the_reference_greedy_output(models, tmp_path_facto
         elif kind == "model":
             drafter = build_drafter(cfg, models["other"], target)
         elif kind == "dflash":
-            drafter = build_drafter(cfg, _dflash_path(tmp_path_factory), target)
-        eng = _pad_everything(Engine(target, cfg, drafter))
+            drafter = build_drafter(cfg, tiny_dflash_dir, target)
+        eng = Engine(target, cfg, drafter)
+        assert eng.runner.pad_shapes and (kind != "dflash" or drafter.pad_shapes)  # (through prompt lookup's wrapper)
         g = torch.Generator().manual_seed(prompt_len)
         prompt = (torch.randint(3, 96, (7,), generator=g).tolist() * 5)[:prompt_len]
         got = eng.generate(prompt)

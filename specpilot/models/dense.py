@@ -317,12 +317,16 @@ class DenseLM(nn.Module):
         norms as GEMV prologues, residual adds and SiLU * up as epilogues, RoPE with the K/V write, one-launch
         attention); other steps keep the regular path. Fuses the projections first (it reads qkv_proj, gate_up_proj)."""
         if on:
-            for name, what in (("gemv_fused", "fused GEMV"), ("rope_write", "RoPE + K/V write kernel"),
-                               ("decode_attention_one", "one-launch attention kernel")):
-                require_kernel(name, what)
-            self.fuse_projections()
+            self._fused_layer_ready("decode_attention_one", "one-launch attention kernel")
         self.fused_decode = on
         return self
+
+    def _fused_layer_ready(self, attention: str, what: str) -> None:
+        """What models/fused_decode.py's layer needs: its kernels (the fused GEMV, RoPE + K/V write, `attention`)
+        and the fused projections it reads (qkv_proj, gate_up_proj)."""
+        for name, label in (("gemv_fused", "fused GEMV"), ("rope_write", "RoPE + K/V write kernel"), (attention, what)):
+            require_kernel(name, label)
+        self.fuse_projections()
 
     def use_fused_verify(self, on: bool = True) -> "DenseLM":
         """Steps of 2 to 16 tokens in one row under the positional mask (a speculative verify block) through the
@@ -330,10 +334,7 @@ class DenseLM(nn.Module):
         up epilogues), RoPE + K/V write, the split-KV attention; the LM head stays cuBLAS. Other steps are
         unchanged. Fuses the projections first (it reads qkv_proj, gate_up_proj)."""
         if on:
-            for name, what in (("gemv_fused", "fused GEMV"), ("rope_write", "RoPE + K/V write kernel"),
-                               ("decode_attention_token_major", "attention kernel")):
-                require_kernel(name, what)
-            self.fuse_projections()
+            self._fused_layer_ready("decode_attention_token_major", "attention kernel")
         self.fused_verify = on
         return self
 
