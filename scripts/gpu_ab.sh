@@ -28,7 +28,8 @@ for b, r in s["benchmarks"].items():
     ar, sp = r["systems"]["ar"], r["systems"]["specpilot"]
     print(f"  {b:10s} AR {ar['tokens_per_s']:7.1f}  SpecPilot {sp['tokens_per_s']:7.1f} (tau {sp.get('tau', 1):.2f}) "
           f"x{sp['speedup_vs_ar']:.3f}  prefill ms AR {ar.get('prefill_ms_per_prompt')} / spec "
-          f"{sp.get('prefill_ms_per_prompt')}  stage ms {sp.get('stage_ms_per_step')}  forcing "
+          f"{sp.get('prefill_ms_per_prompt')}  stage ms {sp.get('stage_ms_per_step')}  plain "
+          f"{sp.get('plain_step_share', 0)} (spec-step tau {sp.get('tau_speculative_steps', '-')})  forcing "
           f"{ar['forcing_passed'] and sp['forcing_passed']}")
 print(f"  pooled: AR {s['ar_tokens_per_s']} SpecPilot {s['spec_tokens_per_s']} x{s['speedup']}")
 EOF

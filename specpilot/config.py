@@ -99,6 +99,13 @@ class EngineConfig:
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
+    # speculative engines: each step either drafts or is a plain one-token step, whichever measured step costs and
+    # recent acceptance say commits more tokens a second (engine/adaptive.py); lossless either way. Why: on the H200
+    # a 16-token DFlash step cost 2.2-2.8 fused one-token steps (session 14), so low-acceptance stretches ran slower
+    # than AR. adaptive_min_gain: speculate while predicted gain >= this; adaptive_max_plain: longest plain run
+    adaptive: bool = False
+    adaptive_min_gain: float = 1.0
+    adaptive_max_plain: int = 8
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -124,6 +131,12 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
         if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
             raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
+        if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if not self.adaptive_min_gain > 0:
+            raise ConfigError(f"adaptive_min_gain must be > 0, got {self.adaptive_min_gain}")
+        if self.adaptive_max_plain < 1:
+            raise ConfigError(f"adaptive_max_plain must be >= 1, got {self.adaptive_max_plain}")
         if not isinstance(self.fused_verify, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
 

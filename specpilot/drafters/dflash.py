@@ -48,6 +48,9 @@ class DFlashBlockDrafter:
         self.pad_shapes = self.device.type == "cuda"
         self.graph = None
         self.static = static or (cuda_graphs and self.device.type == "cuda")
+        # a static (graphed) pass takes at most a block of new context tokens: the engine ends a run of plain steps
+        # (EngineConfig.adaptive) before more pile up (more would take the slower eager pass, still correct)
+        self.max_catch_up = network.block_size if self.static else None
         if self.static:
             self._init_static(max_seq_len)
             if cuda_graphs and self.device.type == "cuda":

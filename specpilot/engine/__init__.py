@@ -13,6 +13,7 @@ import torch
 
 from specpilot.config import EngineConfig
 from specpilot.drafters import Drafter, NgramDrafter, SmallARDrafter
+from specpilot.engine.adaptive import AdaptiveSpeculation
 from specpilot.engine.ar import generate_ar
 from specpilot.engine.result import GenerationResult
 from specpilot.engine.runner import ModelRunner
@@ -187,9 +188,12 @@ class Engine:
             eos = (tokenizer.eos_token_id,)
         decode = tokenizer.decode if tokenizer is not None else None
         self.stop = StopRule(eos, config.max_new_tokens, config.stop_strings, decode)
+        # one policy for the engine's life: the step costs it measures hold for every prompt (engine/adaptive.py)
+        self.policy = AdaptiveSpeculation(config.adaptive_min_gain, config.adaptive_max_plain) if (
+            drafter is not None and config.adaptive) else None
 
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         session = Session(self.runner, self.config, self.stop, on_tokens)
         if self.drafter is None:
             return generate_ar(session, prompt_ids)
-        return generate_spec(session, self.drafter, prompt_ids)
+        return generate_spec(session, self.drafter, prompt_ids, self.policy)

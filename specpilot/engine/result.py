@@ -13,6 +13,7 @@ class GenerationResult:
     num_target_forwards: int = 0  # decode/verify passes of the target, prefill excluded
     accepted_lengths: list[int] = field(default_factory=list)  # per step: drafted tokens the target accepted
     drafted_lengths: list[int] = field(default_factory=list)  # per step: tokens the drafter proposed
+    plain_steps: int = 0  # speculative loop: steps that drafted nothing by choice (EngineConfig.adaptive)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stage_s: dict = field(default_factory=dict)  # speculative steps: stage -> device seconds (draft/verify/accept/commit)

@@ -12,6 +12,12 @@ Greedy (with `EngineConfig.fused_accept`, the default): verify and accept are on
 inside the verify step's graph), so accept launches nothing and commit reads that one tensor; the accept stage then
 measures ~0. Sampling keeps the separate accept stage (`verify_chain` on the step's logits).
 Greedy output equals AR output token for token; sampled output has the target's distribution.
+
+With a `policy` (engine/adaptive.py, `EngineConfig.adaptive`) some steps are plain: nothing is drafted, the verify
+block is the last committed token alone (the target's one-token step, graphed and fused like AR's), and its verdict
+is the target's next token. The policy picks per step from measured step costs and acceptance; a conditioned
+drafter still observes every committed token, and a plain run ends before the drafter's next pass would take more
+new context than its graphed pass holds (`max_catch_up`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from specpilot.verify import verify_chain
 
 
 @torch.inference_mode()
-def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> GenerationResult:
+def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=None) -> GenerationResult:
     res = GenerationResult(list(prompt_ids), [], "length")
     drafter.reset()
     ids = s.prefill(prompt_ids, res)
@@ -39,6 +45,10 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
     fused = sampling.greedy and s.config.fused_accept  # verify + accept in one runner call (see the docstring)
     timer = s.stage_timer()
     k_max = getattr(drafter, "max_draft_tokens", None) or s.config.num_draft_tokens  # (a longer block on some steps)
+    catch_up = getattr(drafter, "max_catch_up", None)  # most new context tokens the drafter's next pass may take
+    pending = len(prompt_ids)  # committed tokens the drafter has not drafted after yet (a pass takes them in)
+    if policy is not None:
+        policy.start()
     with s.clock(res, "decode_s"):
         while True:
             timer.start()
@@ -46,8 +56,16 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             if k < 0:
                 res.finish_reason = "context"
                 break
+            if policy is not None and not policy.speculate():
+                if catch_up is not None and pending >= catch_up:  # a plain step now would overfill the next pass
+                    policy.skip()
+                else:
+                    k = 0
+            speculative = k > 0
             # draft
-            draft = drafter.propose(ids, k) if k > 0 else None
+            draft = drafter.propose(ids, k) if speculative else None
+            if speculative:
+                pending = 0
             d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
             timer.mark("draft")
             # verify
@@ -80,6 +98,8 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
                 drafter.observe(s.runner.last_hidden[: a + 1])
             res.drafted_lengths.append(len(drafted))
             res.accepted_lengths.append(a)
+            res.plain_steps += not speculative
+            pending += a + 1
             before = len(out)
             out.extend(drafted[:a] + [nxt])
             keep, reason = s.stop.apply(out, checked)
@@ -88,6 +108,8 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int]) -> Genera
             ids.extend(out[before:])
             s.emit(out[before:])
             timer.mark("commit")
+            if policy is not None:
+                policy.record(speculative, a + 1)
             if reason:
                 res.finish_reason = reason
                 break

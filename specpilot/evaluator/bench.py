@@ -94,6 +94,8 @@ def run_benchmark(
                       "mismatches": [m.__dict__ for m in v.mismatches], "output_ids": r.output_ids}
             if r.num_target_forwards:
                 rec[s]["tau"] = round(r.tau, 4)
+            if r.plain_steps:
+                rec[s]["plain_steps"] = r.plain_steps
         records.append(rec)
         if progress:
             progress()
@@ -119,6 +121,10 @@ def run_benchmark(
                 for k, x in r.stage_s.items():
                     stages[k] = stages.get(k, 0.0) + x
             entry["stage_ms_per_step"] = {k: round(1e3 * x / steps, 4) for k, x in stages.items()}
+            plain = sum(r.plain_steps for r in rs)
+            if plain:  # EngineConfig.adaptive: steps that drafted nothing by choice, and tau over the others
+                entry["plain_step_share"] = round(plain / steps, 4)
+                entry["tau_speculative_steps"] = round((entry["tokens"] - plain) / max(steps - plain, 1), 4)
         if any(r.num_target_forwards for r in rs) and s != "ar":
             forwards = sum(r.num_target_forwards for r in rs)
             entry["tau"] = round(entry["tokens"] / forwards, 4)

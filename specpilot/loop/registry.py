@@ -225,6 +225,11 @@ register(Mechanism(
     "eager passes (prefill, the DFlash drafter's first pass, steps no graph bucket fits) padded to a few lengths, "
     "so libraries that plan per shape see a handful of shapes instead of one per prompt length"))
 register(Mechanism(
+    "adaptive", ("draft", "verify"), {"adaptive": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.drafter_kind != "none",  # (a speed choice priced in GPU step costs)
+    "per step, draft + verify a block or take a plain one-token step, whichever the measured step costs and the "
+    "recent acceptance say commits more tokens a second (lossless either way)"))
+register(Mechanism(
     "compile", ("verify", "draft"), {"compile": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs,
     "torch.compile each graphed step (fuses small kernels; compile time paid once)"))
