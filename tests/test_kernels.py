@@ -74,6 +74,30 @@ def test_decode_attention_one_launch_matches_reference_and_resets_its_counters(B
         assert torch.equal(again, one) and not counters.any()
 
 
+@pytest.mark.parametrize("rows_per_program", [16, 32, 64])
+def test_decode_attention_row_blocks(monkeypatch, rows_per_program):
+    """A verify block's rows (GQA group x tokens: 3 x 13 = 39 here) split over programs of `ROWS_PER_PROGRAM` rows:
+    the same attention whatever the split (two launches, one launch, token-major), one counter per row block, all
+    back at zero; the positions differ per row so each block's own early exit and merge count are exercised."""
+    from specpilot.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "ROWS_PER_PROGRAM", rows_per_program)
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, T, S, D = 2, 6, 2, 13, 90, 16
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    positions = torch.tensor([[3] * 6 + list(range(4, 11)), list(range(70, 83))])  # a tree-like repeat, a chain
+    want = da.decode_attention_reference(q, k, v, positions)
+    two = da.decode_attention(q, k, v, positions, split_s=16, block_s=16)
+    one = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
+    tm = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, token_major=True)
+    for got in (two, one, tm):
+        assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(one, two) and torch.equal(tm, two)
+    blocks = -(-3 * T // max(16, min(64, rows_per_program)))
+    assert da._COUNTERS[q.device].numel() >= B * Hkv * blocks and not da._COUNTERS[q.device].any()
+
+
 def test_decode_attention_one_launch_counters_grow_eagerly_only(monkeypatch):
     """One buffer per device, grown (never shrunk) to B * Hkv; growing under CUDA graph capture is an error; a
     counter left non-zero shifts who merges, so the merge really depends on the count (not on program order)."""

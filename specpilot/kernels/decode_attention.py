@@ -39,6 +39,11 @@ except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 MAX_T = 16
+# Rows (query head in the GQA group x token) one program takes: a 16-token verify block of a 1.5B-class model has
+# 6 x 16 = 96 rows per KV head, and one program holding them all (128-row q tile and fp32 accumulator) took 22 us a
+# layer on the H200 against 9 us for one token (session 15; ~0.37 ms of a 2.4 ms 16-token step). Row blocks of 32
+# spread them over more programs, each re-reading its slice's K/V (from L2). One token (<= 16 rows) is unchanged.
+ROWS_PER_PROGRAM = 32
 
 
 def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
@@ -57,10 +62,11 @@ def decode_attention_reference(q, k, v, positions, scale: float | None = None) -
 if triton is not None:
 
     @triton.jit
-    def _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    def _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D: tl.constexpr, BLOCK_R: tl.constexpr,
                  UPCAST: tl.constexpr):
-        """-> q [BLOCK_R, D] (row r = (query head j in the group, token t) = (r // T, r % T)), pos [BLOCK_R], max_pos"""
-        r = tl.arange(0, BLOCK_R)
+        """-> q [BLOCK_R, D] (row r = row0 + i = (query head j in the group, token t) = (r // T, r % T)), pos
+        [BLOCK_R], max_pos (over this row block's tokens)"""
+        r = row0 + tl.arange(0, BLOCK_R)
         valid = r < G * T
         j = r // T
         t = r % T
@@ -113,7 +119,7 @@ if triton is not None:
         tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
+    def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr):
         # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
         # the slices at or below the largest query position only (the others exited early). Two passes, so that
@@ -137,27 +143,28 @@ if triton is not None:
             m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
             o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
             acc += o_s * tl.exp(m_s - m_use)[:, None]
-        valid = r < G * T
+        valid = row0 + r < G * T
         out = acc / tl.where(valid, l_run, 1.0)[:, None]
-        j = r // T
-        t = r % T
+        j = (row0 + r) // T
+        t = (row0 + r) % T
         tl.store(out_ptr + b * so_b + (hk * G + j)[:, None] * so_h + t[:, None] * so_t + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
-                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
+                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale,
                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                       UPCAST: tl.constexpr):
         # operands stay in the model's dtype (bf16: tensor cores, exact products), accumulation is fp32; PREC
         # "ieee" keeps fp32 models exact instead of TF32. UPCAST (the CPU interpreter only, whose dot mishandles
         # bf16) computes in fp32.
-        pid_bh = tl.program_id(0)
+        pid_bh = tl.program_id(0)  # (b, kv head, row block)
         pid_s = tl.program_id(1)
-        b = pid_bh // H_KV
-        hk = pid_bh % H_KV
-        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
+        b = pid_bh // NUM_RB // H_KV
+        hk = pid_bh // NUM_RB % H_KV
+        row0 = pid_bh % NUM_RB * BLOCK_R
+        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         start = pid_s * SPLIT_S
         if start <= max_pos:  # a slice wholly above every query position holds nothing visible
             m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, start, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
@@ -167,18 +174,20 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, so_b, so_h, so_t, sp_b, H_KV, T, G, SPLIT_S,
-                        NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
-        pid_bh = tl.program_id(0)
-        r = tl.arange(0, BLOCK_R)
-        max_pos = tl.max(tl.load(pos_ptr + (pid_bh // H_KV) * sp_b + r % T, mask=r < T, other=-1), axis=0)
+                        NUM_SPLITS, NUM_RB, D: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
+        pid_bh = tl.program_id(0)  # (b, kv head, row block)
+        b = pid_bh // NUM_RB // H_KV
+        row0 = pid_bh % NUM_RB * BLOCK_R
+        r = row0 + tl.arange(0, BLOCK_R)  # this block's rows: the split kernel's max_pos is over their tokens
+        max_pos = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < G * T, other=-1), axis=0)
         n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
-        _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, pid_bh // H_KV, pid_bh % H_KV, pid_bh, n_used, so_b, so_h, so_t,
-                     T, G, NUM_SPLITS, D, BLOCK_R, "", SPLITS_P2)
+        _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, pid_bh // NUM_RB % H_KV, row0, pid_bh, n_used, so_b, so_h,
+                     so_t, T, G, NUM_SPLITS, D, BLOCK_R, "", SPLITS_P2)
 
     @triton.jit
     def _split_merge_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
-                            H_KV, S, T, G, SPLIT_S, NUM_SPLITS, scale,
+                            H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
@@ -191,11 +200,12 @@ if triton is not None:
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
-        pid_bh = tl.program_id(0)
+        pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
         pid_s = tl.program_id(1)
-        b = pid_bh // H_KV
-        hk = pid_bh % H_KV
-        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
+        b = pid_bh // NUM_RB // H_KV
+        hk = pid_bh // NUM_RB % H_KV
+        row0 = pid_bh % NUM_RB * BLOCK_R
+        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         # Who counts: only the n_used slices that do work (pid_s < n_used <=> pid_s * SPLIT_S <= max_pos, the
         # split kernel's own test), so the expected total is n_used, computed as `_combine_kernel` does; slices
         # above max_pos exit without touching the counter. (Counting every grid program instead would make the
@@ -215,7 +225,7 @@ if triton is not None:
             if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
                 # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
                 # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
-                _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, pid_bh, n_used, so_b, so_h, so_t, T, G,
+                _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G,
                              NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2)
                 # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
@@ -275,12 +285,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride along head_dim")
     G = H // Hkv
-    rows = max(16, _pow2(G * T))
+    rows = max(16, min(_pow2(G * T), ROWS_PER_PROGRAM))  # a program's row block (tl.dot's smallest M: 16)
+    nrb = triton.cdiv(G * T, rows)
     splits = triton.cdiv(S, split_s)
     pos = positions if positions.is_contiguous() else positions.contiguous()
     # the slices' partials: row (b * Hkv + hk, slice, r) of o [.., D], m, l (fp32)
-    o = torch.empty(B * Hkv * splits * rows, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B * Hkv * splits * rows, dtype=torch.float32, device=q.device)
+    o = torch.empty(B * Hkv * nrb * splits * rows, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B * Hkv * nrb * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     if token_major:  # the kernels store through out's strides
         out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -293,14 +304,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     scale = D ** -0.5 if scale is None else scale
     if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
         pdl = launch_options()
-        _split_merge_kernel[(B * Hkv, splits)](
-            q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv), *strides,
-            out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, scale, **consts,
+        _split_merge_kernel[(B * Hkv * nrb, splits)](
+            q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
+            out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, **pdl.kwargs)
         return out
-    _split_kernel[(B * Hkv, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, scale, **consts)
-    _combine_kernel[(B * Hkv,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
-                                Hkv, T, G, split_s, splits, D=D, BLOCK_R=rows, SPLITS_P2=_pow2(splits))
+    _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
+                                           **consts)
+    _combine_kernel[(B * Hkv * nrb,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
+                                      Hkv, T, G, split_s, splits, nrb, D=D, BLOCK_R=rows, SPLITS_P2=_pow2(splits))
     return out
 
 
