@@ -59,6 +59,16 @@ def test_policy_timings_persist_across_prompts_acceptance_does_not():
     assert run(pol, clock, [(2.0, 4)] * 3) == "SSS"  # known plain cost: no calibration step this prompt
 
 
+def test_policy_does_not_time_a_prompts_first_step():
+    """The first step carries one-off costs (DFlash's first pass over the whole prompt): its time is not averaged."""
+    clock = Clock()
+    pol = AdaptiveSpeculation(alpha=1.0, clock=clock)
+    assert run(pol, clock, [(50.0, 3), (2.0, 3), (2.0, 3)]) == "SpS"
+    assert pol.spec_s == 2.0 and pol.tokens == 3
+    pol.start()
+    assert run(pol, clock, [(50.0, 3), (2.0, 3)]) == "SS" and pol.spec_s == 2.0
+
+
 def test_policy_moving_averages_and_bad_arguments():
     clock = Clock()
     pol = AdaptiveSpeculation(alpha=0.5, clock=clock)

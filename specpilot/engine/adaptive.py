@@ -15,6 +15,8 @@ way; only the time changes):
     while probes keep losing (up to `max_plain`) and drops back to 1 when one wins;
   * no plain-step timing yet (the first prompt): one plain step right after the first speculative step measures it.
     Timings persist across prompts (the engine keeps one policy); the acceptance average restarts each prompt.
+    A prompt's first step is not timed: it carries one-off costs (a conditioned drafter's first pass reads the
+    whole prompt), which would make the next steps look dearer than they are;
   * the engine may cut a plain run short (`catch_up` in engine/spec.py): a conditioned drafter (DFlash) takes
     the features of every token committed meanwhile in its next pass, and its graphed pass takes at most a block.
 """
@@ -41,6 +43,7 @@ class AdaptiveSpeculation:
         self.tokens: float | None = None  # moving average: tokens a speculative step commits (this prompt)
         self.plain_left = 0
         self.backoff = 1
+        self._first = True  # the prompt's first step: its tokens count, its time does not (see the docstring)
         self._t = self.clock()
 
     def speculate(self) -> bool:
@@ -60,13 +63,16 @@ class AdaptiveSpeculation:
         """After the step's sync: what kind of step ran and how many tokens it committed."""
         now = self.clock()
         dt, self._t = now - self._t, now
+        timed, self._first = not self._first, False
         if not speculative:
-            self.plain_s = self._avg(self.plain_s, dt)
+            if timed:
+                self.plain_s = self._avg(self.plain_s, dt)
             self.plain_left -= 1
             return
-        self.spec_s = self._avg(self.spec_s, dt)
+        if timed:
+            self.spec_s = self._avg(self.spec_s, dt)
         self.tokens = self._avg(self.tokens, committed)
-        if self.plain_s is None:  # one plain step to learn what it costs
+        if self.plain_s is None and self.plain_left <= 0:  # one plain step to learn what it costs
             self.plain_left = 1
             return
         g = self.gain()
