@@ -24,7 +24,7 @@ from specpilot.engine import Engine, build_drafter
 from specpilot.models import random_model
 
 
-SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "dflash", "batch",
+SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "dflash", "adaptive", "batch",
             "lossless12")  # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 
 
@@ -211,6 +211,18 @@ def main(only: tuple[str, ...] = ()) -> int:
         if taus[False] != taus[True]:
             problems.append("dflash_graphed_drafts_differ")
 
+    def adaptive():
+        # EngineConfig.adaptive (engine/adaptive.py): plain one-token steps mixed into speculation, on the default
+        # fast path (kernels + fused decode: plain steps take the fused graphed one-token bucket). min_gain 1e9
+        # makes every probe lose, so long plain runs and DFlash's catch-up limit are exercised
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_attention_kernel()
+        for gain in (1.0, 1e9):
+            on = base.with_(adaptive=True, adaptive_min_gain=gain)
+            same_tokens(((f"spec_ngram_adaptive_{gain:g}", on.with_(drafter_kind="ngram"), fast),))
+            c = on.with_(drafter_kind="dflash", num_draft_tokens=7)
+            record(f"spec_dflash_adaptive_{gain:g}", [Engine(fast, c, build_drafter(c, dflash_net(), fast)).generate(p)
+                                                      for p in prompts])
+
     def batch():
         from specpilot.engine.batch import generate_batch
 
@@ -225,7 +237,7 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch, "dflash": dflash,
-              "batch": batch}
+              "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:
             section(name, checks[name])
