@@ -9,7 +9,10 @@ SiLU * up) and RoPE + K/V write (1 and 16 tokens) against their PyTorch twins at
 same GEMVs (+ the LM head) over lossless 12-bit weights (kernels/gemv12.py): their decode bit-exact (one-hot inputs
 pick single weight columns), their outputs vs the twins; (3) the M-row fused GEMV of a fused verify step
 (EngineConfig.fused_verify, the tl.dot kernel) at M = 2, 5, 16 against the twin at the same shapes, and its graphed
-time at M = 16 vs M = 1 and vs cuBLAS at M = 16; (4) graphed time of each fused launch vs the launches it replaces
+time at M = 16 vs M = 1 and vs cuBLAS at M = 16; with a norm also the pre-normalized path fused_verify takes
+(models/fused_decode.py PRENORM_ROWS: the RMSNorm kernel, then the GEMV without its prologue), the autotuner's
+choice (split-K for down_proj?), 50 repeated calls bit-equal (split-K's fixed merge order) and the split-K
+counters zero afterwards; (4) graphed time of each fused launch vs the launches it replaces
 (`--only=attention,gemv,gemm,rope` picks parts; `gemv12`: only the 12-bit GEMVs). Last stdout line: one JSON
 object (times in us).
 """
@@ -26,7 +29,9 @@ from specpilot.costmodel.hardware import time_median_s
 from specpilot.kernels.decode_attention import _counters, decode_attention
 from specpilot.formats.lossless12 import pack
 from specpilot.kernels.gemv12 import gemv12
+from specpilot.kernels import gemv_fused as gemv_fused_module
 from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_reference
+from specpilot.kernels.rmsnorm import rmsnorm
 from specpilot.kernels.rope_write import rope_write, rope_write_reference
 
 
@@ -174,6 +179,15 @@ def gemm_parity(out: dict) -> None:
             bias = kw16.get("bias")
             row["m1_us"] = graphed_us(lambda: gemv_fused(x1, wi, **kw1))
             row["m16_us"] = graphed_us(lambda: gemv_fused(x16, wi, **kw16))
+            row["m16_config"] = _picked_config()  # the M = 16 call's autotuned tile (SPLIT_K > 1: split-K)
+            first = gemv_fused(x16, wi, **kw16)
+            row["m16_repeat_mismatches"] = sum(not torch.equal(first, gemv_fused(x16, wi, **kw16)) for _ in range(50))
+            if "norm_weight" in kw16:  # what fused_verify runs (PRENORM_ROWS): RMSNorm launch + norm-free GEMV
+                plain = {k: v for k, v in kw16.items() if k not in ("norm_weight", "eps")}
+                pre = gemv_fused(rmsnorm(x16, nw, 1e-6), wi, **plain)
+                row["m16_prenorm_equal_frac"] = round((pre == first).float().mean().item(), 4)
+                row["m16_prenorm_us"] = graphed_us(lambda: gemv_fused(rmsnorm(x16, nw, 1e-6), wi, **plain))
+                row["m16_prenorm_config"] = _picked_config()
             row["cublas_m16_us"] = graphed_us(lambda: torch.nn.functional.linear(x16, wi, bias))
             row["m16_over_m1"] = round(row["m16_us"] / row["m1_us"], 3)
             row["m16_TBps"] = round(wi.numel() * 2 / row["m16_us"] / 1e6, 2)
@@ -181,6 +195,16 @@ def gemm_parity(out: dict) -> None:
             print(name, case, row, flush=True)
         del cases
         torch.cuda.empty_cache()
+    scratch = gemv_fused_module._SCRATCH.get(torch.device("cuda", torch.cuda.current_device()))
+    out["gemm_split_k_used"] = scratch is not None  # some shape let the autotuner try split-K
+    out["gemm_split_k_counters_zero"] = scratch is None or bool((scratch[1] == 0).all())
+
+
+def _picked_config() -> str | None:
+    """The M-row kernel's config of its latest launch (the autotuner's `best_config`; None where this Triton's
+    autotuner has no such attribute)."""
+    cfg = getattr(gemv_fused_module._gemm_kernel, "best_config", None)
+    return None if cfg is None else str(cfg)
 
 
 def _decode_exact(p, wi) -> bool:

@@ -84,8 +84,8 @@ class EngineConfig:
     # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
     fused_verify: bool = False  # CUDA, with fused_decode: steps of 2-16 tokens in one row (speculative verify
-    # blocks, e.g. DFlash's 16) through the fused layer at T rows (models/fused_decode.py: M-row GEMVs via tl.dot
-    # with the norm prologues and residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention; seven
+    # blocks, e.g. DFlash's 16) through the fused layer at T rows (models/fused_decode.py: RMSNorm launches, M-row
+    # GEMVs via tl.dot with residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention; nine
     # launches a layer instead of ~12 with cuBLAS at M = 16, whose verify pass cost 2.5-3.6 one-token steps on the
     # H200). Off until measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fusedverify)
     lossless12: bool = False  # CUDA, bf16, with fused_decode: the one-token steps' GEMVs (and the LM head's) read

@@ -48,12 +48,18 @@ def _cases():
     yield "gemv_norm_silu_mul_paired", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
                                                                "SILU_MUL": True, "PAIRED": True}, gemv_types
     # the M-row (tl.dot) kernel of a multi-token verify step (models/fused_decode.py with fused_verify)
-    gemm = {k: v for k, v in gemv.items() if k != "PAIRED"} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)
+    def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
+        return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
+
+    gemm = {k: v for k, v in gemv.items() if k != "PAIRED"} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
     yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
-        gemv_types
-    yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemv_types
+        gemm_types
+    yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
     yield "gemm_norm_silu_mul", gf._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True}, \
-        gemv_types
+        gemm_types
+    # split-K (down_proj + residual): partial stores, the arrival atomic and the counter reset after the wait too
+    yield "gemm_residual_split_k", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4}, \
+        gemm_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
                                                                UPCAST=False, SPLITS_P2=32), attn_types

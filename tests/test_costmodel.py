@@ -641,10 +641,11 @@ def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():
     assert full[1].num_kernels > full[2].num_kernels  # the 2-token catch-up takes the regular path
 
 
-def test_fused_verify_prices_2_to_16_token_passes_at_seven_launches_a_layer():
+def test_fused_verify_prices_2_to_16_token_passes_at_nine_launches_a_layer():
     """EngineConfig.fused_verify (with fused_decode): a verify pass of 2-16 tokens runs fused decode's layer at T
-    rows with the two-launch split-KV attention: 7 launches a layer, the head as fused decode's; the bytes are any
-    pass's (weights once for all rows, activations per row). PDL: its 4 GEMVs and RoPE + K/V write a layer."""
+    rows with the two-launch split-KV attention and its two RMSNorms as launches of their own (PRENORM_ROWS): 9
+    launches a layer, the head as fused decode's; the bytes are any pass's (weights once for all rows, activations
+    per row). PDL: its 4 GEMVs and RoPE + K/V write a layer."""
     from specpilot.config import EngineConfig
     from specpilot.costmodel.gaps import engine_fields
     from specpilot.costmodel.shapes import draft_kernel_flags, kernel_flags
@@ -656,9 +657,9 @@ def test_fused_verify_prices_2_to_16_token_passes_at_seven_launches_a_layer():
     flags = dict(fused=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
     for T in (2, 16):
         block, regular = forward_cost(cfg, T, 512, **flags, fused_verify=True), forward_cost(cfg, T, 512, **flags)
-        # 4 GEMVs + RoPE/K-V write + split-KV attention and its merge a layer; embedding, RoPE tables (7), final
-        # norm, LM head (cuBLAS), cast
-        assert block.num_kernels == 7 * L + 1 + 7 + 1 + 1 + 1 and block.num_linear_kernels == 4 * L + 1
+        # 2 RMSNorms + 4 GEMVs + RoPE/K-V write + split-KV attention and its merge a layer; embedding, RoPE tables
+        # (7), final norm, LM head (cuBLAS), cast
+        assert block.num_kernels == 9 * L + 1 + 7 + 1 + 1 + 1 and block.num_linear_kernels == 4 * L + 1
         assert block.num_eager_kernels == 0 and block.num_kernels < regular.num_kernels
         same = ("weight_bytes", "kv_bytes", "activation_bytes", "flops", "head_bytes", "weight_rate")
         assert all(getattr(block, f) == getattr(regular, f) for f in same)

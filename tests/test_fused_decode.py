@@ -206,6 +206,38 @@ def test_fused_verify_bf16_follows_the_regular_path(tiny_model_dir, family):
         assert not calls and torch.equal(got, b)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, monkeypatch, family, dtype):
+    """PRENORM_ROWS (a verify block's norms as RMSNorm launches of their own, then norm-free M-row GEMVs) rounds
+    where the GEMV's norm prologue does: logits, captured layers and the K/V written are the prologue's bits; and
+    it does launch the RMSNorm kernel, twice a layer, only when on."""
+    import specpilot.kernels.rmsnorm as rk
+    from specpilot.models import fused_decode, load_model
+
+    model = load_model(tiny_model_dir(family), dtype=dtype).use_fused_verify()
+    L = model.config.num_hidden_layers
+    ids = torch.randint(3, 96, (1, 6 + 7), generator=torch.Generator().manual_seed(5))
+    real, launches = rk._rmsnorm_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(rk, "_rmsnorm_kernel", Spy())
+    assert fused_decode.PRENORM_ROWS  # the default
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_decode, "PRENORM_ROWS", on)
+        del launches[:]
+        logits, captured, cache = _verify_block(model, ids, 7, return_layers=(0, 1))
+        outs[on] = (logits, *captured, cache.k, cache.v)
+        # the 6-token prefill and the 7-token block both take the fused path: two norms a layer each
+        assert launches == ([(6,)] * 2 * L + [(7,)] * 2 * L if on else [])
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+
+
 def test_fused_verify_is_used_only_for_2_to_16_token_steps_in_one_row(tiny_model_dir, monkeypatch):
     from specpilot.models import load_model
 

@@ -296,3 +296,74 @@ def test_paired_silu_layout_gives_the_same_numbers(monkeypatch, combo, dtype):
     paired = gemv_fused(x, w, **kw)
     assert torch.equal(paired, two_tiles)
     assert (paired.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
+
+
+# --- split-K of the M-row kernel (SPLIT_K > 1: the last program of an N tile adds the partials in a fixed order) ---
+
+# (combo, keep the norm): bias / residual / silu_mul without a norm (what the M-row calls get with
+# fused_decode.PRENORM_ROWS), and a norm prologue (the kernel takes one; the autotuner only never picks split-K there)
+SPLIT_CASES = [("bias", True), ("residual", True), ("norm+bias+silu_mul", False), ("norm+bias", True)]
+
+
+@pytest.mark.parametrize("combo,keep_norm", SPLIT_CASES, ids=[c for c, _ in SPLIT_CASES])
+@pytest.mark.parametrize("K", [100, 300])  # split 3 of K 100: chunks of 64, the third empty
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_rows_match_reference_deterministically(monkeypatch, combo, keep_norm, K, split, M, dtype):
+    """K in SPLIT_K chunks of whole BLOCK_K (64) steps, K a multiple of neither: the reference's numbers up to the
+    summation order (the M-row tests' tolerance), the same bits on a second call, and every arrival counter back
+    at zero afterwards (the next launch, a graph replay, counts from zero)."""
+    import specpilot.kernels.gemv_fused as gf
+
+    N = 38 if COMBOS[combo].get("act") else 37
+    x, w, kw = _inputs(combo, K, N, dtype, seed=M + K + split, rows=M)
+    if not keep_norm:
+        kw.pop("norm_weight"), kw.pop("eps")
+    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", split)
+    got, again = gemv_fused(x, w, **kw), gemv_fused(x, w, **kw)
+    want = gemv_fused_reference(x, w, **kw)
+    assert got.shape == want.shape == (M, N // 2 if kw["act"] else N) and got.dtype == dtype
+    assert torch.equal(got, again)
+    assert (gf._SCRATCH[x.device][1] == 0).all()
+    assert want.abs().max() > 0.1
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    else:
+        assert _ulps(got, want) <= 2
+        assert (got == want).float().mean().item() >= 0.9
+
+
+def test_split_k_identity_weight_is_bit_exact(monkeypatch):
+    """One nonzero product per dot (an identity weight): no summation order, so split-K must give the eager
+    modules' bits exactly (each chunk's partial is 0 or the one product; bias, rounding, residual as without)."""
+    import specpilot.kernels.gemv_fused as gf
+
+    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", 3)
+    K = 150
+    for combo in ("bias", "residual"):
+        x, _, kw = _inputs(combo, K, K, torch.bfloat16, seed=3, rows=5)
+        w = torch.eye(K).bfloat16()
+        assert torch.equal(gemv_fused(x, w, **kw), gemv_fused_reference(x, w, **kw))
+
+
+def test_split_k_is_tried_only_for_long_k_without_a_norm():
+    """The autotuner's prune (GPU): split-K configs survive for down_proj-like shapes (K >= 2N, no norm prologue),
+    never for qkv / o_proj / gate_up or with a norm; the scratch sized for every survivor, none otherwise."""
+    import specpilot.kernels.gemv_fused as gf
+
+    def splits(N, K, norm):
+        kept = gf._gemm_prune(gf._GEMM_CONFIGS, dict(N=N, K=K), HAS_NORM=norm)
+        assert any(c.kwargs["SPLIT_K"] == 1 for c in kept)  # the plain tilings always stay
+        return sorted({c.kwargs["SPLIT_K"] for c in kept} - {1})
+
+    assert splits(1536, 8960, False) == [2, 4, 8]  # Qwen2.5-1.5B down_proj
+    assert splits(4096, 12288, False) == [2, 4, 8]  # Qwen3-8B down_proj
+    for N, K in ((2048, 1536), (1536, 1536), (4096, 4096), (8960, 1536)):  # qkv, o_proj, 8B o_proj, gate_up
+        assert splits(N, K, False) == []
+    assert splits(1536, 8960, True) == []
+    assert gf._split_k_sizes(2048, 1536, False, False, 0) is None
+    floats, counters = gf._split_k_sizes(1536, 8960, False, False, 0)
+    assert floats == 1536 * 8 * 16 and counters == 1536 // 16  # BLOCK_N 16 x SPLIT_K 8 x 16 rows; 96 N tiles
+    assert gf._split_k_sizes(100, 64, False, True, 2) == (7 * 16 * 2 * 16 * 2, 7)  # interpreter: BLOCK_N 16
+    assert gf._split_k_sizes(100, 64, False, False, 1) is None

@@ -269,7 +269,7 @@ def test_compiled_kernels_wait_before_their_first_global_access():
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
-            "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "rope_write_qk_norm",
+            "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
             "attention_one_launch"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]

@@ -110,7 +110,7 @@ class StepProfile:
     act_kernel: bool = False
     add_norm_kernel: bool = False
     fused_decode: bool = False  # one-token passes in six launches a layer (EngineConfig.fused_decode)
-    fused_verify: bool = False  # with it, 2-16-token passes in seven launches a layer (EngineConfig.fused_verify)
+    fused_verify: bool = False  # with it, 2-16-token passes in nine launches a layer (EngineConfig.fused_verify)
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
 

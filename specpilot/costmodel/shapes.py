@@ -47,13 +47,15 @@ _COMPILED_LAYER_OTHER_KERNELS = 6
 _FUSED_DECODE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 2
 _FUSED_DECODE_HEAD_KERNELS = 1 + 7 + 1 + 1
 # fused_verify (with fused_decode), 2-16 tokens in one row: the same layer at T rows, but its attention is the
-# split-KV kernel + its merge (two launches; the one-launch variant is fused decode's alone): 7 a layer. The
-# head's count is unchanged (its LM head is cuBLAS's GEMM, no mask). Bytes as for any pass: the M-row GEMVs read
-# each weight once for all T rows, the activations count T rows
-_FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
+# split-KV kernel + its merge (two launches; the one-launch variant is fused decode's alone), and its two
+# RMSNorms are launches of their own ahead of norm-free M-row GEMVs (models/fused_decode.py PRENORM_ROWS: the
+# M-row norm prologue was the H200's bottleneck): 9 a layer. The head's count is unchanged (its LM head is
+# cuBLAS's GEMM, no mask). Bytes as for any pass: the M-row GEMVs read each weight once for all T rows, the
+# activations count T rows (the normed copies, T rows of H twice a layer, are not counted: ~1e-4 of the weights)
+_FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3 + 2
 # pdl (kernels/pdl.py), with fused_decode: the six launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
-# RoPE + K/V write a layer (the split-KV attention pair and the cuBLAS LM head launch without)
+# RoPE + K/V write a layer (its two RMSNorms, the split-KV attention pair and the cuBLAS LM head launch without)
 _PDL_KERNELS_PER_LAYER = _FUSED_DECODE_LAYER_KERNELS
 _PDL_HEAD_KERNELS = 1
 _PDL_VERIFY_KERNELS_PER_LAYER = _FUSED_LINEARS_PER_LAYER + 1
@@ -237,7 +239,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     block_fused = fused_decode and fused_verify and 2 <= num_tokens <= MAX_FUSED_VERIFY_TOKENS and not compiled
     linear_bytes = LOSSLESS12_BYTES if lossless12 and one_token_fused and dtype_bytes == 2 else None
     pdl_kernels = 0
-    if one_token_fused or block_fused:  # six (seven) launches a layer, the head without a mask
+    if one_token_fused or block_fused:  # six (nine) launches a layer, the head without a mask
         L = cfg.num_hidden_layers
         final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
         per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS

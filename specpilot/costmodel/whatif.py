@@ -44,7 +44,7 @@ class StepKnobs:
     act_kernel: bool = False  # act_kernel (SiLU and the multiply in one launch)
     add_norm_kernel: bool = False  # add_norm_kernel (each residual add takes the following RMSNorm into its launch)
     fused_decode: bool = False  # fused_decode (a one-token pass in six launches a layer)
-    fused_verify: bool = False  # fused_verify (with fused_decode: a 2-16-token pass in seven launches a layer)
+    fused_verify: bool = False  # fused_verify (with fused_decode: a 2-16-token pass in nine launches a layer)
     lossless12: bool = False  # lossless12 (that pass's GEMVs read 12-bit weight copies: 3/4 of the bytes)
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
 

@@ -18,7 +18,21 @@ kernel, `_gemm_fused_kernel`, since the one-row loop would stream the weights on
 weight tile [BLOCK_N, BLOCK_K] once per K step and multiplies it with an x tile of 16 rows (rows >= M masked to 0)
 through `tl.dot` (tensor cores; fp32 accumulation), so the weights are read once whatever M is. Prologue and
 epilogue are the one-row kernel's helpers applied to [16, BLOCK_K] / [16, BLOCK_N] tiles: rstd per row, the same
-rounding points per element. M == 1 keeps `_gemv_fused_kernel` (tuned and measured on the H200).
+rounding points per element. M == 1 keeps `_gemv_fused_kernel` (tuned and measured on the H200). The M-row norm
+prologue (a serial pass over the M rows, then a normed [16, BLOCK_K] tile per K step in every program) made the
+normed calls 1.7-2.8x cuBLAS's time on the H200, so models/fused_decode.py normalizes the rows in a launch of its
+own first (PRENORM_ROWS) and the M-row calls normally get no norm; the prologue stays for other callers.
+
+Split-K (M rows only, SPLIT_K > 1, an autotuning choice): a narrow output over a long K (down_proj: N 1536, K 8960
+at 1.5B) has N / BLOCK_N ~ 50-100 programs for 132 SMs and ran at 1.8x cuBLAS's time. Program (n, s) then sums K
+chunk s of SPLIT_K (whole BLOCK_K steps), writes its fp32 partial [16, BLOCK_N] (gate and up: two) to a
+workspace and counts itself in on the N tile's counter (an acq_rel atomic after a CTA barrier, as
+kernels/decode_attention.py's one-launch merge); the last to arrive adds the partials in the fixed order
+0..SPLIT_K-1, so the result never depends on which program finished last (deterministic, though not the bits of
+SPLIT_K = 1: another summation order), runs the epilogue and zeroes the counter. The workspace and counters are
+one buffer pair per device, grown eagerly and never inside a CUDA graph capture (`split_k_scratch`). The
+autotuner tries split-K only where K >= 2N and there is no norm prologue (`_split_k_applies`); SPLIT_K = 1
+compiles to the plain kernel (no workspace, no atomics).
 
 Numbers: the eager rounding order of each module, with `_to_dtype` (round to nearest even) at the same points:
   RMSNorm.forward: xn = x_f32 * rsqrt(mean(x_f32^2) + eps), rounded to the dtype, times norm_weight, rounded;
@@ -31,11 +45,13 @@ are tl.dot's: 16-bit operands go in as they are (exact products, fp32 sums, as c
 with input_precision="ieee", so a GPU does not round them to TF32.
 
 `gemv_fused_reference` is the plain-PyTorch twin built from the eager ops themselves (tests check it equals the
-dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused".
+dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused" (split-K
+leaves its counters at zero, as they began: no state torch.compile would need to know of).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,6 +64,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from specpilot.kernels.decode_attention import _capturing  # whether a CUDA graph is being captured
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
 except ImportError:  # CPU-only installs: the reference path only
@@ -59,6 +76,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 INTERPRET_PAIRED = False  # the interpreter's fixed configuration takes the PAIRED layout (tests set it; on a GPU
 # the autotuner chooses)
+INTERPRET_SPLIT_K = 1  # the interpreter's fixed M-row configuration splits K this many ways (tests set it; on a GPU
+# the autotuner chooses, where `_split_k_applies`)
 
 
 def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
@@ -240,17 +259,52 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gemm_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                           stride_ym, eps, M_BUCKET, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-                           HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+    def _store_partials(tile, s, acc, acc_up, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        """Split s's fp32 sums [BM, BN] (and the up sums with SILU_MUL) into its slot of the N tile's workspace
+        [SPLIT_K, 1 or 2, BM, BN]; whole tiles, unmasked (rows >= M and columns >= N hold zeros or junk that the
+        epilogue never stores)."""
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        slot = tile + s * ((1 + SILU_MUL) * BLOCK_M * BLOCK_N)
+        tl.store(slot + offs, acc)
+        if SILU_MUL:
+            tl.store(slot + BLOCK_M * BLOCK_N + offs, acc_up)
+
+    @triton.jit
+    def _sum_partials(tile, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """The N tile's SPLIT_K partials added in the fixed order 0, 1, .. SPLIT_K - 1 -> (y, u) [BM, BN] (u = y
+        without SILU_MUL). Read with ".cg" (L2, the point of coherence across SMs), never from this SM's L1, so no
+        line cached before the acquire can be served stale."""
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        step = (1 + SILU_MUL) * BLOCK_M * BLOCK_N
+        y = tl.load(tile + offs, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            y += tl.load(tile + s * step + offs, cache_modifier=".cg")
+        u = y
+        if SILU_MUL:
+            u = tl.load(tile + BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                u += tl.load(tile + s * step + BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+        return y, u
+
+    @triton.jit
+    def _gemm_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                           stride_wn, stride_rm, stride_ym, eps, M_BUCKET, HAS_BIAS: tl.constexpr,
+                           HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+                           ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
         """y[m, n] for rows m < M (2 <= M <= BLOCK_M) and this program's BLOCK_N columns n < N (N = I with
         SILU_MUL: gate row n, up row N + n).
 
         The x tile has BLOCK_M = MAX_ROWS rows whatever M is (tl.dot's smallest M); rows >= M load as 0 and are not
         stored, so one compiled kernel serves every M. M_BUCKET is never read: it is the autotuner's key (M rounded
-        up to a power of two). USE_PDL: as `_gemv_fused_kernel`'s (nothing read or written before the wait)."""
+        up to a power of two). USE_PDL: as `_gemv_fused_kernel`'s (nothing read or written before the wait).
+
+        SPLIT_K > 1 (grid axis 1): this program sums only its chunk of K (SPLIT_K chunks, each a multiple of
+        BLOCK_K), publishes the fp32 partial(s) to ws_ptr and counts in on cnt_ptr[n tile]; the last to arrive
+        adds the SPLIT_K partials in the fixed order 0..SPLIT_K-1 (the numbers do not depend on which program is
+        last), runs the epilogue and zeroes the counter. SPLIT_K == 1: ws_ptr and cnt_ptr are never touched."""
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -265,7 +319,13 @@ if triton is not None:
             rstd = _norm_rstds(x_ptr, stride_xm, M, K, eps, K_P2, BLOCK_M)[:, None]  # [BM, 1]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = acc
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = 0
+        k_hi = K
+        if SPLIT_K > 1:  # this program's chunk: chunks are whole BLOCK_K steps, so `k_offs < K` stays the only mask
+            chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+            k_lo = tl.program_id(1) * chunk
+            k_hi = tl.minimum(k_lo + chunk, K)  # <= k_lo: an empty chunk (K small), its partial is zero
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k_offs = k0 + tl.arange(0, BLOCK_K)
             k_mask = k_offs < K
             h = tl.load(x_ptr + x_rows + k_offs[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -279,9 +339,28 @@ if triton is not None:
                 wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
                 acc_up = _dot_acc(h, wu, acc_up, ON_GPU)
         cols = n_offs[None, :]
-        _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptr + m_offs[:, None] * stride_rm + cols,
-                       y_ptr + m_offs[:, None] * stride_ym + cols, m_mask[:, None] & n_mask[None, :], HAS_BIAS,
-                       HAS_RES, SILU_MUL, ON_GPU)
+        r_ptrs = r_ptr + m_offs[:, None] * stride_rm + cols
+        y_ptrs = y_ptr + m_offs[:, None] * stride_ym + cols
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL,
+                           ON_GPU)
+        else:
+            pid_n = tl.program_id(0)
+            tile = ws_ptr + pid_n * (SPLIT_K * (1 + SILU_MUL) * BLOCK_M * BLOCK_N)  # [SPLIT_K, 1 or 2, BM, BN]
+            _store_partials(tile, tl.program_id(1), acc, acc_up, SILU_MUL, BLOCK_M, BLOCK_N)
+            # Publish, as decode_attention.py's one-launch merge: every thread's partial stores come before the
+            # CTA barrier; the one thread that performs the scalar atomic then releases them at gpu scope (acq_rel:
+            # release for ours, acquire for the others' when we are last).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last: every partial of this N tile is published
+                y, u = _sum_partials(tile, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)
+                _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL,
+                               ON_GPU)
+                # back to zero for the next launch (the next layer, a graph replay): every arrival of this launch
+                # is in, so nothing else touches this counter before the kernel ends
+                tl.store(cnt_ptr + pid_n, 0)
 
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
     # (ON_GPU: libdevice's expf and the hardware's round-to-nearest-even casts; the interpreter has neither)
@@ -302,10 +381,20 @@ if triton is not None:
 
     # M rows: tiles that keep enough programs streaming at 1.5B-8B widths (BLOCK_N 16-32 for N ~ 1.5k-4k) up to
     # wide ones for gate_up / the 8B shapes; keyed on M's power-of-two bucket too (more rows, more x-side work)
-    _GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+    _GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=3)
                      for bn, bk in ((16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128),
                                     (128, 64))
                      for w in (4, 8)]
+    # + split-K (narrow outputs over a long K: down_proj, N/BLOCK_N ~ 50-100 programs for 132 SMs), narrow tiles
+    # only: the point is more programs in flight; `_gemm_prune` keeps them where K >= 2N and there is no norm
+    _GEMM_CONFIGS += [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=3)
+                      for bn, bk in ((16, 128), (16, 256), (32, 64), (32, 128)) for sk in (2, 4, 8) for w in (4, 8)]
+
+    def _gemm_prune(configs, named_args, **kwargs):
+        flag = lambda name: kwargs.get(name, named_args.get(name))  # noqa: E731
+        split_ok = _split_k_applies(named_args["N"], named_args["K"], flag("HAS_NORM"))
+        return [c for c in configs if c.kwargs["SPLIT_K"] == 1
+                or split_ok and named_args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
 
     if _INTERPRET:  # CPU tests: one small fixed configuration (masks on N and K get exercised)
         _kernel = _gemv_fused_kernel
@@ -314,7 +403,16 @@ if triton is not None:
         _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"],
                                   prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
         _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
-                                                                   "SILU_MUL", "M_BUCKET"])(_gemm_fused_kernel)
+                                                                   "SILU_MUL", "M_BUCKET"],
+                                       prune_configs_by={"early_config_prune": _gemm_prune})(_gemm_fused_kernel)
+
+
+def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:
+    """Whether the M-row kernel's autotuner may try split-K: a long K over few output columns (K >= 2N: the
+    1.5B's down_proj, N 1536 / K 8960, has ~100 programs at BLOCK_N 16 for 132 SMs and ran at 1.8x cuBLAS's time),
+    and no norm prologue (each split would recompute the full rows' rstd; with fused_decode.PRENORM_ROWS the
+    M-row calls get no norm anyway)."""
+    return not has_norm and K >= 2 * N
 
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -352,12 +450,64 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, flags: dict) -> None:
     """The M-row kernel (2 <= M <= 16) over gemv_fused's pointers (x, weight, bias, norm weight, residual, y)."""
     x, y = ptrs[0], ptrs[-1]
-    args = (*ptrs, M, out_n, K, x.stride(0), stride_wn, stride_rm, y.stride(0), float(eps),
+    ws = cnt = ptrs[1]  # no split-K: never touched (dummies)
+    sizes = _split_k_sizes(out_n, K, flags["HAS_NORM"], flags["SILU_MUL"], INTERPRET_SPLIT_K if _INTERPRET else 0)
+    if sizes is not None:
+        ws, cnt = split_k_scratch(x.device, *sizes)
+    args = (*ptrs, ws, cnt, M, out_n, K, x.stride(0), stride_wn, stride_rm, y.stride(0), float(eps),
             triton.next_power_of_2(M))
     if _INTERPRET:  # BLOCK_N 16, BLOCK_K 64: the tests' N and K are not multiples of either
-        _gemm_kernel[(triton.cdiv(out_n, 16),)](*args, **flags, BLOCK_M=MAX_ROWS, BLOCK_N=16, BLOCK_K=64)
+        _gemm_kernel[(triton.cdiv(out_n, 16), INTERPRET_SPLIT_K)](*args, **flags, BLOCK_M=MAX_ROWS, BLOCK_N=16,
+                                                                  BLOCK_K=64, SPLIT_K=INTERPRET_SPLIT_K)
     else:
-        _gemm_kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, BLOCK_M=MAX_ROWS)
+        _gemm_kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]), meta["SPLIT_K"])](*args, **flags,
+                                                                                          BLOCK_M=MAX_ROWS)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_k_sizes(out_n: int, K: int, has_norm: bool, silu: bool, interpret_split: int) -> tuple[int, int] | None:
+    """(fp32 partials, counters) that every split-K tiling the M-row kernel may run with needs, or None when it
+    runs without split-K. interpret_split: the interpreter's fixed SPLIT_K (BLOCK_N 16), 0 on a GPU (the
+    autotuner's surviving split-K configs)."""
+    if interpret_split:
+        tiles = [(16, interpret_split)] if interpret_split > 1 else []
+    elif _split_k_applies(out_n, K, has_norm):
+        tiles = [(c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"]) for c in _gemm_prune(
+            _GEMM_CONFIGS, dict(N=out_n, K=K), HAS_NORM=has_norm) if c.kwargs["SPLIT_K"] > 1]
+    else:
+        tiles = []
+    if not tiles:
+        return None
+    floats = max(triton.cdiv(out_n, bn) * bn * sk * MAX_ROWS * (2 if silu else 1) for bn, sk in tiles)
+    return floats, max(triton.cdiv(out_n, bn) for bn, _ in tiles)
+
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: split-K partials, counters
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive: a CUDA graph captured earlier still uses them
+
+
+def split_k_scratch(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The M-row kernel's split-K buffers on `device`: >= `floats` fp32 partials and >= `counters` int32 arrival
+    counters (all zero), shared by every call (every layer) on that device, as decode_attention.py's `_counters`.
+
+    Not allocated per call: an allocation (and the counters' memset) inside a CUDA graph would be more launches.
+    Sharing is safe because launches on one stream run in order (a PDL launch waits for its predecessor before
+    touching memory) and each launch's merging programs zero their counters before it ends. Two streams of one
+    device must NOT run split-K M-row GEMVs concurrently. Grown only eagerly: the engine runs (and the autotuner
+    tunes) a step eagerly before capturing it."""
+    ws, cnt = _SCRATCH.get(device, (None, None))
+    if ws is None or ws.numel() < floats or cnt.numel() < counters:
+        if _capturing(device):
+            raise RuntimeError(f"gemv_fused: split-K needs {floats} partials and {counters} counters on {device} "
+                               "and cannot allocate them during CUDA graph capture: run the same shapes once "
+                               "eagerly before capturing")
+        if ws is not None:
+            _RETIRED.extend((ws, cnt))
+            floats, counters = max(floats, ws.numel()), max(counters, cnt.numel())
+        ws = torch.empty(floats, dtype=torch.float32, device=device)
+        cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+        _SCRATCH[device] = ws, cnt
+    return ws, cnt
 
 
 def _register_op():

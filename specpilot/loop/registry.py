@@ -207,8 +207,8 @@ register(Mechanism(
     "fused_verify", ("verify",), {"fused_verify": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "verify steps of 2-16 tokens in one row through fused decode's layer at T rows: M-row GEMVs (tl.dot, weights "
-    "read once) with the norm prologues and residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention: "
-    "seven launches a layer instead of ~12 with cuBLAS"))
+    "read once) after RMSNorm launches, with residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention: "
+    "nine launches a layer instead of ~12 with cuBLAS"))
 register(Mechanism(
     "lossless12", ("verify", "draft"), {"lossless12": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.dtype == "bfloat16",

@@ -239,7 +239,7 @@ class DenseLM(nn.Module):
         self.act_kernel = False  # use_act_kernel(): the MLP's silu(gate) * up in one Triton kernel per layer
         self.add_norm_kernel = False  # use_add_norm_kernel(): each residual add + the norm after it in one kernel
         self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
-        self.fused_verify = False  # use_fused_verify(): 2-16-token steps through seven launches a layer (the same)
+        self.fused_verify = False  # use_fused_verify(): 2-16-token steps through nine launches a layer (the same)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -335,6 +335,7 @@ class DenseLM(nn.Module):
         unchanged. Fuses the projections first (it reads qkv_proj, gate_up_proj)."""
         if on:
             self._fused_layer_ready("decode_attention_token_major", "attention kernel")
+            require_kernel("rmsnorm", "RMSNorm kernel")  # the block's norms (fused_decode.PRENORM_ROWS)
         self.fused_verify = on
         return self
 
@@ -396,7 +397,7 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         S = cache.max_seq_len if kv_len is None else kv_len
-        # one token (fused_decode) or 2-16 (fused_verify) in one row: six or seven launches a layer
+        # one token (fused_decode) or 2-16 (fused_verify) in one row: six or nine launches a layer
         fused = fused_decode.applies(self, input_ids, attn_mask, is_causal)
         if fused or is_causal or (attn_mask is None and self.attention_kernel and T <= 16):
             mask = None  # SDPA's causal mask, or positional: the attention kernel applies it from `positions`

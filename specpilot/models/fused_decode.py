@@ -1,4 +1,4 @@
-"""A decode or verify pass of 1 to 16 tokens through a dense layer in six or seven launches (EngineConfig.fused_decode,
+"""A decode or verify pass of 1 to 16 tokens through a dense layer in six or nine launches (EngineConfig.fused_decode,
 EngineConfig.fused_verify).
 
 Why: at bs 1 a graphed decode step of a 1.5B-class model is bound by its ~15 kernels per layer, not by its bytes
@@ -20,9 +20,11 @@ One token (fused_decode: AR decode, a small drafter's passes): the GEMVs are gem
 attention is one launch (its slices merged by the last program). 2 to 16 tokens in one row (fused_verify: a
 speculative verify block, e.g. DFlash's 16): the same layer with T rows, because the regular path of a verify step
 (~12 launches a layer, cuBLAS at M = 16) cost 2.5-3.6 one-token steps on the H200. The GEMVs are gemv_fused's M-row
-kernel (the weights read once for all T rows), RoPE + K/V write takes the T tokens in one launch as it is, and the
-attention is the split-KV kernel and its merge: seven launches a layer. The attention writes its output
-token-major, so o_proj reads it as [T, H * D] without a copy.
+kernel (the weights read once for all T rows; down_proj's may split K, kernels/gemv_fused.py), RoPE + K/V write
+takes the T tokens in one launch as it is, and the attention is the split-KV kernel and its merge. The two RMSNorms
+are launches of their own here (kernels/rmsnorm.py, then norm-free GEMVs: `PRENORM_ROWS`, the M-row norm prologue
+was the H200's bottleneck; same numbers): nine launches a layer. The attention writes its output token-major, so
+o_proj reads it as [T, H * D] without a copy.
 
 Both apply under the positional mask only; prefill of more than 16 tokens, batches and custom masks (trees) keep
 the regular path. Needs fused projections (qkv_proj, gate_up_proj). With EngineConfig.lossless12 the one-token
@@ -55,11 +57,21 @@ def _ops(T: int):
 # RMSNorm kernel rounds as the prologue does).
 PRENORM_12BIT = False
 
+# M > 1 rows (a fused verify block) with a norm: normalize x in one RMSNorm launch first (True), then run the M-row
+# GEMV without its norm prologue (False: the prologue, `_norm_rstds` + a normed [16, BK] tile per K step in every
+# program). H200, bf16, M = 16, graphed (scripts/gpu_fused_check.py --only=gemm): with the prologue qkv (1.5B,
+# N 2048 K 1536, + bias) took 12.5 us against cuBLAS's 4.55 (the one-row fused GEMV: 4.87), gate_up + SiLU*up 28.8
+# against 16.9, the 8B's qkv 33 against 15.1; the same kernel WITHOUT a norm matched cuBLAS (o_proj 4.32 vs 4.49,
+# the 8B's 8.04 vs 8.97): the prologue was the bottleneck, not tl.dot. Two more launches a layer
+# (costmodel/shapes.py). Same numbers either way: the RMSNorm kernel rounds where the prologue does (x * rstd to
+# the dtype, times the weight, to the dtype; the mean of squares over one next-power-of-two block of the row).
+PRENORM_ROWS = True
+
 
 def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
     """One fused GEMV launch through `linear` for x2 [M, K]: one row over its lossless 12-bit copy when it has one
     (`packed12`, set by DenseLM.use_lossless12; same weights, 3/4 of the bytes), else (and for M > 1 rows: the
-    12-bit GEMV takes one) over its bf16 weight."""
+    12-bit GEMV takes one) over its bf16 weight. M > 1 rows with a norm: an RMSNorm launch first (PRENORM_ROWS)."""
     from specpilot.models.dense import kernel_op
 
     packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
@@ -67,6 +79,8 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
         if PRENORM_12BIT and norm_weight is not None:
             x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
         return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act)
+    if PRENORM_ROWS and norm_weight is not None and x2.shape[0] > 1:
+        x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None  # [M, K], then a norm-free GEMV
     return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
 
 
