@@ -83,11 +83,12 @@ class EngineConfig:
     # and SiLU * up as epilogues, RoPE with the K/V write, one-launch attention) instead of ~15; multi-token steps
     # keep the regular path; needs fused_projections. H200 (BENCHMARKS.md session 12): graphed step 1.5B 2.01 -> 1.59 ms, Qwen3-8B 5.54 ->
     # 4.90 ms (random weights); real Qwen2.5-Coder-1.5B AR 414 -> 561 tok/s; engine parity checks equal
-    fused_verify: bool = False  # CUDA, with fused_decode: steps of 2-16 tokens in one row (speculative verify
+    fused_verify: bool = True  # CUDA, with fused_decode: steps of 2-16 tokens in one row (speculative verify
     # blocks, e.g. DFlash's 16) through the fused layer at T rows (models/fused_decode.py: RMSNorm launches, M-row
-    # GEMVs via tl.dot with residual / SiLU * up epilogues, RoPE + K/V write, split-KV attention; nine
-    # launches a layer instead of ~12 with cuBLAS at M = 16, whose verify pass cost 2.5-3.6 one-token steps on the
-    # H200). Off until measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fusedverify)
+    # GEMVs via tl.dot (split-K where K >= 2N) with residual / SiLU * up epilogues, RoPE + K/V write, split-KV
+    # attention; nine launches a layer instead of ~12 with cuBLAS at M = 16). On since session 15's real-weight H200
+    # A/B (Qwen2.5-Coder-1.5B + DFlash, 6 prompts x 3 benchmarks, forcing passed): the verify stage 2.12 -> 1.80 ms,
+    # SpecPilot x1.17 -> x1.30 our AR pooled (the first version, with norm prologues in the GEMV, was 14% slower)
     lossless12: bool = False  # CUDA, bf16, with fused_decode: the one-token steps' GEMVs (and the LM head's) read
     # lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py): every weight exact, 1.5 bytes
     # instead of 2, so the bytes floor of a decode step drops by a quarter; the bf16 weights stay for prefill and
@@ -102,7 +103,9 @@ class EngineConfig:
     # speculative engines: each step either drafts or is a plain one-token step, whichever measured step costs and
     # recent acceptance say commits more tokens a second (engine/adaptive.py); lossless either way. Why: on the H200
     # a 16-token DFlash step cost 2.2-2.8 fused one-token steps (session 14), so low-acceptance stretches ran slower
-    # than AR. adaptive_min_gain: speculate while predicted gain >= this; adaptive_max_plain: longest plain run
+    # than AR. adaptive_min_gain: speculate while predicted gain >= this; adaptive_max_plain: longest plain run.
+    # Off: session 15's H200 A/B lost with it (pooled x1.17 -> x1.14, with fused verify x1.30 -> x1.13; it went
+    # plain on 43-78% of GSM8K / MT-Bench steps where speculation still paid: the acceptance average is too noisy)
     adaptive: bool = False
     adaptive_min_gain: float = 1.0
     adaptive_max_plain: int = 8

@@ -673,8 +673,8 @@ def test_fused_verify_prices_2_to_16_token_passes_at_nine_launches_a_layer():
         cfg, 5, 512, **flags, compiled=True)
     assert forward_cost(cfg, 5, 512, fused=True, fused_verify=True) == forward_cost(cfg, 5, 512, fused=True)
     # the switch reaches the cost model from the config (a DFlash draft pass does not take it)
-    assert kernel_flags(EngineConfig(fused_verify=True))["fused_verify"] and not kernel_flags(EngineConfig())[
-        "fused_verify"]
+    assert kernel_flags(EngineConfig(fused_verify=True))["fused_verify"] and not kernel_flags(
+        EngineConfig(fused_verify=False))["fused_verify"]
     assert "fused_verify" not in draft_kernel_flags(EngineConfig(fused_verify=True))
     assert _knobs(EngineConfig(fused_verify=True)).fused_verify
     assert engine_fields(EngineConfig(fused_verify=True))["fused_verify"]
