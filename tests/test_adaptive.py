@@ -117,10 +117,13 @@ def test_adaptive_greedy_equals_ar(models, kind, min_gain):
 
 
 def test_adaptive_off_takes_no_plain_steps(models):
+    """Off: no policy, and a step with nothing to draft at the token limit is not counted as a chosen plain step."""
     target = models["target"]
-    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=3, max_new_tokens=20, max_seq_len=128, ignore_eos=True)
-    eng = Engine(target, cfg, NgramDrafter(3, 1))
-    assert eng.policy is None and eng.generate(_prompts(1)[0]).plain_steps == 0
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_new_tokens=17, max_seq_len=128,
+                       ignore_eos=True, ngram_assist=0)
+    eng = Engine(target, cfg, build_drafter(cfg, target, target))  # drafts perfectly: 4 tokens a step, then 1
+    res = eng.generate(_prompts(1)[0])
+    assert eng.policy is None and res.plain_steps == 0 and res.drafted_lengths == [3, 3, 3, 3, 0]
 
 
 def test_adaptive_sampling_runs(models):

@@ -56,11 +56,12 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
             if k < 0:
                 res.finish_reason = "context"
                 break
+            plain = False  # a plain step by the policy's choice (k can also reach 0 at the token limit)
             if policy is not None and not policy.speculate():
                 if catch_up is not None and pending >= catch_up:  # a plain step now would overfill the next pass
                     policy.skip()
                 else:
-                    k = 0
+                    k, plain = 0, True
             speculative = k > 0
             # draft
             draft = drafter.propose(ids, k) if speculative else None
@@ -98,7 +99,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
                 drafter.observe(s.runner.last_hidden[: a + 1])
             res.drafted_lengths.append(len(drafted))
             res.accepted_lengths.append(a)
-            res.plain_steps += not speculative
+            res.plain_steps += plain
             pending += a + 1
             before = len(out)
             out.extend(drafted[:a] + [nxt])
