@@ -567,6 +567,26 @@ def test_dflash_pass_counts_the_rope_and_act_kernels_the_drafter_follows():
     assert draft_kernel_flags(EngineConfig(act_kernel=False))["act_kernel"] is False
 
 
+def test_dflash_pass_counts_four_gemms_fewer_a_layer_with_fused_projections():
+    """DFlashDrafter.fuse_projections: the block's q/k/v -> 1 GEMM, the context's k/v -> 1, gate/up -> 1, per
+    layer (tests/test_dflash_fused.py counts the same 4 in a static step's ops); bytes and FLOPs unchanged. The
+    what-if model prices the draft pass with the target's `fused` knob."""
+    from specpilot.costmodel.shapes import dflash_pass_cost
+    from specpilot.costmodel.whatif import StepKnobs, _passes
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5)
+    for kw in ({}, dict(norm_kernel=True, rope_kernel=True, act_kernel=True)):
+        plain, fused = dflash_pass_cost(d, target, 600, 3, **kw), dflash_pass_cost(d, target, 600, 3, fused=True, **kw)
+        assert plain.num_kernels - fused.num_kernels == 4 * 2
+        assert plain.num_linear_kernels - fused.num_linear_kernels == 4 * 2
+        assert (plain.total_bytes, plain.flops) == (fused.total_bytes, fused.flops)
+    prof = _profile(draft_s=3e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15)
+    draft = [_passes(target, d, "dflash", StepKnobs(15, fused=f), prof, 3.0)[-1] for f in (False, True)]
+    assert draft[0].num_kernels - draft[1].num_kernels == 4 * 2
+
+
 def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
     from specpilot.config import EngineConfig
     from specpilot.loop import _knobs

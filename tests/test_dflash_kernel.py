@@ -41,12 +41,13 @@ def _pair(net):
 
 
 def _count_kernel_calls(monkeypatch) -> list:
-    """One entry per call of the kernel op (any network's) from now on."""
+    """One entry per call of the kernel op (any network's) from now on (the drafter's token-major variant: its
+    output feeds o_proj without a copy)."""
     import specpilot.models.dense as dense
-    from specpilot.kernels.decode_attention import decode_attention_op
+    from specpilot.kernels.decode_attention import decode_attention_token_major_op as op
 
     calls = []
-    monkeypatch.setitem(dense._KERNEL_OPS, "decode_attention", lambda *a: calls.append(1) or decode_attention_op(*a))
+    monkeypatch.setitem(dense._KERNEL_OPS, "decode_attention_token_major", lambda *a: calls.append(1) or op(*a))
     return calls
 
 

@@ -291,6 +291,10 @@ def test_rmsnorm_strided_leading_shapes_and_mixed_weight_dtype():
 
     rows = qkv[..., 4 * D: 5 * D]  # one row stride (8 * D): read in place, no copy
     assert _rows_view(rows, D) is not None and _rows_view(rows, D).data_ptr() == rows.data_ptr()
+    from specpilot.kernels.rmsnorm import _head_rows_view
+
+    heads = _head_rows_view(q, D)  # q's rows: two strides (token 8 * D, head D), read in place too
+    assert _rows_view(q, D) is None and heads.data_ptr() == q.data_ptr() and heads.stride()[:2] == (8 * D, D)
     for x in (q, q.transpose(1, 2), rows, torch.randn(2, 5, D, generator=g)[:, ::2]):
         got = rmsnorm(x, w, 1e-5)
         assert got.shape == x.shape and got.is_contiguous()

@@ -75,8 +75,9 @@ class DFlashBlockDrafter:
     def _static_step(self) -> torch.Tensor:
         embed_w, lm_head = _target_io(self.target)
         anchor_id, fed, c, anchor_pos = self.scalars.unbind()
-        # rows [0, c): the new context at fed..anchor-1; rows [c, B): padding at anchor..anchor+B-c-1
-        pos_ctx = torch.where(self.base < c, self.base + fed, self.base - c + anchor_pos)[None]
+        # rows [0, c): the new context at fed..anchor-1; rows [c, B): padding at anchor..anchor+B-c-1 (the offset
+        # chosen first, then one add: 4 launches, not 5)
+        pos_ctx = (self.base + torch.where(self.base < c, fed, anchor_pos - c))[None]
         pos_blk = (self.base + anchor_pos)[None]
         ids = torch.cat((anchor_id.view(1, 1), self.masks), dim=1)
         hidden = self.network(self.network.embed(ids, embed_w), self.network.project_context(self.ctx), pos_ctx,

@@ -48,11 +48,13 @@ if triton is not None:
         return v.to(dtype)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, N, eps, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, x_head_stride, HEADS, N, eps, BLOCK: tl.constexpr):
+        # row r of x is (r // HEADS, r % HEADS) of a [rows / HEADS, HEADS, N] view: HEADS = 1 for one row stride
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         valid = cols < N
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (row // HEADS) * x_row_stride + (row % HEADS) * x_head_stride + cols, mask=valid,
+                    other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # as torch.rsqrt (the mean's sum is a tree here)
         y = _to_dtype(x * rstd, x_ptr.dtype.element_ty)  # rounded to the input dtype first, as the eager module
         w = tl.load(w_ptr + cols, mask=valid, other=0.0)
@@ -63,8 +65,10 @@ if triton is not None:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., N] with weight [N] -> same shape, contiguous, dtype promote(x, weight).
 
-    Any leading shape; rows may be strided (a view such as q of a fused qkv output) as long as the last dimension
-    is unit-stride and the leading ones flatten to one row stride, otherwise x is copied contiguous first.
+    Any leading shape; rows may be strided as long as the last dimension is unit-stride and the leading ones
+    flatten to one row stride, or to two: [rows / heads, heads, N], e.g. q [B, T, H, D] of a fused qkv output,
+    read in place (a copy would be one more launch than the unfused projections' contiguous q); otherwise x is
+    copied contiguous first.
     Static shapes, no host sync: safe inside CUDA graphs."""
     if triton is None:
         raise RuntimeError("rmsnorm needs triton")
@@ -77,10 +81,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     x2 = _rows_view(x, N)
     if x2 is None:
+        x2 = _head_rows_view(x, N)
+    if x2 is None:
         x2 = x.contiguous().view(rows, N)
+    if x2.dim() == 2:
+        x2 = x2[:, None]
     w = weight if weight.is_contiguous() else weight.contiguous()
-    _rmsnorm_kernel[(rows,)](x2, w, out, x2.stride(0), N, eps, BLOCK=triton.next_power_of_2(N),
-                             num_warps=4 if N <= 2048 else 8)
+    _rmsnorm_kernel[(rows,)](x2, w, out, x2.stride(0), x2.stride(1), x2.shape[1], N, eps,
+                             BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
     return out
 
 
@@ -91,6 +99,16 @@ def _rows_view(x: torch.Tensor, N: int) -> torch.Tensor | None:
     try:
         return x.view(-1, N)
     except RuntimeError:  # the leading dims do not flatten to one stride
+        return None
+
+
+def _head_rows_view(x: torch.Tensor, N: int) -> torch.Tensor | None:
+    """x as a [rows / heads, heads, N] view (heads = x.shape[-2]) with unit stride along N, or None."""
+    if x.dim() < 3 or (x.stride(-1) != 1 and N > 1):
+        return None
+    try:
+        return x.view(-1, x.shape[-2], N)
+    except RuntimeError:
         return None
 
 

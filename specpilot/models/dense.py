@@ -101,6 +101,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def fused_linear(parts) -> nn.Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs (weights, and biases if any, stacked on the
+    output axis): the same numbers in one GEMM instead of len(parts)."""
+    w = torch.cat([p.weight for p in parts])
+    bias = parts[0].bias is not None
+    out = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(w)
+        if bias:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))
+    return out
+
+
+def split_linear(fused: nn.Linear, sizes) -> list[nn.Linear]:
+    """`fused_linear` undone: one Linear per output slice of `sizes` rows (copies, so each owns its weight)."""
+    ws = fused.weight.detach().split(tuple(sizes))
+    bs = fused.bias.detach().split(tuple(sizes)) if fused.bias is not None else (None,) * len(ws)
+    out = []
+    for w, b in zip(ws, bs):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if b is not None:
+                lin.bias.copy_(b)
+        out.append(lin)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -123,13 +151,7 @@ class Attention(nn.Module):
         """Replace q/k/v projections by one (same numbers, one GEMM instead of three: fewer, larger kernels)."""
         if hasattr(self, "qkv_proj"):
             return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        w = torch.cat([p.weight for p in parts])
-        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            self.qkv_proj.weight.copy_(w)
-            if parts[0].bias is not None:
-                self.qkv_proj.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused_linear((self.q_proj, self.k_proj, self.v_proj))
         del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x):
@@ -176,11 +198,14 @@ class MLP(nn.Module):
         """One gate+up GEMM instead of two (same numbers)."""
         if hasattr(self, "gate_up_proj"):
             return
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            self.gate_up_proj.weight.copy_(w)
+        self.gate_up_proj = fused_linear((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
+
+    def unfuse(self) -> None:
+        """Back to separate gate and up projections (the checkpoint's names; a DFlash drafter switches both ways)."""
+        if hasattr(self, "gate_up_proj"):
+            self.gate_proj, self.up_proj = split_linear(self.gate_up_proj, (self.down_proj.in_features,) * 2)
+            del self.gate_up_proj
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):

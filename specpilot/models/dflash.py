@@ -41,6 +41,12 @@ What the network is, as the reference defines it (and what this module mirrors, 
   them: a later pass writes its context (every position from the old anchor up to its own anchor) before
   attending, and slots above its own block are beyond every query position.
 
+* Fused projections (`fuse_projections()`, the engine's `fused_projections`): a run-time inference layout, as
+  `DenseLM.fuse_projections`. Per layer q/k/v become one weight `qkv_proj` (the block's q, k, v in one GEMM; the
+  context's k, v in one GEMM over its k/v rows, a contiguous slice) and gate/up one `gate_up_proj`: 4 GEMM
+  launches fewer a layer, same numbers. The draft pass is launch-bound on the H200 (~0.16 ms of bytes in a
+  0.6-0.7 ms graph), so launches are what it is priced in. Training never fuses; `save_dflash` writes split names.
+
 No embedding or LM head lives here: the caller passes the target's embedding matrix and LM head
 (`DenseLM.model.embed_tokens.weight`, `DenseLM.lm_head`). Module and parameter names equal the published
 checkpoint's (`layers.N.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, ...), so
@@ -56,7 +62,8 @@ from torch import nn
 
 from specpilot.errors import ModelFormatError
 from specpilot.models.cache import KVCache
-from specpilot.models.dense import MLP, RMSNorm, apply_rope, kernel_op, require_kernel, rope_inv_freq
+from specpilot.models.dense import (MLP, RMSNorm, apply_rope, fused_linear, kernel_op, require_kernel, rope_inv_freq,
+                                    split_linear)
 from specpilot.models.dense import use_norm_kernel as _use_norm_kernel
 
 from specpilot.models.dflash_config import ARCHITECTURE, DFlashConfig, build_target_layer_ids  # noqa: F401
@@ -120,11 +127,42 @@ class DFlashAttention(nn.Module):
         return (cache is not None and block_len <= self.kernel_max_t
                 and (kv_len is None or kv_len + block_len <= cache.max_seq_len))
 
-    def _kv(self, x: torch.Tensor, cos, sin, rotate: bool = True):
-        """Keys (rotated at cos/sin unless `rotate` is False) and values of `x`, [B, Hkv, T, D] each."""
-        B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+    # -- fused projections (DFlashDrafter.fuse_projections): a run-time layout, checkpoints keep q/k/v_proj --
+
+    def fuse(self) -> None:
+        """q/k/v in one weight (qkv_proj): the block's q, k, v in one GEMM, and the context's k, v in one GEMM over
+        its k/v rows (a contiguous slice of the same weight). Same numbers, 2 GEMMs instead of 5."""
+        if not hasattr(self, "qkv_proj"):
+            self.qkv_proj = fused_linear((self.q_proj, self.k_proj, self.v_proj))
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def unfuse(self) -> None:
+        if hasattr(self, "qkv_proj"):
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.q_proj, self.k_proj, self.v_proj = split_linear(self.qkv_proj, (q, kv, kv))
+            del self.qkv_proj
+
+    def _qkv(self, x: torch.Tensor):
+        """The block's q, k, v projections, [B, S, H*D] and [B, S, Hkv*D] x 2 (views of one GEMM when fused)."""
+        if hasattr(self, "qkv_proj"):
+            kv = self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split((self.num_heads * self.head_dim, kv, kv), dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _kv_proj(self, x: torch.Tensor):
+        """The context's k, v projections, [B, C, Hkv*D] each (one GEMM over qkv_proj's k/v rows when fused)."""
+        if hasattr(self, "qkv_proj"):
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            b = self.qkv_proj.bias
+            return F.linear(x, self.qkv_proj.weight[q:], None if b is None else b[q:]).split((kv, kv), dim=-1)
+        return self.k_proj(x), self.v_proj(x)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin, rotate: bool = True):
+        """Projected k, v [B, T, Hkv*D] -> keys (k-normed, rotated at cos/sin unless `rotate` is False) and values,
+        [B, Hkv, T, D] each."""
+        B, T, _ = k.shape
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if not rotate:
             return k, v
         if self.rope_kernel:  # keys only (the context): the kernel's q slot takes one key head, its output dropped
@@ -135,15 +173,16 @@ class DFlashAttention(nn.Module):
                 positions_blk=None):  # positions_blk: needed with a cache only (the kernel writes the block there)
         B, S, _ = x.shape
         cos_b, sin_b = rope_blk
-        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
+        q, k, v = self._qkv(x)
+        q = self.q_norm(q.view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
         if self.rope_kernel:  # the block's queries and keys share positions: one launch for both
-            k_blk, v_blk = self._kv(x, cos_b, sin_b, rotate=False)
+            k_blk, v_blk = self._kv(k, v, cos_b, sin_b, rotate=False)
             q, k_blk = kernel_op("rope")(q, k_blk, cos_b, sin_b)
         else:
             q = apply_rope(q, cos_b, sin_b)
-            k_blk, v_blk = self._kv(x, cos_b, sin_b)
+            k_blk, v_blk = self._kv(k, v, cos_b, sin_b)
         if ctx.shape[1]:
-            k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+            k_ctx, v_ctx = self._kv(*self._kv_proj(ctx), *rope_ctx)
             if cache is not None:
                 cache.write(self.layer_idx, positions_ctx, k_ctx, v_ctx)
         if self.uses_kernel(cache, S, kv_len):
@@ -151,7 +190,8 @@ class DFlashAttention(nn.Module):
             cache.write(self.layer_idx, positions_blk, k_blk, v_blk)
             keys, values = cache.read(self.layer_idx, None)  # the kernel skips slices above the last position
             last = positions_blk[:, -1:].expand(B, S)  # every query sees slots <= anchor + S - 1 (non-causal)
-            out = kernel_op("decode_attention")(q, keys, values, last)
+            # token-major output (same kernels and numbers): the o_proj input below is a view, not a copy kernel
+            out = kernel_op("decode_attention_token_major")(q, keys, values, last)
             return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
         if cache is not None:
             k_ctx, v_ctx = cache.read(self.layer_idx, kv_len)
@@ -222,7 +262,7 @@ class DFlashDrafter(nn.Module):
         from specpilot.kernels.decode_attention import MAX_T
 
         if on:
-            require_kernel("decode_attention", "attention kernel")
+            require_kernel("decode_attention_token_major", "attention kernel")
         self.attention_kernel = on
         cfg, d = self.config, self.config.head_dim
         for i, layer in enumerate(self.layers):
@@ -264,6 +304,20 @@ class DFlashDrafter(nn.Module):
             layer.mlp.act_kernel = on
         return self
 
+    def fuse_projections(self, on: bool = True) -> "DFlashDrafter":
+        """Per layer, q/k/v in one weight (the block's q, k, v in one GEMM, the context's k, v in one GEMM over its
+        k/v rows) and gate/up in one (dense.MLP.fuse): 4 GEMM launches fewer a layer, same numbers. A run-time
+        inference layout, like DenseLM.fuse_projections: `on=False` splits them back; checkpoints keep the
+        z-lab names (dflash_io.save_dflash saves an unfused copy); training never fuses."""
+        for layer in self.layers:
+            for module in (layer.self_attn, layer.mlp):
+                module.fuse() if on else module.unfuse()
+        return self
+
+    @property
+    def projections_fused(self) -> bool:
+        return any(hasattr(layer.self_attn, "qkv_proj") or hasattr(layer.mlp, "gate_up_proj") for layer in self.layers)
+
     def use_kernels(self, *, norm: bool | None = None, rope: bool | None = None, act: bool | None = None,
                     attention: bool | None = None) -> "DFlashDrafter":
         """Switch several kernels at once; None leaves a kernel as it is."""
@@ -301,9 +355,20 @@ class DFlashDrafter(nn.Module):
         return logits
 
     def _rope(self, positions: torch.Tensor, dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        # long * fp32 promotes to fp32 inside the multiply: positions.float() * inv_freq's numbers, one launch fewer
+        freqs = positions[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _rope_tables(self, positions_blk: torch.Tensor, positions_ctx: torch.Tensor | None, dtype):
+        """(cos, sin) of the block and of the context (None without context rows), [B, 1, S|C, D] each: one table
+        over both position runs, then sliced (the same elementwise numbers; 1 cat instead of a second table's 4-6
+        launches)."""
+        S = positions_blk.shape[1]
+        if positions_ctx is None:
+            return self._rope(positions_blk, dtype), None
+        cos, sin = self._rope(torch.cat((positions_blk, positions_ctx), dim=1), dtype)
+        return (cos[:, :, :S], sin[:, :, :S]), (cos[:, :, S:], sin[:, :, S:])
 
     def _mask(self, layer: int, positions_ctx, positions_blk, cache, kv_len):
         """[B, 1, S, K] bool, or None when all keys are visible. Keys: the context (cache slots or the given
@@ -345,8 +410,7 @@ class DFlashDrafter(nn.Module):
         positions must be consecutive (anchor .. anchor + S - 1): the attention kernel's mask relies on it."""
         x = block_embeds
         ctx = context.to(x.dtype)
-        rope_blk = self._rope(positions_block, x.dtype)
-        rope_ctx = self._rope(positions_ctx, x.dtype) if ctx.shape[1] else None
+        rope_blk, rope_ctx = self._rope_tables(positions_block, positions_ctx if ctx.shape[1] else None, x.dtype)
         masks = {}
         for i, layer in enumerate(self.layers):
             key = (self.config.layer_is_causal(i), self.config.layer_window(i))

@@ -14,6 +14,7 @@ that read only that format (z-lab's own `dflash` package).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -124,9 +125,12 @@ def save_dflash(drafter: DFlashDrafter, path: str | Path, *, max_shard_bytes: in
     """Write `drafter` as a z-lab DFlash checkpoint (config.json + safetensors, sharded above `max_shard_bytes`).
 
     `storage`: None keeps the parameters' dtype; "float32"/"bfloat16"/"float16" casts; "int8"/"int4" stores every
-    matrix quantized (groups of `group_size` inputs; norms stay bfloat16), readable by `load_dflash` only."""
+    matrix quantized (groups of `group_size` inputs; norms stay bfloat16), readable by `load_dflash` only.
+    A drafter with fused projections is saved under the split names (the drafter itself stays fused)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if drafter.projections_fused:  # a run-time layout (fuse_projections): the checkpoint keeps z-lab's split names
+        drafter = copy.deepcopy(drafter).fuse_projections(False)
     state = {n: p.detach().contiguous().cpu() for n, p in drafter.named_parameters()}
     cfg = drafter.config.to_hf_dict()
     cfg.pop(STORAGE_KEY, None)  # a loaded quantized checkpoint's spec: only the storage chosen here applies

@@ -1,0 +1,166 @@
+"""The DFlash drafter's fused projections (`DFlashDrafter.fuse_projections`) and the launches of a draft pass.
+
+Fusing is a run-time layout: per layer q/k/v in one weight (the block's q, k, v in one GEMM, the context's k, v in
+one GEMM over the k/v rows) and gate/up in one. It must give the unfused network's drafts and logits (CPU fp32,
+kernels off and on: TRITON_INTERPRET=1 from conftest), checkpoints must keep z-lab's split names, and a static
+draft step (what the GPU captures as a CUDA graph) must launch exactly 4 GEMMs fewer per layer, nothing else
+changed: that count is what pays on the H200, where the draft pass is launch-bound.
+"""
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton", reason="triton not installed")
+
+from specpilot.config import EngineConfig  # noqa: E402
+from specpilot.drafters.dflash import DFlashBlockDrafter  # noqa: E402
+from specpilot.engine import build_drafter  # noqa: E402
+from specpilot.models import load_model  # noqa: E402
+from specpilot.models.dflash import DFlashConfig, DFlashDrafter, draft_block  # noqa: E402
+from specpilot.models.dflash_io import load_dflash, save_dflash  # noqa: E402
+
+H, V, MASK = 64, 96, 95
+ALL_KERNELS = dict(norm=True, rope=True, act=True, attention=True)  # the engine's CUDA defaults
+
+
+def _net(block_size=16, seed=0, bias=False) -> DFlashDrafter:
+    cfg = DFlashConfig(hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=block_size, mask_token_id=MASK,
+                       target_layer_ids=(0, 1), num_target_layers=2, vocab_size=V, attention_bias=bias)
+    torch.manual_seed(seed)
+    net = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # norms at 1 and a flat init make every draft alike: perturb so parity means something
+        for name, p in net.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return net
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(tiny_model_dir("qwen3"))
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops of a pass that launch work: every op that writes new memory or mutates (aten ops, and our
+    Triton kernels' custom ops, each seen as one call), not views, aliases (`.to` a dtype it has) or allocations."""
+
+    FREE = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.FREE:
+            return out
+        leaves = torch.utils._pytree.tree_leaves
+        ins = {a.untyped_storage().data_ptr() for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        outs = [o for o in leaves(out) if isinstance(o, torch.Tensor)]
+        if func._schema.is_mutable or not outs or any(o.untyped_storage().data_ptr() not in ins for o in outs):
+            self.ops[str(func.overloadpacket)] += 1
+        return out
+
+
+def _static_step_launches(net, target) -> collections.Counter:
+    """Ops of one static draft step (DFlashBlockDrafter._static_step, the graphed step), after a first eager
+    propose over the prompt and a static one with 3 new context rows."""
+    d = DFlashBlockDrafter(net, target, 64, static=True)
+    g = torch.Generator().manual_seed(4)
+    feats, ids = torch.randn(40, net.fc.in_features, generator=g), list(range(3, 43))
+    d.observe(feats[:19])
+    d.propose(ids[:20], 15)
+    d.observe(feats[19:22])
+    d.propose(ids[:23], 15)
+    with torch.inference_mode(), _Launches() as count:
+        d._static_step()
+    return count.ops
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_static_step_launches_four_gemms_fewer_per_layer(target, kernels):
+    """Per layer: the block's q, k, v GEMMs -> 1 and the context's k, v -> 1 (-3), gate and up -> 1 (-1); no copy
+    appears in their place (the RMSNorm kernel reads q/k of the fused output in place, kernels/rmsnorm.py).
+    Tiny network, 2 layers, block 16 (the shipped drafter's shape but for widths): all kernels on, 65 -> 57 ops
+    (GPU launches: decode_attention is 2 each); all off, 160 -> 152."""
+    net = _net()
+    if kernels:
+        net.use_kernels(**ALL_KERNELS)
+    plain = _static_step_launches(net, target)
+    fused = _static_step_launches(copy.deepcopy(net).fuse_projections(), target)
+    diff = {op: plain[op] - fused[op] for op in plain.keys() | fused.keys() if plain[op] != fused[op]}
+    assert diff == {"aten.linear": 4 * net.config.num_hidden_layers}, diff
+    assert sum(plain.values()) == (65 if kernels else 160) and sum(fused.values()) == (57 if kernels else 152)
+
+
+def _drive(drafters, feats, ids, chunks, num_tokens, committed=9):
+    """Each drafter sees `committed` tokens, then `chunks` more at a time -> per step, each drafter's drafts."""
+    for d in drafters:
+        d.observe(feats[: committed - 1])
+    steps = [[d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters]]
+    for c in chunks:
+        for d in drafters:
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        steps.append([d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters])
+    return steps
+
+
+@pytest.mark.parametrize("kernels,bias", [(False, False), (False, True), (True, True)])  # (interpreted kernels: slow)
+def test_fused_drafts_and_logits_equal_the_unfused_network(target, kernels, bias):
+    """Eager draft passes (cacheless, cached with a padded context) give the unfused network's logits within
+    rounding and its argmax tokens; static steps (eager first step, then padded static ones) the same drafts.
+    A qkv bias (attention_bias) is sliced with the weight."""
+    plain = _net(8, bias=bias)
+    if kernels:
+        plain.use_kernels(**ALL_KERNELS)
+    fused = copy.deepcopy(plain).fuse_projections()
+    assert fused.projections_fused and not plain.projections_fused
+    assert not hasattr(fused.layers[0].self_attn, "q_proj") and hasattr(fused.layers[0].mlp, "gate_up_proj")
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randn(30, plain.fc.in_features, generator=g)
+    for net_kw in (dict(), dict(cache=True, pad_to=32)):
+        out = []
+        for net in (plain, fused):
+            kw = dict(net_kw)
+            if kw.pop("cache", False):
+                kw["cache"] = net.new_cache(1, 64)
+            out.append(draft_block(net, target, 7, ctx, anchor_pos=30, return_logits=True, **kw))
+        assert (out[0] - out[1]).abs().max().item() < 1e-5
+        assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
+    drafters = [DFlashBlockDrafter(n, target, 80, static=True) for n in (plain, fused)]
+    feats = torch.randn(80, plain.fc.in_features, generator=g)
+    ids = torch.randint(0, 90, (80,), generator=g).tolist()
+    steps = _drive(drafters, feats, ids, [1, 3, 8, 2, 7, 4], 7)
+    assert all(a == b for a, b in steps), steps
+
+
+def test_fuse_projections_switches_both_ways_and_saves_zlab_names(tmp_path):
+    """fuse_projections(False) restores the exact split weights; saving a fused drafter writes the split names
+    (loadable, equal to the unfused weights) and leaves the drafter fused."""
+    plain = _net(bias=True)
+    fused = copy.deepcopy(plain).fuse_projections()
+    save_dflash(fused, tmp_path)
+    assert fused.projections_fused
+    back = load_dflash(tmp_path)
+    want = plain.state_dict()
+    assert set(back.state_dict()) == set(want)
+    assert all(torch.equal(back.state_dict()[n], t) for n, t in want.items())
+    again = fused.fuse_projections(False)
+    assert not again.projections_fused and set(again.state_dict()) == set(want)
+    assert all(torch.equal(again.state_dict()[n], t) for n, t in want.items())
+
+
+def test_build_drafter_fuses_by_the_config(target):
+    """build_drafter fuses the drafter's projections when `fused_projections` is on (the default, as the target),
+    before the static step is built, and splits a fused network again when it is off."""
+    cfg = EngineConfig(drafter_kind="dflash", max_seq_len=64)
+    assert cfg.fused_projections
+    net = build_drafter(cfg, _net(), target).network
+    assert net.projections_fused
+    assert not build_drafter(cfg.with_(fused_projections=False), net, target).network.projections_fused
