@@ -31,6 +31,17 @@ from specpilot.sampling import probs_from_logits
 from specpilot.verify import verify_chain
 
 
+def _plain_step(policy, catch_up: int | None, pending: int) -> bool:
+    """Whether the policy (engine/adaptive.py) takes this step plain. A plain step is refused when the drafter's
+    next pass would then take more new context than it holds (`catch_up`): that step speculates instead."""
+    if policy is None or policy.speculate():
+        return False
+    if catch_up is not None and pending >= catch_up:
+        policy.skip()
+        return False
+    return True
+
+
 @torch.inference_mode()
 def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=None) -> GenerationResult:
     res = GenerationResult(list(prompt_ids), [], "length")
@@ -56,17 +67,12 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
             if k < 0:
                 res.finish_reason = "context"
                 break
-            plain = False  # a plain step by the policy's choice (k can also reach 0 at the token limit)
-            if policy is not None and not policy.speculate():
-                if catch_up is not None and pending >= catch_up:  # a plain step now would overfill the next pass
-                    policy.skip()
-                else:
-                    k, plain = 0, True
+            plain = _plain_step(policy, catch_up, pending)  # (k also reaches 0 at the token limit: not chosen)
+            k = 0 if plain else k
             speculative = k > 0
             # draft
             draft = drafter.propose(ids, k) if speculative else None
-            if speculative:
-                pending = 0
+            pending = 0 if speculative else pending
             d_ids = draft.token_ids[:k] if draft is not None else s.tensor([])
             timer.mark("draft")
             # verify
