@@ -67,3 +67,23 @@ def tiny_dflash_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-dflash")
     save_dflash(DFlashDrafter(cfg).eval(), path)
     return str(path)
+
+
+def _drive_drafters(drafters, feats, ids, chunks, num_tokens, committed=9):
+    """Each drafter sees the first `committed` tokens, then `chunks` more at a time (their features observed
+    first, as the engine hands them over): -> per step, each drafter's drafted tokens."""
+    for d in drafters:
+        d.observe(feats[: committed - 1])
+    steps = [[d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters]]
+    for c in chunks:
+        for d in drafters:
+            d.observe(feats[committed - 1: committed - 1 + c])
+        committed += c
+        steps.append([d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters])
+    return steps
+
+
+@pytest.fixture
+def drive_drafters():
+    """Feeds DFlash drafters a growing context step by step (`_drive_drafters`): shared by the DFlash tests."""
+    return _drive_drafters

@@ -98,21 +98,8 @@ def test_fused_static_step_launches_four_gemms_fewer_per_layer(target, kernels):
     assert sum(plain.values()) == (65 if kernels else 160) and sum(fused.values()) == (57 if kernels else 152)
 
 
-def _drive(drafters, feats, ids, chunks, num_tokens, committed=9):
-    """Each drafter sees `committed` tokens, then `chunks` more at a time -> per step, each drafter's drafts."""
-    for d in drafters:
-        d.observe(feats[: committed - 1])
-    steps = [[d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters]]
-    for c in chunks:
-        for d in drafters:
-            d.observe(feats[committed - 1: committed - 1 + c])
-        committed += c
-        steps.append([d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters])
-    return steps
-
-
 @pytest.mark.parametrize("kernels,bias", [(False, False), (False, True), (True, True)])  # (interpreted kernels: slow)
-def test_fused_drafts_and_logits_equal_the_unfused_network(target, kernels, bias):
+def test_fused_drafts_and_logits_equal_the_unfused_network(target, kernels, bias, drive_drafters):
     """Eager draft passes (cacheless, cached with a padded context) give the unfused network's logits within
     rounding and its argmax tokens; static steps (eager first step, then padded static ones) the same drafts.
     A qkv bias (attention_bias) is sliced with the weight."""
@@ -136,7 +123,7 @@ def test_fused_drafts_and_logits_equal_the_unfused_network(target, kernels, bias
     drafters = [DFlashBlockDrafter(n, target, 80, static=True) for n in (plain, fused)]
     feats = torch.randn(80, plain.fc.in_features, generator=g)
     ids = torch.randint(0, 90, (80,), generator=g).tolist()
-    steps = _drive(drafters, feats, ids, [1, 3, 8, 2, 7, 4], 7)
+    steps = drive_drafters(drafters, feats, ids, [1, 3, 8, 2, 7, 4], 7)
     assert all(a == b for a, b in steps), steps
 
 

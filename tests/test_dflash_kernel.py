@@ -59,22 +59,8 @@ def target(tiny_model_dir):
 SLIDING = dict(layer_types=("full_attention", "sliding_attention"), sliding_window=3)
 
 
-def _drive(drafters, feats, ids, chunks, num_tokens, committed=9):
-    """Each drafter sees the first `committed` tokens, then `chunks` more at a time (their features observed
-    first, as the engine hands them over): -> per step, each drafter's drafted tokens."""
-    for d in drafters:
-        d.observe(feats[: committed - 1])
-    steps = [[d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters]]
-    for c in chunks:
-        for d in drafters:
-            d.observe(feats[committed - 1: committed - 1 + c])
-        committed += c
-        steps.append([d.propose(ids[:committed], num_tokens).token_ids.tolist() for d in drafters])
-    return steps
-
-
 @pytest.mark.parametrize("block_size,extra", [(5, {}), (16, {}), (5, SLIDING)])
-def test_static_steps_match_sdpa(target, block_size, extra, monkeypatch):
+def test_static_steps_match_sdpa(target, block_size, extra, monkeypatch, drive_drafters):
     """Consecutive draft steps with growing context through DFlashBlockDrafter(static=True): the first (eager,
     whole prompt), then static steps with 1..B new context rows (B - c padding rows written at slots >= the
     anchor, then overwritten by the block on the kernel path). Block hidden states and drafts agree; a sliding
@@ -92,7 +78,7 @@ def test_static_steps_match_sdpa(target, block_size, extra, monkeypatch):
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(80, sdpa.fc.in_features, generator=g)
     ids = torch.randint(0, 90, (80,), generator=g).tolist()
-    steps = _drive(drafters, feats, ids, [1, 3, B, 2, 1, B - 1, 4, 1, B], B - 1)
+    steps = drive_drafters(drafters, feats, ids, [1, 3, B, 2, 1, B - 1, 4, 1, B], B - 1)
     assert all(a == b for a, b in steps), steps
     hs, hk = hidden[id(sdpa)], hidden[id(kern)]
     assert len(hs) == len(hk) == len(steps)
@@ -249,7 +235,8 @@ def test_rope_and_act_kernels_match_eager_passes(target, dtype, flag, monkeypatc
         assert calls and _same(*got, exact)
 
 
-def test_rope_act_and_attention_kernels_static_steps_match_eager(target, monkeypatch):
+def test_rope_act_and_attention_kernels_static_steps_match_eager(target, monkeypatch,
+                                                                 drive_drafters):
     """DFlashBlockDrafter(static=True) steps (eager first step, then static steps with padded context rows, the
     CUDA-graphed shape) with the RoPE, activation and attention kernels all on draft the eager network's tokens."""
     eager = _net(5)
@@ -262,7 +249,7 @@ def test_rope_act_and_attention_kernels_static_steps_match_eager(target, monkeyp
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(64, eager.fc.in_features, generator=g)
     ids = torch.randint(0, 90, (64,), generator=g).tolist()
-    steps = _drive(drafters, feats, ids, [1, 5, 3], 4)
+    steps = drive_drafters(drafters, feats, ids, [1, 5, 3], 4)
     assert all(a == b for a, b in steps), steps
     for a, b in zip(hidden[id(eager)], hidden[id(fast)], strict=True):
         assert (a - b).abs().max().item() < 1e-4
