@@ -195,9 +195,9 @@ def gemm_parity(out: dict) -> None:
             print(name, case, row, flush=True)
         del cases
         torch.cuda.empty_cache()
-    scratch = gemv_fused_module._SCRATCH.get(torch.device("cuda", torch.cuda.current_device()))
-    out["gemm_split_k_used"] = scratch is not None  # some shape let the autotuner try split-K
-    out["gemm_split_k_counters_zero"] = scratch is None or bool((scratch[1] == 0).all())
+    counters = gemv_fused_module._SPLIT_COUNTERS.get(torch.device("cuda", torch.cuda.current_device()))
+    out["gemm_split_k_used"] = counters is not None  # some shape let the autotuner try split-K
+    out["gemm_split_k_counters_zero"] = counters is None or bool((counters == 0).all())
 
 
 def _picked_config() -> str | None:

@@ -102,23 +102,23 @@ def test_decode_attention_one_launch_counters_grow_eagerly_only(monkeypatch):
     """One buffer per device, grown (never shrunk) to B * Hkv; growing under CUDA graph capture is an error; a
     counter left non-zero shifts who merges, so the merge really depends on the count (not on program order)."""
     from specpilot.kernels import decode_attention as da
+    from specpilot.kernels import scratch
 
     g = torch.Generator().manual_seed(3)
     q, pos = torch.randn(3, 4, 2, 16, generator=g), torch.tensor([[40, 41], [10, 11], [62, 63]])
     k, v = torch.randn(3, 2, 64, 16, generator=g), torch.randn(3, 2, 64, 16, generator=g)  # GQA: 2 heads a group
-    monkeypatch.setattr(da, "_COUNTERS", {})
-    monkeypatch.setattr(da, "_RETIRED", [])
+    monkeypatch.setattr(da, "_COUNTERS", scratch.DeviceBuffers("test counters", torch.int32))
     want = da.decode_attention_reference(q, k, v, pos)
     got = da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)
     small = da._COUNTERS[q.device]
     assert small.numel() == 2 and (got - want[:1]).abs().max().item() < 1e-4
-    monkeypatch.setattr(da, "_capturing", lambda device: True)
+    monkeypatch.setattr(scratch, "capturing", lambda device: True)
     da.decode_attention(q[:1], k[:1], v[:1], pos[:1], split_s=16, block_s=16, one_launch=True)  # fits: no growth
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
         da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)  # 6 counters needed
-    monkeypatch.setattr(da, "_capturing", lambda device: False)
+    monkeypatch.setattr(scratch, "capturing", lambda device: False)
     got = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
-    assert da._COUNTERS[q.device].numel() == 6 and da._RETIRED == [small]
+    assert da._COUNTERS[q.device].numel() == 6 and da._COUNTERS.retired == [small]
     assert (got - want).abs().max().item() < 1e-4 and not da._COUNTERS[q.device].any()
     # as if a slice had already arrived: the second of (b 0, hk 0)'s three slices merges while the third's partial
     # is not written yet (new queries: a partial left in reused memory by the call above would be wrong too)

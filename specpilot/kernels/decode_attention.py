@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from specpilot.kernels.scratch import DeviceBuffers
+
 try:
     import triton
     import triton.language as tl
@@ -236,31 +238,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the one-launch path's arrival counters, all zero
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers, kept alive: a CUDA graph captured earlier still uses one
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+# the one-launch path's arrival counters: one zero buffer per device, shared by every call (kernels/scratch.py)
+_COUNTERS = DeviceBuffers("decode_attention(one_launch=True) arrival counters", torch.int32)
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """>= n zero int32 counters on `device` [n'], shared by every call (every layer) on that device.
-
-    Not allocated per call: an allocation and memset inside a CUDA graph would be one more launch. Sharing is safe
-    because launches on one stream run in order and each launch's merging programs reset their counters to zero
-    before it ends. Two streams of one device must NOT run the one-launch kernel concurrently (their programs
-    would count on the same counters). Grown only eagerly: the engine runs a step eagerly before capturing it."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if _capturing(device):
-            raise RuntimeError(f"decode_attention(one_launch=True) needs {n} arrival counters on {device} but has "
-                               f"{0 if buf is None else buf.numel()}, and cannot allocate them during CUDA graph "
-                               "capture: run the same shapes once eagerly before capturing")
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[device] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
+    """>= n zero int32 counters on `device`, shared by every call (every layer) on that device: each launch's
+    merging programs reset theirs before it ends. Grown only eagerly (kernels/scratch.py says why)."""
+    return _COUNTERS.at_least(device, n)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -58,13 +58,13 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.kernels.rmsnorm import rmsnorm_reference
+from specpilot.kernels.scratch import DeviceBuffers
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from specpilot.kernels.decode_attention import _capturing  # whether a CUDA graph is being captured
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
 except ImportError:  # CPU-only installs: the reference path only
@@ -482,32 +482,16 @@ def _split_k_sizes(out_n: int, K: int, has_norm: bool, silu: bool, interpret_spl
     return floats, max(triton.cdiv(out_n, bn) for bn, _ in tiles)
 
 
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: split-K partials, counters
-_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive: a CUDA graph captured earlier still uses them
+# split-K's fp32 partials and arrival counters: one zero buffer each per device, shared by every call (every layer;
+# kernels/scratch.py says why and what that asks of streams and graph capture)
+_PARTIALS = DeviceBuffers("gemv_fused split-K partials", torch.float32)
+_SPLIT_COUNTERS = DeviceBuffers("gemv_fused split-K arrival counters", torch.int32)
 
 
 def split_k_scratch(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The M-row kernel's split-K buffers on `device`: >= `floats` fp32 partials and >= `counters` int32 arrival
-    counters (all zero), shared by every call (every layer) on that device, as decode_attention.py's `_counters`.
-
-    Not allocated per call: an allocation (and the counters' memset) inside a CUDA graph would be more launches.
-    Sharing is safe because launches on one stream run in order (a PDL launch waits for its predecessor before
-    touching memory) and each launch's merging programs zero their counters before it ends. Two streams of one
-    device must NOT run split-K M-row GEMVs concurrently. Grown only eagerly: the engine runs (and the autotuner
-    tunes) a step eagerly before capturing it."""
-    ws, cnt = _SCRATCH.get(device, (None, None))
-    if ws is None or ws.numel() < floats or cnt.numel() < counters:
-        if _capturing(device):
-            raise RuntimeError(f"gemv_fused: split-K needs {floats} partials and {counters} counters on {device} "
-                               "and cannot allocate them during CUDA graph capture: run the same shapes once "
-                               "eagerly before capturing")
-        if ws is not None:
-            _RETIRED.extend((ws, cnt))
-            floats, counters = max(floats, ws.numel()), max(counters, cnt.numel())
-        ws = torch.empty(floats, dtype=torch.float32, device=device)
-        cnt = torch.zeros(counters, dtype=torch.int32, device=device)
-        _SCRATCH[device] = ws, cnt
-    return ws, cnt
+    counters (zero: each launch's merging programs reset theirs before it ends)."""
+    return _PARTIALS.at_least(device, floats), _SPLIT_COUNTERS.at_least(device, counters)
 
 
 def _register_op():
