@@ -311,7 +311,7 @@ class DFlashDrafter(nn.Module):
         z-lab names (dflash_io.save_dflash saves an unfused copy); training never fuses."""
         for layer in self.layers:
             for module in (layer.self_attn, layer.mlp):
-                module.fuse() if on else module.unfuse()
+                (module.fuse if on else module.unfuse)()
         return self
 
     @property
