@@ -75,12 +75,11 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
     from specpilot.models.dense import kernel_op
 
     packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
+    prenorm = PRENORM_12BIT if packed is not None else PRENORM_ROWS and x2.shape[0] > 1
+    if prenorm and norm_weight is not None:  # one RMSNorm launch, then a norm-free GEMV
+        x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
     if packed is not None:
-        if PRENORM_12BIT and norm_weight is not None:
-            x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
         return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act)
-    if PRENORM_ROWS and norm_weight is not None and x2.shape[0] > 1:
-        x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None  # [M, K], then a norm-free GEMV
     return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
 
 
