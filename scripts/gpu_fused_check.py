@@ -116,6 +116,10 @@ def gemv_parity(out: dict, only12: bool = False) -> None:
                  "gate_up_norm_silu": (x, w(2 * I, H), dict(norm_weight=nw, eps=1e-6, act="silu_mul")),
                  "down_residual": (torch.randn(1, I, device="cuda", dtype=torch.bfloat16), w(H, I), dict(residual=x)),
                  "lm_head": (x, w(c.vocab_size, H), dict())}
+        # the same qkv / gate_up without the norm prologue: what a GEMV reading an already-normed x (a separate
+        # RMSNorm launch, or the previous GEMV's epilogue) streams
+        cases["qkv_bias_nonorm"] = (x, cases["qkv_norm_bias"][1], dict(bias=cases["qkv_norm_bias"][2]["bias"]))
+        cases["gate_up_silu_nonorm"] = (x, cases["gate_up_norm_silu"][1], dict(act="silu_mul"))
         for case, (xi, wi, kw) in cases.items():
             want = gemv_fused_reference(xi, wi, **kw)
             row = {}
