@@ -44,6 +44,10 @@ few ulp (a 1-ulp flip of a normed input moves the dot product by that much). In 
 are tl.dot's: 16-bit operands go in as they are (exact products, fp32 sums, as cuBLAS's nn.Linear); fp32 operands
 with input_precision="ieee", so a GPU does not round them to TF32.
 
+Norm epilogue (`out_norm_weight`, both kernels and split-K; kernels/norm_epilogue.py says why and how): the launch
+also writes RMSNorm(y) for the GEMV that reads y next, computed by the last program to finish (NORM_OUT, a
+constexpr: without it no atomic is compiled and the kernels are as before).
+
 `gemv_fused_reference` is the plain-PyTorch twin built from the eager ops themselves (tests check it equals the
 dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused" (split-K
 leaves its counters at zero, as they began: no state torch.compile would need to know of).

@@ -26,6 +26,11 @@ are launches of their own here (kernels/rmsnorm.py, then norm-free GEMVs: `PRENO
 was the H200's bottleneck; same numbers): nine launches a layer. The attention writes its output token-major, so
 o_proj reads it as [T, H * D] without a copy.
 
+With EngineConfig.norm_epilogue (DenseLM.use_norm_epilogue, kernels/norm_epilogue.py) the residual GEMVs also
+write the norm the next GEMV reads: o_proj's the post-attention norm, down's the next layer's input norm (the final
+norm after the last layer), so qkv, gate_up and the LM head run norm-free; a block's layer is seven launches, and
+only layer 0's input norm keeps its launch (or prologue). Same numbers.
+
 Both apply under the positional mask only; prefill of more than 16 tokens, batches and custom masks (trees) keep
 the regular path. Needs fused projections (qkv_proj, gate_up_proj). With EngineConfig.lossless12 the one-token
 GEMVs (and the LM head's) read lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py):
