@@ -20,7 +20,8 @@ fusedverify --tokens=1,16` compares the T = 16 step of both); "fusednormepi" is 
 (EngineConfig.norm_epilogue: o_proj / down GEMVs also write the next norm, so qkv, gate_up and the LM head run
 norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=fusedverify,fusednormepi`), and
 "fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue); median of
-100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
+100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
+stdout line: one JSON object.
 """
 
 from __future__ import annotations
