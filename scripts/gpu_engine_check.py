@@ -5,7 +5,8 @@ On a random-weight model (fp32, so every path must give identical greedy tokens)
 AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
-programmatic dependent launch, dflash, batch).
+programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs, dflash, batch,
+lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
 """
@@ -24,8 +25,9 @@ from specpilot.engine import Engine, build_drafter
 from specpilot.models import random_model
 
 
-SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "dflash", "adaptive", "batch",
-            "lossless12")  # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
+# lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
+SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue", "dflash",
+            "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -157,6 +159,15 @@ def main(only: tuple[str, ...] = ()) -> int:
         print("ar_lossless12", result["ar_lossless12"], flush=True)
         if not exact:
             problems.append("lossless12_weights_not_exact")
+        # with the norm epilogue (EngineConfig.norm_epilogue): the 12-bit qkv / gate_up GEMVs without their norm
+        # prologue, o_proj / down (12-bit too) writing the norms. The sum of squares may take another order on the
+        # GPU (another launch's layout), so as above: recorded against the 12-bit steps without it, not a problem
+        e = [Engine(copy.deepcopy(w12).use_norm_epilogue(), c.with_(norm_epilogue=True)).generate(p).output_ids
+             for p in prompts]
+        agree = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), len(u)) for u, v in zip(b, e)]
+        result["ar_lossless12_norm_epilogue"] = {"tokens_before_first_difference": agree}
+        print("ar_lossless12_norm_epilogue", result["ar_lossless12_norm_epilogue"], flush=True)
+
     def pdl_launch():
         # the fused one-token path's kernels launched with programmatic dependent launch (kernels/pdl.py,
         # EngineConfig.pdl): each may start while the one before it drains and waits in-kernel, so a kernel that
@@ -187,6 +198,37 @@ def main(only: tuple[str, ...] = ()) -> int:
                    [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p) for p in prompts])
         finally:
             pdl.set_enabled(False)
+
+    def norm_epilogue():
+        # the fused layer's residual GEMVs also write the norm the next GEMV reads (EngineConfig.norm_epilogue,
+        # kernels/norm_epilogue.py: the last program of a launch normalizes the finished rows). A row read before
+        # another program's slice was visible, or a counter left non-zero (graph replays reuse it), shows as other
+        # tokens: graphed AR (against eager AR, and against graphed AR without it), eager AR, n-gram speculation
+        # (fused verify blocks of up to 5 and 16 tokens: the M-row kernel, split-K at down_proj), a small drafter
+        # (its one-token passes) and a random DFlash drafter's 8-token blocks
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        epi = copy.deepcopy(fast).use_norm_epilogue()
+        off_cfg = base.with_(fused_verify=True)
+        on_cfg = off_cfg.with_(norm_epilogue=True)
+        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
+        on = [Engine(epi, on_cfg).generate(p) for p in prompts]
+        record("ar_norm_epilogue", on)
+        same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
+        result["ar_norm_epilogue_equals_off"] = {"equal": same}
+        print("ar_norm_epilogue_equals_off", result["ar_norm_epilogue_equals_off"], flush=True)
+        if not same:
+            problems.append("ar_norm_epilogue_equals_off")
+        ngram_on, model = on_cfg.with_(drafter_kind="ngram"), on_cfg.with_(drafter_kind="model")
+        same_tokens((("ar_norm_epilogue_eager", on_cfg.with_(cuda_graphs=False), epi),
+                     ("spec_ngram_norm_epilogue", ngram_on, epi),
+                     ("spec_ngram_norm_epilogue_eager", ngram_on.with_(cuda_graphs=False), epi),
+                     ("spec_ngram16_norm_epilogue", ngram_on.with_(num_draft_tokens=15), epi)))
+        drafter = copy.deepcopy(other).use_fused_decode().use_fused_verify().use_norm_epilogue()
+        record("spec_other_norm_epilogue", [Engine(epi, model, build_drafter(model, drafter, epi)).generate(p)
+                                            for p in prompts])
+        c = on_cfg.with_(drafter_kind="dflash", num_draft_tokens=7)
+        record("spec_dflash_norm_epilogue", [Engine(epi, c, build_drafter(c, dflash_net(), epi)).generate(p)
+                                             for p in prompts])
 
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
@@ -236,7 +278,8 @@ def main(only: tuple[str, ...] = ()) -> int:
                 problems.append(name)
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
-              "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch, "dflash": dflash,
+              "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
+              "norm_epilogue": norm_epilogue, "dflash": dflash,
               "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

@@ -16,8 +16,12 @@ dependent launch (kernels/pdl.py, EngineConfig.pdl; its `_pdl_on` entry says whe
 "fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
 model's estimate costmodel/gaps.py PDL_GAP_FACTOR); "fusedverify" is "fuseddecode" with its 2-16-token steps through the
 same fused layer at T rows too (EngineConfig.fused_verify: M-row GEMVs, split-KV attention; `--variants=fuseddecode,
-fusedverify --tokens=1,16` compares the T = 16 step of both); median of 100 replays timed with CUDA events. Floors from
-the cost model with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
+fusedverify --tokens=1,16` compares the T = 16 step of both); "fusednormepi" is "fusedverify" with the norm epilogue
+(EngineConfig.norm_epilogue: o_proj / down GEMVs also write the next norm, so qkv, gate_up and the LM head run
+norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=fusedverify,fusednormepi`), and
+"fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue); median of
+100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
+stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def median_ms(fn, repeats=100) -> float:
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
-               "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify"}
+               "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify", "fused_normepi": "_fusednormepi",
+               "fused12_normepi": "_fused12normepi"}
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
@@ -63,7 +68,7 @@ def main(shapes, flags=()) -> int:
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
-                    (True, False), (True, True)]
+                    (False, "fused_normepi"), (False, "fused12_normepi"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -72,14 +77,18 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            every = kernel in ("all", "all_gemv", "fused", "fused12", "fused12pre", "fused_pdl", "fused_verify")
+            fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify", "fused_normepi",
+                               "fused12_normepi")
+            twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
+            every = kernel in ("all", "all_gemv") or fused
             model.use_attention_kernel(bool(kernel))
             model.use_norm_kernel(every).use_rope_kernel(every)
             model.use_act_kernel(every).use_add_norm_kernel(every)
             model.use_gemv_kernel(kernel == "all_gemv")
-            model.use_fused_decode(kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify"))
-            model.use_fused_verify(kernel == "fused_verify")  # T = 2..16 rows through the fused layer as well
-            model.use_lossless12(kernel in ("fused12", "fused12pre"))
+            model.use_fused_decode(fused)
+            model.use_fused_verify(kernel in ("fused_verify", "fused_normepi"))  # T = 2..16 rows fused as well
+            model.use_norm_epilogue(kernel in ("fused_normepi", "fused12_normepi"))  # the norms from the GEMVs
+            model.use_lossless12(twelve)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
             if kernel == "fused_pdl":
@@ -95,7 +104,7 @@ def main(shapes, flags=()) -> int:
                 floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3  # (bytes only: any kernel flags)
                 key = f"{'compiled' if compiled else 'graphed'}{_KERNEL_TAG[kernel]}_T{T}"
                 res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
-                if kernel in ("fused12", "fused12pre") and T == 1:  # the 16-bit floor above; this one counts the bytes it reads
+                if twelve and T == 1:  # the 16-bit floor above; this one counts the bytes it reads
                     f12 = pass_floor_s(forward_cost(cfg, 1, 512, fused_decode=True, lossless12=True), hw) * 1e3
                     res[key].update({"floor12_ms": round(f12, 4), "over_floor12": round(ms / f12, 3)})
                 print(name, key, res[key], f"setup {setup:.1f}s", flush=True)

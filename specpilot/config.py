@@ -97,6 +97,14 @@ class EngineConfig:
     # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
     # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
     # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl)
+    norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
+    # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
+    # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
+    # finished rows (kernels/norm_epilogue.py). So qkv, gate_up and the LM head run norm-free: a verify block loses
+    # its two RMSNorm launches a layer (9 -> 7; ~1.3 us of graphed gap + latency each), every fused pass the final
+    # norm's launch, and a one-token step the per-program norm prologues (the 12-bit GEMVs streamed 2.5-2.7 TB/s
+    # with one vs 3.8-3.9 without). Same numbers (rmsnorm.py's rounding). Off until measured on the H200
+    # (scripts/gpu_step_timing.py --variants=fusedverify,fusednormepi; gpu_engine_check.py --only=norm_epilogue)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
@@ -142,6 +150,8 @@ class EngineConfig:
             raise ConfigError(f"adaptive_max_plain must be >= 1, got {self.adaptive_max_plain}")
         if not isinstance(self.fused_verify, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
+        if not isinstance(self.norm_epilogue, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"norm_epilogue must be true or false, got {self.norm_epilogue!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

@@ -3,9 +3,10 @@
 Run as a script, without TRITON_INTERPRET (the interpreter replaces `triton.jit`, so nothing compiles under it):
 tests/test_pdl.py starts it in a subprocess. Prints one JSON object: kernel case -> for USE_PDL off and on, the PTX
 line numbers of `griddepcontrol.launch_dependents`, `griddepcontrol.wait`, the first global load / store / atomic,
-the first branch or basic-block label, and the compiled `launch_pdl` option. The wait is provably before every
-global memory access when it sits in the entry block (before any branch or block label) and every access is
-textually after it: accesses in the entry block follow it, and every other block runs after the entry block.
+the first branch or basic-block label, the compiled `launch_pdl` option, the atomics and the ".cg" loads. The wait
+is provably before every global memory access when it sits in the entry block (before any branch or block label)
+and every access is textually after it: accesses in the entry block follow it, and every other block runs after
+the entry block.
 """
 
 from __future__ import annotations
@@ -25,11 +26,18 @@ def _signature(fn, consts: dict, types) -> dict:
 
 def _cases():
     from specpilot.kernels import decode_attention as da
+    from specpilot.kernels import gemv12 as g12
     from specpilot.kernels import gemv_fused as gf
     from specpilot.kernels import rope_write as rw
 
-    def gemv_types(n):
-        return "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+    def gemv_types(n):  # (ocnt_ptr: the norm epilogue's arrival counter, kernels/norm_epilogue.py)
+        return "*i32" if n == "ocnt_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n in ("eps", "out_eps") \
+            else "i32"
+
+    def gemv12_types(n):  # the 12-bit planes and exception lists (formats/lossless12.py Packed12)
+        ptr = {"lo_ptr": "*i32", "c_ptr": "*i32", "tab_ptr": "*u8", "ep_ptr": "*i32", "ec_ptr": "*i32",
+               "ev_ptr": "*fp32"}
+        return ptr.get(n) or gemv_types(n)
 
     def rope_types(n):
         return "*i64" if n == "pos_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
@@ -39,10 +47,13 @@ def _cases():
         return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
 
     gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
-                BLOCK_K=256, PAIRED=False)
+                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1)
     yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemv_types
     yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
+    # the norm epilogue (EngineConfig.norm_epilogue): its arrival atomic, row loads and counter reset after the wait
+    norm_out = {"HAS_RES": True, "NORM_OUT": True, "OUT_P2": 2048}
+    yield "gemv_residual_norm_out", gf._gemv_fused_kernel, {**gemv, **norm_out}, gemv_types
     yield "gemv_norm_silu_mul", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True}, \
         gemv_types
     yield "gemv_norm_silu_mul_paired", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
@@ -60,6 +71,11 @@ def _cases():
     # split-K (down_proj + residual): partial stores, the arrival atomic and the counter reset after the wait too
     yield "gemm_residual_split_k", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4}, \
         gemm_types
+    yield "gemm_residual_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out}, gemm_types
+    yield "gemm_residual_split_k_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out, "BLOCK_N": 16,
+                                                                    "SPLIT_K": 4}, gemm_types
+    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K")} | dict(BLOCK_G=64, EXC_BLOCK=16)
+    yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
                                                                UPCAST=False, SPLITS_P2=32), attn_types
@@ -88,6 +104,10 @@ def report() -> dict:
                 "first_global_access": _first(lines, GLOBAL_ACCESS.pattern),
                 "first_branch": _first(lines, BRANCH.pattern),
                 "launch_pdl": bool(compiled.metadata.launch_pdl),
+                # (the norm epilogue's, tests/test_pdl.py: its arrival atomic and L2-only row loads, and none
+                # where it is off)
+                "atomics": sorted({m.group(0) for m in re.finditer(r"\batom\.[\w.]+", "\n".join(lines))}),
+                "cg_loads": sum(1 for line in lines if re.search(r"\bld\.global\.cg\b", line)),
             }
     return out
 

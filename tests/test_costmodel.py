@@ -707,6 +707,46 @@ def test_fused_verify_prices_2_to_16_token_passes_at_nine_launches_a_layer():
         cfg, None, prof, FAKE_HW, kind="ngram", now=new, new=now)
 
 
+def test_norm_epilogue_prices_fused_passes_without_their_norm_launches():
+    """EngineConfig.norm_epilogue: a fused verify block's layer is 7 launches instead of 9 (its two RMSNorms come out
+    of the residual GEMVs), layer 0's input norm stays one launch a pass, and every fused pass (one token too) loses
+    the final norm's launch; bytes and PDL launches unchanged; passes off the fused path are unchanged."""
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.shapes import draft_kernel_flags, kernel_flags
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+    from specpilot.loop import _knobs
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    L = cfg.num_hidden_layers
+    flags = dict(fused=True, norm_kernel=True, rope_kernel=True, fused_decode=True, fused_verify=True)
+    for T in (2, 16):
+        off, on = forward_cost(cfg, T, 512, **flags), forward_cost(cfg, T, 512, **flags, norm_epilogue=True)
+        assert off.num_kernels - on.num_kernels == 2 * L  # 2 L norm launches + the final norm, - layer 0's input
+        assert on.num_kernels == 7 * L + 1 + (1 + 7 + 1 + 1) and on.num_linear_kernels == off.num_linear_kernels
+        assert dataclasses.replace(on, num_kernels=off.num_kernels) == off  # only the launches change
+        assert forward_cost(cfg, T, 512, **flags, pdl=True, norm_epilogue=True).num_pdl_kernels == 5 * L
+    one_off, one_on = (forward_cost(cfg, 1, 512, **flags, norm_epilogue=e) for e in (False, True))
+    assert one_off.num_kernels - one_on.num_kernels == 1 and one_on.num_eager_kernels == 0
+    eager_final = dict(flags, norm_kernel=False)  # the final norm as 8 eager kernels: those go
+    assert forward_cost(cfg, 1, 512, **eager_final).num_kernels - forward_cost(
+        cfg, 1, 512, **eager_final, norm_epilogue=True).num_kernels == 8
+    for T, kw in ((1, dict(fused=True)), (17, flags), (5, dict(flags, compiled=True))):  # not a fused pass
+        assert forward_cost(cfg, T, 512, **kw, norm_epilogue=True) == forward_cost(cfg, T, 512, **kw)
+    assert kernel_flags(EngineConfig(norm_epilogue=True))["norm_epilogue"]
+    assert not kernel_flags(EngineConfig())["norm_epilogue"]
+    assert "norm_epilogue" not in draft_kernel_flags(EngineConfig(norm_epilogue=True))
+    assert _knobs(EngineConfig(norm_epilogue=True)).norm_epilogue
+    assert engine_fields(EngineConfig(norm_epilogue=True))["norm_epilogue"]
+    prof = StepProfile(draft_s=1e-4, verify_s=3.0e-3, accept_s=2e-4, other_s=2e-4, tau=3.0, num_draft_tokens=15,
+                       drafter_passes=0, context_len=600, fused_decode=True, fused_verify=True)
+    now = StepKnobs(15, fused=True, attention_kernel=True, norm_kernel=True, rope_kernel=True, fused_decode=True,
+                    fused_verify=True)
+    new = dataclasses.replace(now, norm_epilogue=True)
+    assert predicted_gain(cfg, None, prof, FAKE_HW, kind="ngram", now=now, new=new) > 1.0 > predicted_gain(
+        cfg, None, prof, FAKE_HW, kind="ngram", now=new, new=now)
+
+
 def test_lossless12_prices_one_token_fused_passes_at_three_quarters_of_the_weight_bytes():
     from specpilot.costmodel import forward_cost, synthetic_config
 

@@ -270,7 +270,8 @@ def test_compiled_kernels_wait_before_their_first_global_access():
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
             "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
-            "attention_one_launch"} <= set(report)
+            "attention_one_launch", "gemv_residual_norm_out", "gemm_residual_norm_out",
+            "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -278,3 +279,10 @@ def test_compiled_kernels_wait_before_their_first_global_access():
         assert on["launch_dependents"] is not None and on["wait"] is not None, name
         assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
         assert on["first_branch"] is None or on["wait"] < on["first_branch"], (name, on)
+        # the norm epilogue (kernels/norm_epilogue.py): its acq_rel arrival at gpu scope and ".cg" row loads where
+        # it is on; no atomic at all in the GEMVs without it and without split-K (the default paths)
+        for case in (off, on):
+            if name.endswith("_norm_out"):
+                assert "atom.global.gpu.acq_rel.add.u32" in case["atomics"] and case["cg_loads"] > 0, (name, case)
+            elif name.startswith(("gemv", "gemm")) and "split_k" not in name:
+                assert case["atomics"] == [] and case["cg_loads"] == 0, (name, case)

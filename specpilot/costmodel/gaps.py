@@ -113,6 +113,7 @@ class StepProfile:
     fused_verify: bool = False  # with it, 2-16-token passes in nine launches a layer (EngineConfig.fused_verify)
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
+    norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)

@@ -53,6 +53,11 @@ _FUSED_DECODE_HEAD_KERNELS = 1 + 7 + 1 + 1
 # cuBLAS's GEMM, no mask). Bytes as for any pass: the M-row GEMVs read each weight once for all T rows, the
 # activations count T rows (the normed copies, T rows of H twice a layer, are not counted: ~1e-4 of the weights)
 _FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3 + 2
+# norm_epilogue (kernels/norm_epilogue.py), with a fused pass: the residual GEMVs also write the norm the next GEMV
+# reads, so a block's two RMSNorm launches a layer go (9 -> 7; layer 0's input norm stays: one launch a pass) and
+# every fused pass loses the final norm (the last down GEMV writes it). A one-token layer keeps its six (its norms
+# were GEMV prologues: what it gains, norm-free GEMVs streaming faster, is not priced here)
+_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
 # pdl (kernels/pdl.py), with fused_decode: the six launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
 # RoPE + K/V write a layer (its two RMSNorms, the split-KV attention pair and the cuBLAS LM head launch without)
@@ -160,7 +165,7 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
-                "lossless12", "pdl")
+                "lossless12", "pdl", "norm_epilogue")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -170,9 +175,9 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
     """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode,
-    fused_verify, lossless12 or pdl, which are the dense model's), for dflash_pass_cost."""
+    fused_verify, lossless12, pdl or norm_epilogue, which are the dense model's), for dflash_pass_cost."""
     return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "fused_verify",
-                                                                    "lossless12", "pdl")}
+                                                                    "lossless12", "pdl", "norm_epilogue")}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,
@@ -221,15 +226,16 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
-                 lossless12: bool = False, pdl: bool = False) -> PassCost:
+                 lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
     Triton launch), `rope_kernel` (a layer's RoPE one launch), `act_kernel` and `add_norm_kernel` (see
     kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py),
     `fused_verify` (with fused_decode) a 2-16-token pass's; `lossless12` (with fused_decode) a one-token pass's
-    weight bytes: the projections and the LM head read 12-bit copies; and `pdl` (with fused_decode) marks the fused
-    passes' Triton launches as launched with PDL (`num_pdl_kernels`)."""
+    weight bytes: the projections and the LM head read 12-bit copies; `pdl` (with fused_decode) marks the fused
+    passes' Triton launches as launched with PDL (`num_pdl_kernels`); and `norm_epilogue` takes a fused pass's
+    norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -241,10 +247,14 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     pdl_kernels = 0
     if one_token_fused or block_fused:  # six (nine) launches a layer, the head without a mask
         L = cfg.num_hidden_layers
-        final_norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
+        norms = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS  # the final norm's
         per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS
-        kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + final_norm, L * _FUSED_LINEARS_PER_LAYER + 1)
         eager = 0 if norm_kernel else _NORM_KERNELS
+        if norm_epilogue:  # the final norm comes out of the last down GEMV; a block keeps layer 0's input norm
+            eager = 0
+            norms = _NORM_KERNEL_LAUNCHES if block_fused else 0
+            per_layer = _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS if block_fused else per_layer
+        kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + norms, L * _FUSED_LINEARS_PER_LAYER + 1)
         if pdl:
             pdl_kernels = (L * _PDL_KERNELS_PER_LAYER + _PDL_HEAD_KERNELS if one_token_fused
                            else L * _PDL_VERIFY_KERNELS_PER_LAYER)

@@ -85,6 +85,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("fused_verify needs fused_decode (and the fused_projections it reads): verify steps keep "
                           "the regular path", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "norm_epilogue"):  # the fused layer's GEMVs: with it or not at all
+        if model.fused_decode or model.fused_verify:
+            model.use_norm_epilogue()
+        else:
+            warnings.warn("norm_epilogue needs fused_decode (and the fused_projections it reads): the norms keep "
+                          "their own launches", RuntimeWarning, stacklevel=2)
     if model.fused_decode and _kernel_on(config, "lossless12"):
         if model.lm_head.weight.dtype == torch.bfloat16:
             model.use_lossless12()

@@ -26,12 +26,14 @@ import torch
 
 from specpilot.formats.lossless12 import Packed12, unpack
 from specpilot.kernels.gemv_fused import _check, gemv_fused_reference
+from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
 
 try:
     import triton
     import triton.language as tl
 
     from specpilot.kernels.gemv_fused import _epilogue, _norm_h, _norm_rstd
+    from specpilot.kernels.norm_epilogue import norm_rows_when_last
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -167,15 +169,16 @@ if triton is not None:
 
     @triton.jit
     def _gemv12_kernel(x_ptr, lo_ptr, c_ptr, tab_ptr, t0, t1, ep_ptr, ec_ptr, ev_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-                       N, K, CW, eps,
+                       N, K, CW, eps, on_ptr, onw_ptr, ocnt_ptr, out_eps,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                        SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EXC_BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+                       USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False, OUT_P2: tl.constexpr = 1):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
         lo_ptr / c_ptr: the planes as int32 words (K / 4 and CW = K / 8 a row); each K step takes BLOCK_G words
         of each half (4 BLOCK_G column pairs). USE_PDL: as gemv_fused's (kernels/pdl.py): nothing is read or
-        written before the wait."""
+        written before the wait. NORM_OUT: as gemv_fused's (kernels/norm_epilogue.py): the last program to finish
+        also writes on = RMSNorm(y; onw, out_eps)."""
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -210,6 +213,8 @@ if triton is not None:
             u = _exceptions(tl.sum(acc_up, axis=1), N + n0, n_rows, BLOCK_N, ep_ptr, ec_ptr, ev_ptr, x_ptr, nw_ptr,
                             rstd, dt, HAS_NORM, ON_GPU, EXC_BLOCK)
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+        if NORM_OUT:
+            norm_rows_when_last(y_ptr, N, 1, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr, tl.num_programs(0), OUT_P2)
 
     # 28 choices (a K step covers 8 BLOCK_G = 2 bj columns: bj = 256 moves as many weights as gemv_fused's 512)
     _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_G": bj // 4, "EXC_BLOCK": 16}, num_warps=w, num_stages=s)
@@ -219,17 +224,18 @@ if triton is not None:
     if _INTERPRET:
         _kernel = _gemv12_kernel
     else:
-        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"])(
-            _gemv12_kernel)
+        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
+                                                         "NORM_OUT"])(_gemv12_kernel)
 
 
 def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-           act: str | None = None) -> torch.Tensor:
+           act: str | None = None, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6):
     """gemv_fused over a Packed12 matrix: y = act(RMSNorm(x) @ W^T + bias) (+ residual) for ONE bf16 row.
 
     Same contract as kernels/gemv_fused.gemv_fused (x [1, K], bias [N], norm_weight [K], residual [1, N], act None
-    or "silu_mul" over the fused gate+up matrix), all bf16. Static shapes, no host sync: safe in CUDA graphs."""
+    or "silu_mul" over the fused gate+up matrix; out_norm_weight [N]: the norm epilogue -> (y, RMSNorm(y))), all
+    bf16. Static shapes, no host sync: safe in CUDA graphs."""
     if triton is None:
         raise RuntimeError("gemv12 needs triton")
     if x.dtype != torch.bfloat16:
@@ -237,23 +243,25 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
     n, k = packed.shape
     shape_only = torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # the matrix as _check sees it
     K, out_n, act = _check(x, shape_only, bias, norm_weight, residual, act, max_rows=1)
+    check_out_norm(out_norm_weight, out_n, x.dtype, "gemv12")
     y = torch.empty(1, out_n, device=x.device, dtype=x.dtype)
+    normed, norm_args, norm_flags = out_norm_args(y, out_norm_weight, out_eps)
     t0, t1 = packed.words
     dummy = packed.exc_val
     args = (x, packed.lo.view(torch.int32), packed.codes.view(torch.int32), packed.table, t0, t1, packed.exc_ptr,
             packed.exc_col, packed.exc_val, dummy if bias is None else bias,
             dummy if norm_weight is None else norm_weight, dummy if residual is None else residual, y, out_n, K,
-            K // 8, float(eps))
+            K // 8, float(eps), *norm_args)
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
                  SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,
-                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1)
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, **norm_flags)
     if _INTERPRET:
         _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_G=8, EXC_BLOCK=4)
     else:
         pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on (kernels/pdl.py)
         _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, USE_PDL=pdl.use_pdl,
                                                                       **pdl.kwargs)
-    return y
+    return y if normed is None else (y, normed)
 
 
 def _register_op():
@@ -272,14 +280,34 @@ def _register_op():
         n = lo.shape[0] // 2 if act == "silu_mul" else lo.shape[0]
         return x.new_empty(1, n)
 
-    return gemv12_op
+    @torch.library.custom_op("specpilot::gemv12_normed", mutates_args=())
+    def gemv12_normed_op(x: torch.Tensor, lo: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, t0: int,
+                         t1: int, exc_ptr: torch.Tensor, exc_col: torch.Tensor, exc_val: torch.Tensor,
+                         bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                         residual: torch.Tensor | None, act: str, out_norm_weight: torch.Tensor,
+                         out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """gemv12 with the norm epilogue -> (y, RMSNorm(y))."""
+        packed = Packed12(lo, codes, table, exc_ptr, exc_col, exc_val, (lo.shape[0], lo.shape[1]), (t0, t1))
+        return gemv12(x, packed, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act,
+                      out_norm_weight=out_norm_weight, out_eps=out_eps)
+
+    @gemv12_normed_op.register_fake
+    def _(x, lo, codes, table, t0, t1, exc_ptr, exc_col, exc_val, bias, norm_weight, eps, residual, act,
+          out_norm_weight, out_eps):
+        n = lo.shape[0] // 2 if act == "silu_mul" else lo.shape[0]
+        return x.new_empty(1, n), x.new_empty(1, n)
+
+    return gemv12_op, gemv12_normed_op
 
 
-gemv12_op = _register_op() if triton is not None else None
+gemv12_op, gemv12_normed_op = _register_op() if triton is not None else (None, None)
 
 
-def gemv12_call(x: torch.Tensor, packed: Packed12, bias, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
-    """gemv12 through the custom op, in gemv_fused_op's argument order (models/fused_decode.py calls either)."""
+def gemv12_call(x: torch.Tensor, packed: Packed12, bias, norm_weight, eps: float, residual, act: str,
+                out_norm=None):
+    """gemv12 through the custom op, in gemv_fused_op's argument order (models/fused_decode.py calls either).
+    out_norm: None, or (weight, eps) of the norm epilogue -> (y, RMSNorm(y)) instead of y."""
     t0, t1 = packed.words
-    return gemv12_op(x, packed.lo, packed.codes, packed.table, t0, t1, packed.exc_ptr, packed.exc_col,
-                     packed.exc_val, bias, norm_weight, eps, residual, act)
+    args = (x, packed.lo, packed.codes, packed.table, t0, t1, packed.exc_ptr, packed.exc_col, packed.exc_val, bias,
+            norm_weight, eps, residual, act)
+    return gemv12_op(*args) if out_norm is None else gemv12_normed_op(*args, *out_norm)

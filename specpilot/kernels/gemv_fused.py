@@ -44,6 +44,10 @@ few ulp (a 1-ulp flip of a normed input moves the dot product by that much). In 
 are tl.dot's: 16-bit operands go in as they are (exact products, fp32 sums, as cuBLAS's nn.Linear); fp32 operands
 with input_precision="ieee", so a GPU does not round them to TF32.
 
+Norm epilogue (`out_norm_weight`, both kernels and split-K; kernels/norm_epilogue.py says why and how): the launch
+also writes RMSNorm(y) for the GEMV that reads y next, computed by the last program to finish (NORM_OUT, a
+constexpr: without it no atomic is compiled and the kernels are as before).
+
 `gemv_fused_reference` is the plain-PyTorch twin built from the eager ops themselves (tests check it equals the
 dense.py modules bit for bit); `gemv_fused_op` is the kernel as the torch custom op "specpilot::gemv_fused" (split-K
 leaves its counters at zero, as they began: no state torch.compile would need to know of).
@@ -57,6 +61,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.scratch import DeviceBuffers
 
@@ -66,6 +71,7 @@ try:
     from triton.language.extra import libdevice
 
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
+    from specpilot.kernels.norm_epilogue import norm_rows_when_last  # NORM_OUT (kernels/norm_epilogue.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -192,11 +198,12 @@ if triton is not None:
                        SILU_MUL, ON_GPU)
 
     @triton.jit
-    def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps,
-                           HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps, on_ptr, onw_ptr,
+                           ocnt_ptr, out_eps, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
+                           OUT_P2: tl.constexpr = 1):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -205,7 +212,11 @@ if triton is not None:
 
         USE_PDL (launched with PDL, kernels/pdl.py): let the next kernel launch now, then wait for the previous one
         before anything else. Nothing may be read or written before the wait: the predecessor may still be running
-        and may still read the buffer the allocator gave us as y (weights could be loaded early; not done here)."""
+        and may still read the buffer the allocator gave us as y (weights could be loaded early; not done here).
+
+        NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
+        on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
+        on / onw / ocnt pointers are never touched and no atomic is compiled."""
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -243,6 +254,8 @@ if triton is not None:
             if SILU_MUL:
                 u = tl.sum(acc_up, axis=1)
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+        if NORM_OUT:
+            norm_rows_when_last(y_ptr, N, 1, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr, tl.num_programs(0), OUT_P2)
 
     @triton.jit
     def _dot_acc(h, w, acc, ON_GPU: tl.constexpr):
@@ -290,10 +303,12 @@ if triton is not None:
 
     @triton.jit
     def _gemm_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                           stride_wn, stride_rm, stride_ym, eps, M_BUCKET, HAS_BIAS: tl.constexpr,
-                           HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                           ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                           stride_wn, stride_rm, stride_ym, eps, M_BUCKET, on_ptr, onw_ptr, ocnt_ptr, out_eps,
+                           HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                           SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                           USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
+                           OUT_P2: tl.constexpr = 1):
         """y[m, n] for rows m < M (2 <= M <= BLOCK_M) and this program's BLOCK_N columns n < N (N = I with
         SILU_MUL: gate row n, up row N + n).
 
@@ -304,7 +319,11 @@ if triton is not None:
         SPLIT_K > 1 (grid axis 1): this program sums only its chunk of K (SPLIT_K chunks, each a multiple of
         BLOCK_K), publishes the fp32 partial(s) to ws_ptr and counts in on cnt_ptr[n tile]; the last to arrive
         adds the SPLIT_K partials in the fixed order 0..SPLIT_K-1 (the numbers do not depend on which program is
-        last), runs the epilogue and zeroes the counter. SPLIT_K == 1: ws_ptr and cnt_ptr are never touched."""
+        last), runs the epilogue and zeroes the counter. SPLIT_K == 1: ws_ptr and cnt_ptr are never touched.
+
+        NORM_OUT: as `_gemv_fused_kernel`'s, over the M rows (on [M, N], row stride N); the programs that stored
+        output count in (all of them; with split-K each N tile's merging program, after its merge), so the last of
+        the whole launch normalizes finished rows."""
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -345,6 +364,9 @@ if triton is not None:
         if SPLIT_K == 1:
             _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL,
                            ON_GPU)
+            if NORM_OUT:
+                norm_rows_when_last(y_ptr, stride_ym, M, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr,
+                                    tl.num_programs(0), OUT_P2)
         else:
             pid_n = tl.program_id(0)
             tile = ws_ptr + pid_n * (SPLIT_K * (1 + SILU_MUL) * BLOCK_M * BLOCK_N)  # [SPLIT_K, 1 or 2, BM, BN]
@@ -361,6 +383,9 @@ if triton is not None:
                 # back to zero for the next launch (the next layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
                 tl.store(cnt_ptr + pid_n, 0)
+                if NORM_OUT:  # one merging program per N tile counts in
+                    norm_rows_when_last(y_ptr, stride_ym, M, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr,
+                                        tl.num_programs(0), OUT_P2)
 
     # two weight tiles per K step with silu_mul: the autotuner keys on the flags, so it may pick smaller tiles there
     # (ON_GPU: libdevice's expf and the hardware's round-to-nearest-even casts; the interpreter has neither)
@@ -400,10 +425,11 @@ if triton is not None:
         _kernel = _gemv_fused_kernel
         _gemm_kernel = _gemm_fused_kernel
     else:
-        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL"],
+        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
+                                                         "NORM_OUT"],
                                   prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
         _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
-                                                                   "SILU_MUL", "M_BUCKET"],
+                                                                   "SILU_MUL", "M_BUCKET", "NORM_OUT"],
                                        prune_configs_by={"early_config_prune": _gemm_prune})(_gemm_fused_kernel)
 
 
@@ -417,45 +443,53 @@ def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-               act: str | None = None) -> torch.Tensor:
+               act: str | None = None, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6):
     """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for M = 1..16 rows, in one launch.
 
     x [M, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps, per row);
     residual [M, N] unit stride along N (epilogue, not with act); act None or "silu_mul" (weight = fused gate+up
-    [2I, K], output [M, I]). All one dtype (fp32 / bf16 / fp16). -> a new [M, N] (or [M, I]) tensor in x's dtype.
+    [2I, K], output [M, I]). All one dtype (fp32 / bf16 / fp16). -> a new [M, N] (or [M, I]) tensor in x's dtype;
+    with out_norm_weight [N] (the norm epilogue, kernels/norm_epilogue.py) -> (y, RMSNorm(y; out_norm_weight,
+    out_eps)), the second the bits kernels/rmsnorm.py gives for y.
     M == 1 runs the one-row kernel, M >= 2 the tl.dot kernel. Static shapes, no host sync: safe inside CUDA graphs
-    (once autotuned outside capture)."""
+    (once autotuned outside capture, and with the norm epilogue run once eagerly: its counter is allocated then)."""
     if triton is None:
         raise RuntimeError("gemv_fused needs triton")
     K, out_n, act = _check(x, weight, bias, norm_weight, residual, act)
+    check_out_norm(out_norm_weight, out_n, x.dtype, "gemv_fused")
     M = x.shape[0]
     y = torch.empty(M, out_n, device=x.device, dtype=x.dtype)
+    normed, norm_args, norm_flags = out_norm_args(y, out_norm_weight, out_eps)
     ptrs = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual, y)  # unused pointers: dummies (the weight)
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
                  SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,
-                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl, **pdl.kwargs)
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl, **pdl.kwargs,
+                 **norm_flags)
     if M > 1:
-        _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps, flags)
-        return y
-    args = (*ptrs, out_n, K, weight.stride(0), float(eps))
-    if _INTERPRET:
-        _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
+        _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps,
+                     norm_args, flags)
     else:
-        _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
-    return y
+        args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args)
+        if _INTERPRET:
+            _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
+        else:
+            _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
+    return y if normed is None else (y, normed)
 
 
-def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, flags: dict) -> None:
-    """The M-row kernel (2 <= M <= 16) over gemv_fused's pointers (x, weight, bias, norm weight, residual, y)."""
+def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, norm_args: tuple,
+                 flags: dict) -> None:
+    """The M-row kernel (2 <= M <= 16) over gemv_fused's pointers (x, weight, bias, norm weight, residual, y) and
+    the norm epilogue's arguments (kernels/norm_epilogue.py `out_norm_args`)."""
     x, y = ptrs[0], ptrs[-1]
     ws = cnt = ptrs[1]  # no split-K: never touched (dummies)
     sizes = _split_k_sizes(out_n, K, flags["HAS_NORM"], flags["SILU_MUL"], INTERPRET_SPLIT_K if _INTERPRET else 0)
     if sizes is not None:
         ws, cnt = split_k_scratch(x.device, *sizes)
     args = (*ptrs, ws, cnt, M, out_n, K, x.stride(0), stride_wn, stride_rm, y.stride(0), float(eps),
-            triton.next_power_of_2(M))
+            triton.next_power_of_2(M), *norm_args)
     if _INTERPRET:  # BLOCK_N 16, BLOCK_K 64: the tests' N and K are not multiples of either
         _gemm_kernel[(triton.cdiv(out_n, 16), INTERPRET_SPLIT_K)](*args, **flags, BLOCK_M=MAX_ROWS, BLOCK_N=16,
                                                                   BLOCK_K=64, SPLIT_K=INTERPRET_SPLIT_K)
@@ -508,7 +542,20 @@ def _register_op():
         _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
         return x.new_empty(x.shape[0], out_n)
 
-    return gemv_fused_op
+    @torch.library.custom_op("specpilot::gemv_fused_normed", mutates_args=())
+    def gemv_fused_normed_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, act: str,
+                             out_norm_weight: torch.Tensor, out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """gemv_fused with the norm epilogue -> (y, RMSNorm(y)); the arrival counter ends at zero as it began."""
+        return gemv_fused(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act,
+                          out_norm_weight=out_norm_weight, out_eps=out_eps)
+
+    @gemv_fused_normed_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, residual, act, out_norm_weight, out_eps):
+        _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
+        return x.new_empty(x.shape[0], out_n), x.new_empty(x.shape[0], out_n)
+
+    return gemv_fused_op, gemv_fused_normed_op
 
 
-gemv_fused_op = _register_op() if triton is not None else None
+gemv_fused_op, gemv_fused_normed_op = _register_op() if triton is not None else (None, None)

@@ -48,6 +48,16 @@ if triton is not None:
         return v.to(dtype)
 
     @triton.jit
+    def _rmsnorm_row(x, w, N, eps, x_dtype: tl.constexpr, out_dtype: tl.constexpr):
+        """RMSNorm.forward of one row: x in fp32 [BLOCK] (lanes >= N zero), w the weight [BLOCK] -> the row in
+        out_dtype. One definition of the numbers for this kernel and for gemv_fused's norm epilogue
+        (kernels/norm_epilogue.py), so both give the same bits from the same row in the same block size."""
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # as torch.rsqrt (the mean's sum is a tree here)
+        y = _to_dtype(x * rstd, x_dtype)  # rounded to the input dtype first, as the eager module
+        out = y.to(tl.float32) * w.to(tl.float32)  # exact in fp32 for 16-bit operands: one rounding below
+        return _to_dtype(out, out_dtype)
+
+    @triton.jit
     def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, x_head_stride, HEADS, N, eps, BLOCK: tl.constexpr):
         # row r of x is (r // HEADS, r % HEADS) of a [rows / HEADS, HEADS, N] view: HEADS = 1 for one row stride
         row = tl.program_id(0).to(tl.int64)
@@ -55,11 +65,9 @@ if triton is not None:
         valid = cols < N
         x = tl.load(x_ptr + (row // HEADS) * x_row_stride + (row % HEADS) * x_head_stride + cols, mask=valid,
                     other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # as torch.rsqrt (the mean's sum is a tree here)
-        y = _to_dtype(x * rstd, x_ptr.dtype.element_ty)  # rounded to the input dtype first, as the eager module
         w = tl.load(w_ptr + cols, mask=valid, other=0.0)
-        out = y.to(tl.float32) * w.to(tl.float32)  # exact in fp32 for 16-bit operands: one rounding below
-        tl.store(out_ptr + row * N + cols, _to_dtype(out, out_ptr.dtype.element_ty), mask=valid)
+        out = _rmsnorm_row(x, w, N, eps, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * N + cols, out, mask=valid)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -220,6 +220,12 @@ register(Mechanism(
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
 register(Mechanism(
+    "norm_epilogue", ("draft", "verify"), {"norm_epilogue": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "the fused layer's residual GEMVs (o_proj, down_proj) also write the RMSNorm the next GEMV reads (the last "
+    "program to finish normalizes the finished rows): qkv, gate_up and the LM head run norm-free, a verify block "
+    "loses its two RMSNorm launches a layer and every fused pass the final norm's"))
+register(Mechanism(
     "pad_shapes", ("other",), {"pad_shapes": [True, False]},
     lambda dep, cfg: dep.on_cuda,
     "eager passes (prefill, the DFlash drafter's first pass, steps no graph bucket fits) padded to a few lengths, "

@@ -28,7 +28,8 @@ _KERNEL_OPS: dict[str, object] = {}
 
 
 # ops that live in another kernel's module (kernels/<module>.py): op name -> module
-_OP_MODULE = {"decode_attention_one": "decode_attention", "decode_attention_token_major": "decode_attention"}
+_OP_MODULE = {"decode_attention_one": "decode_attention", "decode_attention_token_major": "decode_attention",
+              "gemv_fused_normed": "gemv_fused"}
 
 
 def kernel_op(name: str):
@@ -265,6 +266,7 @@ class DenseLM(nn.Module):
         self.add_norm_kernel = False  # use_add_norm_kernel(): each residual add + the norm after it in one kernel
         self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
         self.fused_verify = False  # use_fused_verify(): 2-16-token steps through nine launches a layer (the same)
+        self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -364,6 +366,20 @@ class DenseLM(nn.Module):
         self.fused_verify = on
         return self
 
+    def use_norm_epilogue(self, on: bool = True) -> "DenseLM":
+        """The fused layer's (models/fused_decode.py) residual GEMVs also write the norm the next GEMV needs
+        (kernels/norm_epilogue.py): o_proj the post-attention norm, down_proj the next layer's input norm or, after
+        the last layer, the final norm; so gate_up, qkv and the LM head run norm-free and a verify block's two
+        RMSNorm launches a layer (and the final norm's) disappear. Layer 0's input norm stays. Same numbers. Needs
+        the fused path (fused_decode or fused_verify), the only one it changes."""
+        if on:
+            if not (self.fused_decode or self.fused_verify):
+                raise ConfigError("norm_epilogue needs fused_decode or fused_verify: only the fused layer's GEMVs "
+                                  "have the norm epilogue")
+            require_kernel("gemv_fused_normed", "fused GEMV with a norm epilogue")
+        self.norm_epilogue = on
+        return self
+
     def use_lossless12(self, on: bool = True) -> "DenseLM":
         """One-token fused steps read lossless 12-bit copies of the projection and LM-head weights
         (formats/lossless12.py: every weight exact, 1.5 bytes instead of 2; kernels/gemv12.py). The bf16 weights
@@ -433,19 +449,19 @@ class DenseLM(nn.Module):
             mask = attn_mask[:, None]  # [B, 1, T, S]
         captured = []
         layers = self.model.layers[: last + 1]
-        if fused:
-            for i, layer in enumerate(layers):
-                x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len)
-                if i in return_layers:
-                    captured.append(x)
-            hidden = self.model.norm(x) if last == L - 1 else None
-            return (hidden, captured) if return_layers else hidden
-        normed = None  # with add_norm_kernel: the next layer's input norm (or the final norm), fused with the add
+        # with add_norm_kernel (regular path) or norm_epilogue (fused path): the next layer's input norm (or the
+        # final norm) comes out of the launch that makes the residual it normalizes
+        next_norms = self.norm_epilogue if fused else self.add_norm_kernel
+        normed = None
         for i, layer in enumerate(layers):
             nxt = None
-            if self.add_norm_kernel:
+            if next_norms:
                 nxt = layers[i + 1].input_layernorm if i < last else self.model.norm if last == L - 1 else None
-            x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
+            if fused:
+                x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len, normed=normed,
+                                              next_norm=nxt, norm_epilogue=self.norm_epilogue)
+            else:
+                x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)
             if i in return_layers:
                 captured.append(x)

@@ -26,6 +26,11 @@ are launches of their own here (kernels/rmsnorm.py, then norm-free GEMVs: `PRENO
 was the H200's bottleneck; same numbers): nine launches a layer. The attention writes its output token-major, so
 o_proj reads it as [T, H * D] without a copy.
 
+With EngineConfig.norm_epilogue (DenseLM.use_norm_epilogue, kernels/norm_epilogue.py) the residual GEMVs also
+write the norm the next GEMV reads: o_proj's the post-attention norm, down's the next layer's input norm (the final
+norm after the last layer), so qkv, gate_up and the LM head run norm-free; a block's layer is seven launches, and
+only layer 0's input norm keeps its launch (or prologue). Same numbers.
+
 Both apply under the positional mask only; prefill of more than 16 tokens, batches and custom masks (trees) keep
 the regular path. Needs fused projections (qkv_proj, gate_up_proj). With EngineConfig.lossless12 the one-token
 GEMVs (and the LM head's) read lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py):
@@ -68,32 +73,46 @@ PRENORM_12BIT = False
 PRENORM_ROWS = True
 
 
-def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str) -> torch.Tensor:
+def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str, out_norm=None):
     """One fused GEMV launch through `linear` for x2 [M, K]: one row over its lossless 12-bit copy when it has one
     (`packed12`, set by DenseLM.use_lossless12; same weights, 3/4 of the bytes), else (and for M > 1 rows: the
-    12-bit GEMV takes one) over its bf16 weight. M > 1 rows with a norm: an RMSNorm launch first (PRENORM_ROWS)."""
+    12-bit GEMV takes one) over its bf16 weight. M > 1 rows with a norm: an RMSNorm launch first (PRENORM_ROWS).
+    out_norm (an RMSNorm module; the norm epilogue, EngineConfig.norm_epilogue): the same launch also writes the
+    output rows' norm -> (y, out_norm(y)) instead of y."""
     from specpilot.models.dense import kernel_op
 
     packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
     prenorm = PRENORM_12BIT if packed is not None else PRENORM_ROWS and x2.shape[0] > 1
     if prenorm and norm_weight is not None:  # one RMSNorm launch, then a norm-free GEMV
         x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
+    norm_out = () if out_norm is None else (out_norm.weight, out_norm.eps)
     if packed is not None:
-        return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act)
-    return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
+        return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act, norm_out or None)
+    op = kernel_op("gemv_fused_normed" if norm_out else "gemv_fused")
+    return op(x2, linear.weight, linear.bias, norm_weight, eps, residual, act, *norm_out)
 
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache, kv_len: int | None) -> torch.Tensor:
+                 cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
+                 norm_epilogue: bool = False):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
-    written at `positions` [1, T]."""
+    written at `positions` [1, T].
+
+    The norm epilogue (EngineConfig.norm_epilogue, kernels/norm_epilogue.py): `normed` [1, T, H] is this layer's
+    input norm of x, already written by the previous layer's down GEMV, so qkv runs norm-free; `norm_epilogue`
+    makes o_proj's GEMV also write the post-attention norm, so gate_up runs norm-free; `next_norm` (the next
+    layer's input norm, or the final norm) makes down's GEMV write that norm of the output too -> (output,
+    next_norm(output)), both [1, T, H]. Same numbers as the norms' own launches or prologues."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
     x2 = x.view(T, h)
-    qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
+    if normed is None:
+        qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
+    else:  # normed by the previous layer's down GEMV
+        qkv = project(attn.qkv_proj, normed.view(T, h), None, pre.eps, None, "")
     q, k, v = qkv.split((n * d, g * d, g * d), dim=-1)
     q, k, v = q.view(1, T, n, d).transpose(1, 2), k.view(1, T, g, d).transpose(1, 2), v.view(1, T, g, d).transpose(1, 2)
     qn = attn.q_norm.weight if attn.q_norm is not None else None
@@ -103,10 +122,17 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
     keys, values = cache.read(i, kv_len)
     out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
-    x2 = project(attn.o_proj, out.transpose(1, 2).reshape(T, n * d), None, pre.eps, x2, "")  # + residual (a view)
-    act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
-    x2 = project(mlp.down_proj, act, None, post.eps, x2, "")  # + residual
-    return x2.view(1, T, h)
+    out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
+    if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
+        x2, hn = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
+        act = project(mlp.gate_up_proj, hn, None, post.eps, None, "silu_mul")  # [T, I]
+    else:
+        x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
+        act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
+    x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
+    if next_norm is None:
+        return x2.view(1, T, h)
+    return x2[0].view(1, T, h), x2[1].view(1, T, h)
 
 
 def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
