@@ -103,8 +103,9 @@ class EngineConfig:
     # finished rows (kernels/norm_epilogue.py). So qkv, gate_up and the LM head run norm-free: a verify block loses
     # its two RMSNorm launches a layer (9 -> 7; ~1.3 us of graphed gap + latency each), every fused pass the final
     # norm's launch, and a one-token step the per-program norm prologues (the 12-bit GEMVs streamed 2.5-2.7 TB/s
-    # with one vs 3.8-3.9 without). Same numbers (rmsnorm.py's rounding). Off until measured on the H200
-    # (scripts/gpu_step_timing.py --variants=fusedverify,fusednormepi; gpu_engine_check.py --only=norm_epilogue)
+    # with one vs 3.8-3.9 without). Same numbers (rmsnorm.py's rounding). Off: SLOWER on the H200 (session 16,
+    # 1.5B random weights: T = 1 1.525 -> 1.662 ms, T = 16 1.940 -> 2.553; the last program's serial tail and the
+    # registers it adds to every program cost more than the launches saved; scripts/gpu_step_timing.py fusednormepi)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
