@@ -84,6 +84,14 @@ def main(only: tuple[str, ...] = ()) -> int:
         for name, c, model in cases:
             record(name, [Engine(model, c, build_drafter(c, None, model)).generate(p) for p in prompts])
 
+    def equals_off(name, on, off):
+        """A switch's outputs against the same engine's with it off: recorded, and a problem when they differ."""
+        same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
+        result[name] = {"equal": same}
+        print(name, result[name], flush=True)
+        if not same:
+            problems.append(name)
+
     ngram = base.with_(drafter_kind="ngram")
 
     def attention_kernel():
@@ -187,11 +195,7 @@ def main(only: tuple[str, ...] = ()) -> int:
             on_cfg = base.with_(pdl=True)
             on = [Engine(fast, on_cfg).generate(p) for p in prompts]
             record("ar_fused_decode_pdl", on)
-            same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
-            result["ar_fused_decode_pdl_equals_off"] = {"equal": same}
-            print("ar_fused_decode_pdl_equals_off", result["ar_fused_decode_pdl_equals_off"], flush=True)
-            if not same:
-                problems.append("ar_fused_decode_pdl_equals_off")
+            equals_off("ar_fused_decode_pdl_equals_off", on, off)
             same_tokens((("ar_fused_decode_pdl_eager", on_cfg.with_(cuda_graphs=False), fast),
                          ("spec_ngram_fused_decode_pdl", ngram.with_(pdl=True), fast)))
             record("spec_other_fused_decode_pdl",
@@ -213,11 +217,7 @@ def main(only: tuple[str, ...] = ()) -> int:
         off = [Engine(fast, off_cfg).generate(p) for p in prompts]
         on = [Engine(epi, on_cfg).generate(p) for p in prompts]
         record("ar_norm_epilogue", on)
-        same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
-        result["ar_norm_epilogue_equals_off"] = {"equal": same}
-        print("ar_norm_epilogue_equals_off", result["ar_norm_epilogue_equals_off"], flush=True)
-        if not same:
-            problems.append("ar_norm_epilogue_equals_off")
+        equals_off("ar_norm_epilogue_equals_off", on, off)
         ngram_on, model = on_cfg.with_(drafter_kind="ngram"), on_cfg.with_(drafter_kind="model")
         same_tokens((("ar_norm_epilogue_eager", on_cfg.with_(cuda_graphs=False), epi),
                      ("spec_ngram_norm_epilogue", ngram_on, epi),
