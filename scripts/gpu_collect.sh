@@ -2,7 +2,8 @@
 # Watch scripts/gpu_pipeline.sh for up to $1 seconds (it returns early once the pipeline is done), print where each
 # lane stands, and pack what exists into $OUT: results.tgz (bench JSON, optimize reports,
 # lane logs), train_logs.tgz (training logs and results), each shipped drafter's files in $OUT/<name>/, and once the
-# pipeline is done the packed regeneration cache (regen-q15.NN.jsonl.gz, ~2 parts; <= 8 files come back in all).
+# pipeline is done the packed regeneration cache (regen-q15.NN.jsonl.gz, ~2 parts; <= 8 files come back in all;
+# PACK=0 skips it).
 set -u
 R=/tmp/results
 if [ ! -d $R ]; then  # a fresh machine: the lease was lost and the pipeline's files with it (session 14 waited
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
 for d in /tmp/ship/*/; do  # drafter shards one by one: an archive of both drafters is over the 16 MiB file limit
   [ -e "$d/config.json" ] && mkdir -p $OUT/$(basename $d) && cp $d/* $OUT/$(basename $d)/
 done
-if [ -e $R/DONE ] && [ -d /tmp/runs/q15/regen ]; then  # the responses, for the next session (GPU_SESSION.md)
+if [ "${PACK:-1}" = 1 ] && [ -e $R/DONE ] && [ -d /tmp/runs/q15/regen ]; then  # the responses, for the next session (GPU_SESSION.md)
   [ -e /tmp/regen-pack/DONE ] || { mkdir -p /tmp/regen-pack && python3 scripts/regen_cache.py pack \
     /tmp/runs/q15/regen /tmp/regen-pack/regen-q15 && touch /tmp/regen-pack/DONE; }
   cp /tmp/regen-pack/*.jsonl.gz $OUT/ 2>/dev/null

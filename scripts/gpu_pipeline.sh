@@ -9,6 +9,9 @@
 #   lane 0 benches the new drafter on the five benchmarks; lane 1 runs the engine's GPU parity check, AR step times
 #   vs the floor, the cost model's predicted-vs-measured profile (issue 3) and the loop with its yardsticks on the
 #   shipped 1.5B drafter (issue 5).
+# MODE=single (one H200, session 17): train on the one GPU for L15 seconds (regeneration R15 of them), ship, then
+#   bench the new drafter (ar,specpilot on the five benchmarks; the committed one when nothing beat the warm start),
+#   the cost model's DFlash profile (predicted vs measured), and stock (z-lab's dflash) on STOCK_BENCH.
 # MODE=lanes (session 8's layout): lane 0 trains on GPU 0 (lane 1 regenerates half of the data first), then benches;
 #   lane 1 runs the checks, timings and the loop beside it, plus the loop's memory transfer to the 0.5B target.
 # Results: /tmp/results (lane logs, bench JSON, optimize folders, step timings), drafters: /tmp/ship, runs: /tmp/runs.
@@ -96,6 +99,27 @@ bench15() {  # this session's drafter once shipped; BENCH=1 without one: the com
 
 if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried from an earlier session
   python3 scripts/regen_cache.py unpack /tmp/runs/q15/regen /tmp/regen-parts/regen-q15.*.jsonl.gz > $R/regen_seed.log 2>&1
+fi
+if [ $MODE = single ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  echo "[$(date +%T)] train q15 on 1 GPU $(cat $R/regen_seed.log 2>/dev/null)" > $R/lane0.log
+  timeout $((L15 + 90)) python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
+    --time-limit-s $L15 --regen-budget-s $R15 $WARM15 > /tmp/runs/q15.log 2>&1
+  tail -2 /tmp/runs/q15.log >> $R/lane0.log
+  ship q15 >> $R/lane0.log 2>&1
+  d=/tmp/ship/${NAME[q15]}; [ -e $d/config.json ] || d=${NAME[q15]}
+  {
+    echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
+    DRAFTER=$d SYSTEMS=ar,specpilot TAG=spec OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+    echo "[$(date +%T)] cost model: DFlash profile"
+    DFLASH=$d OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-dflash 4 > $R/profile_dflash.log 2>&1
+    tail -3 $R/profile_dflash.log | cut -c1-400
+    echo "[$(date +%T)] stock on ${STOCK_BENCH:=humaneval,mt_bench}"
+    DRAFTER=$d SYSTEMS=stock TAG=stock OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $STOCK_BENCH
+    echo "[$(date +%T)] done"
+  } >> $R/lane0.log 2>&1
+  date > $R/DONE
+  exit 0
 fi
 if [ $MODE = ddp ] && [ "$L15" = 0 ]; then  # no training (a short session): the loop beside the checks at once
   echo "[$(date +%T)] no training (L15=0)" > $R/lane0.log
