@@ -772,3 +772,62 @@ def test_grow_layers_keeps_the_drafts_and_the_new_layers_then_learn(target, over
     for _ in range(3):
         tr2.train_step()
     assert tr2.drafter.layers[3].self_attn.o_proj.weight.abs().max().item() > 0  # the new layer learns
+
+
+def test_regen_order_decides_which_prompts_a_cut_short_run_gets():
+    """short / long: sorted by prompt length; random: a seeded permutation, sorted by length only inside windows."""
+    from specpilot.train.regenerate import regen_order
+
+    enc = [(f"p{i}", [0] * n) for i, n in enumerate([5, 1, 9, 3, 7, 2, 8, 4, 6, 10, 11, 12])]
+    lens = lambda xs: [len(x[1]) for x in xs]  # noqa: E731
+    assert lens(regen_order(enc, "short")) == sorted(lens(enc))
+    assert lens(regen_order(enc, "long")) == sorted(lens(enc), reverse=True)
+    a, b = regen_order(enc, "random", 1, window=4), regen_order(enc, "random", 2, window=4)
+    assert sorted(a) == sorted(enc) and a == regen_order(enc, "random", 1, window=4)  # a permutation, reproducible
+    assert a != b  # another seed, another draw
+    for xs in (a, b):
+        for i in range(0, len(xs), 4):
+            assert lens(xs[i:i + 4]) == sorted(lens(xs[i:i + 4]))  # each window: little padding in its batches
+    assert {x[0] for x in a[:4]} != {x[0] for x in b[:4]}  # a budget cut after one window reaches other prompts
+    with pytest.raises(ConfigError, match="order"):
+        regen_order(enc, "shortest")
+
+
+def test_regenerate_order_long_starts_with_the_longest_prompts(target, tmp_path, monkeypatch):
+    import specpilot.train.regenerate as rg
+
+    prompts = [td.TrainPrompt(f"p/{i}", "p", ({"role": "user", "content": "abcdefghij"[: i + 1]},)) for i in range(5)]
+    tok, batches = _FakeTokenizer(), []
+    real = rg.generate_batch
+
+    def spy(model, ps, *a, **k):
+        batches.append([len(p) for p in ps])
+        return real(model, ps, *a, **k)
+
+    monkeypatch.setattr(rg, "generate_batch", spy)
+    seqs, _ = regenerate(target, tok, prompts, tmp_path, max_new_tokens=4, batch_size=2, eos_ids=[], order="long")
+    assert batches == [[7, 6], [5, 4], [3]]  # 2 header tokens + the prompt's characters, longest first
+    want = generate_batch(target, [tok.encode_chat(p.messages) for p in prompts], 4, [], 1)
+    assert [s.response_ids for s in seqs] == want  # the order changes which prompts go first, not the responses
+
+
+def test_cli_regen_order_reaches_regenerate(train_cli, tmp_path, capsys, monkeypatch):
+    """--regen-order / --regen-seed are passed to every regenerate call; an unknown order is refused by the parser."""
+    import specpilot.train.regenerate as rg
+
+    model, prompts, parser = train_cli
+    seen, real = [], rg.regenerate
+
+    def spy(*a, **k):
+        seen.append((k["order"], k["order_seed"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(rg, "regenerate", spy)
+    args = ["train-drafter", "--target", str(model), "--prompts", str(prompts), "--num-prompts", "4",
+            "--val-prompts", "1", "--val-tau-prompts", "1", "--regen-max-new-tokens", "4", "--block-size", "4",
+            "--max-seq-len", "64", "--no-progress", "--out", str(tmp_path / "o"), "--regen-shard", "1/2",
+            "--regen-only", "--regen-order", "random", "--regen-seed", "7"]
+    assert cmd_train_drafter(parser.parse_args(args)) == 0
+    assert seen and set(seen) == {("random", 7)}
+    with pytest.raises(SystemExit):
+        parser.parse_args([*args[:-4], "--regen-order", "newest"])

@@ -30,7 +30,8 @@ from pathlib import Path
 __all__ = ["add_train_parser", "cmd_train_drafter"]
 
 RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
-                 "fit_steps_to_time", "regen_budget_s", "attention_kernel", "regen_dir", "regen_shard", "regen_only")
+                 "fit_steps_to_time", "regen_budget_s", "attention_kernel", "regen_dir", "regen_shard", "regen_only",
+                 "regen_order", "regen_seed")
 CONFIG_FILE = "train_config.json"
 
 
@@ -53,6 +54,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--regen-batch-size", type=int, default=64)
     g.add_argument("--regen-budget-s", type=float, default=None,
                    help="stop regenerating after this many seconds and train on what is done (default: all)")
+    g.add_argument("--regen-order", default="short", choices=("short", "long", "random"),
+                   help="which prompts regenerate first when a budget or time limit cuts it short: shortest (least "
+                   "padding), longest, or a random draw by --regen-seed (sorted by length in windows); each budget-"
+                   "limited run with 'short' gets the same shortest prompts (train/regenerate.py regen_order)")
+    g.add_argument("--regen-seed", type=int, default=0, help="the draw of --regen-order random (vary it between runs)")
     g.add_argument("--regen-dir", default=None, help="regeneration cache folder (default OUT/regen); processes "
                    "sharing one (--regen-shard) split the work")
     g.add_argument("--regen-shard", default=None, metavar="K/N",
@@ -251,7 +257,8 @@ def _train(args, dist, err, t_start) -> int:
     def regen(prompts, until):
         return regenerate(target, tok, prompts, regen_dir, max_new_tokens=s.regen_max_new_tokens,
                           batch_size=s.regen_batch_size, max_prompt_tokens=max_prompt, target_name=str(s.target),
-                          deadline=until, log=err.print)
+                          deadline=until, order=getattr(s, "regen_order", "short"),
+                          order_seed=getattr(s, "regen_seed", 0), log=err.print)
 
     if shard_n > 1:
         got, left = regen(mine, regen_deadline)  # validation (shard 0) first, as below
