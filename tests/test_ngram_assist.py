@@ -136,3 +136,22 @@ def test_long_blocks_only_where_the_lookup_matches_and_output_stays_the_targets(
         EngineConfig(ngram_assist_tokens=-1)
     short = build_drafter(cfg.with_(ngram_assist_tokens=0), load_model(tiny_model_dir("qwen3", seed=1)), target)
     assert short.max_draft_tokens is None  # off: the engine's own draft length
+
+
+@pytest.mark.parametrize("short_tokens, want", [(0, ["model", "lookup"]), (2, ["lookup", "model"])])
+def test_model_pass_is_queued_before_the_host_lookup_unless_the_lookup_sets_the_length(short_tokens, want):
+    """Without a short block the model's pass goes first (the host's lookup then overlaps the GPU's draft); with
+    one, the lookup must run first: its match decides how many tokens the model drafts. Drafts are the same."""
+    calls = []
+
+    class Spy(NgramDrafter):
+        def lookup(self, context_ids, num_tokens):
+            calls.append("lookup")
+            return super().lookup(context_ids, num_tokens)
+
+    inner = FixedDrafter([8, 3, 3, 3])
+    real = inner.propose
+    inner.propose = lambda c, k: calls.append("model") or real(c, k)
+    d = NgramAssistedDrafter(inner, Spy(4, 1), 3, short_tokens=short_tokens, long_tokens=4 if short_tokens else 0)
+    assert d.propose(CTX, 4).token_ids.tolist() == [8, 9, 1, 2]
+    assert calls == want

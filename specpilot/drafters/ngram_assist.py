@@ -69,11 +69,16 @@ class NgramAssistedDrafter:
         return self._dev[:n]
 
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
-        follow, n = self.lookup.lookup(context_ids, num_tokens)
-        match = n >= self.min_match and bool(follow)
-        if not match and self.short_tokens:  # no copy in sight: the usual short block
-            num_tokens = min(num_tokens, self.short_tokens)
-        draft = self.inner.propose(context_ids, num_tokens)
+        if self.short_tokens:  # the lookup decides the block's length: it runs before the model drafts
+            follow, n = self.lookup.lookup(context_ids, num_tokens)
+            match = n >= self.min_match and bool(follow)
+            if not match:  # no copy in sight: the usual short block
+                num_tokens = min(num_tokens, self.short_tokens)
+            draft = self.inner.propose(context_ids, num_tokens)
+        else:  # the model's pass is queued first, so the host's lookup runs while the GPU drafts (same drafts)
+            draft = self.inner.propose(context_ids, num_tokens)
+            follow, n = self.lookup.lookup(context_ids, num_tokens)
+            match = n >= self.min_match and bool(follow)
         model = draft.token_ids
         K = model.shape[0]
         if K == 0 or draft.probs is not None or not match:
