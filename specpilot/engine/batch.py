@@ -139,7 +139,7 @@ def _generate_chunk(model, steps: _DecodeSteps, prompts: list[list[int]], max_ne
     B = len(prompts)
     lens = [len(p) for p in prompts]  # host copy: the largest position is known without a sync
     lengths = torch.tensor(lens, device=device)
-    L = max(lens)
+    L = top = max(lens)  # top: the longest prompt among the batch's rows
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
@@ -149,7 +149,7 @@ def _generate_chunk(model, steps: _DecodeSteps, prompts: list[list[int]], max_ne
     tok = model.logits(last[:, None])[:, 0].argmax(-1)  # [B]
     outs: list[list[int]] = [[] for _ in range(B)]
     rows = list(range(B))  # batch row r -> prompt index rows[r]
-    pos = lengths.clone()  # next position of each row (where its newest token goes): lens[r] + step
+    pos = lengths.clone()  # next position of each row (where its newest token goes): lens[rows[r]] + step
     done = [False] * B
     for step in range(max_new_tokens):
         toks = tok.tolist()  # the step's one host sync
@@ -169,8 +169,9 @@ def _generate_chunk(model, steps: _DecodeSteps, prompts: list[list[int]], max_ne
             keep = sorted(running + finished[: n - len(running)])
             _compact(steps.pool, keep)
             sel = torch.tensor(keep, device=device)
-            rows, lens, tok, pos = [rows[r] for r in keep], [lens[r] for r in keep], tok[sel], pos[sel]
-        need = max(lens) + step + 1  # = int(pos.max()) + 1, without the sync
+            rows, tok, pos = [rows[r] for r in keep], tok[sel], pos[sel]
+            top = max(lens[i] for i in rows)
+        need = top + step + 1  # = int(pos.max()) + 1, without the sync
         tok = steps(tok, pos, kv_bucket_len(need, kv_bucket, steps.pool.max_seq_len))
         pos = pos + 1
     return outs
