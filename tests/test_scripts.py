@@ -101,3 +101,17 @@ def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
         r = subprocess.run([sys.executable, str(SCRIPTS / script), "--tokens=1,0"], capture_output=True, text=True,
                            timeout=120, env=env)
         assert r.returncode == 2 and "positive integers" in r.stderr, r.stderr
+
+
+def test_regen_speed_script_runs_on_cpu():
+    """gpu_regen_speed.py (whole-pool vs bucketed batched decode) runs at tiny shapes on the CPU; every variant
+    times its batches and, the steps' numbers being equal up to masked slots, writes the first variant's tokens."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_regen_speed.py"), "--cpu-smoke"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["variants"]) == {"pool", "bucket128", "bucket256"}
+    for v in out["variants"].values():
+        assert v["tok_s"] > 0 and len(v["chunk_s"]) == 2 and v["rows_equal_to_first"] == 1.0, v
+    assert out["speedup_vs_pool"]["pool"] == 1.0

@@ -13,11 +13,21 @@ are cut at the first EOS (kept, as the engine's stop rule keeps it). When at mos
 running, the finished rows are dropped from the batch (the cache rows are gathered) so a long straggler does
 not pay for a full batch.
 
-On CUDA the decode step (forward + argmax) is one captured CUDA graph over the whole KV pool (static shapes;
-the positional mask hides slots above each row's position), re-captured when the batch is compacted. Why:
-eagerly, a B = 256 step of the 1.5B model took 44 ms of host time for 7.4 ms of GPU work on the H200
-(BENCHMARKS.md), so regeneration ran at ~2k tok/s. The pool has one spare slot at its end where warm-up and
-capture write their junk K/V, since no row ever reaches it.
+On CUDA the decode step (forward + argmax) is a captured CUDA graph. Why: eagerly, a B = 256 step of the 1.5B
+model took 44 ms of host time for 7.4 ms of GPU work on the H200 (BENCHMARKS.md). A graph has static shapes, so it
+attends over a fixed number of slots; one graph over the whole pool made every step read (and SDPA with a mask
+tensor compute over) K/V up to the pool's end, about `max_new_tokens` slots more than the rows have written on
+average. So there is one graph per (batch rows n, kv bucket): a step attends over slots [0, kv_len), kv_len the
+smallest multiple of `kv_bucket` covering the largest position + 1 (`kv_bucket_len`). The positional mask argument
+above is unchanged: a row still sees only slots <= its position, and every such slot lies below kv_len.
+
+One KV pool serves every chunk of a `generate_batch` call (sized for the longest prompt), and a chunk of n rows
+uses its first n rows (`KVCache.rows`: views, stable addresses), so the graphs, captured lazily on one shared
+memory pool, are reused by later chunks. Compaction gathers the kept rows into the pool's first rows in place and
+keeps a power of two of them (`batch_bucket`; a few finished rows pad it), so few batch sizes recur. Stale K/V a
+previous chunk left in the pool sits at slots above each row's position until the row overwrites it: masked, as
+the padding is. The pool has one spare slot at its end where warm-up and capture write their junk K/V, since no
+row ever reaches it.
 """
 
 from __future__ import annotations
@@ -30,49 +40,117 @@ import torch
 from specpilot.engine.graphs import capture, or_eager
 from specpilot.errors import ConfigError
 
+DEFAULT_KV_BUCKET = 128  # slots per attention bucket of the graphed step (kv_bucket=None on CUDA)
+
+
+def kv_bucket_len(need: int, bucket: int, pool_len: int) -> int:
+    """Slots a step attends over: `need` (largest position + 1) rounded up to a multiple of `bucket`, capped at
+    the pool; `bucket` 0 = the whole pool (one graph per batch size); 1 = exactly `need` (the eager default)."""
+    if not 1 <= need <= pool_len:
+        raise ValueError(f"need {need} outside the pool's 1..{pool_len} slots")
+    if bucket <= 0:
+        return pool_len
+    return min(pool_len, -(-need // bucket) * bucket)
+
+
+def batch_bucket(running: int) -> int:
+    """Rows a compacted batch keeps for `running` live rows: the next power of two, so that the batch sizes (and
+    their graphs) recur across chunks."""
+    return 1 << max(0, running - 1).bit_length()
+
 
 class _GraphedStep:
-    """One batched greedy decode step as a CUDA graph: (tokens [B], positions [B]) -> next tokens [B].
-    Attends over the whole pool; warm-up and capture run at the pool's spare last slot."""
+    """One batched greedy decode step as a CUDA graph: (tokens [n], positions [n]) -> next tokens [n], attending
+    over the cache's first `kv_len` slots. Warm-up and capture run at the pool's spare last slot."""
 
-    def __init__(self, model, cache):
-        B, device = cache.batch_size, model.lm_head.weight.device
-        self.tok = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.pos = torch.full((B, 1), cache.max_seq_len - 1, dtype=torch.long, device=device)
+    def __init__(self, model, cache, kv_len: int, mempool, warmup: int):
+        n, device = cache.batch_size, model.lm_head.weight.device
+        self.tok = torch.zeros(n, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((n, 1), cache.max_seq_len - 1, dtype=torch.long, device=device)
 
         def run():
-            return model.logits(model(self.tok, self.pos, cache, kv_len=None))[:, 0].argmax(-1)
+            return model.logits(model(self.tok, self.pos, cache, kv_len=kv_len))[:, 0].argmax(-1)
 
-        self.graph, self.next = capture(run)
+        self.graph, self.next = capture(run, warmup=warmup, pool=mempool)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.tok.copy_(tok[:, None])
         self.pos.copy_(pos[:, None])
         self.graph.replay()
+        # a copy at once: graphs share one memory pool, so another graph's replay may overwrite `next`
         return self.next.clone()
 
 
+def _new_mempool():
+    return torch.cuda.graph_pool_handle()
+
+
+class _DecodeSteps:
+    """The batched decode step over one shared KV pool: rows [0, n) of it (n = len(tok)), attending over `kv_len`
+    slots. Graphed: one CUDA graph per (n, kv_len), captured on first use and kept for the whole call; a key whose
+    capture failed runs eagerly (slower, never wrong). Eager: a plain forward."""
+
+    def __init__(self, model, pool, graphed: bool):
+        self.model, self.pool, self.graphed = model, pool, graphed
+        self.views: dict = {}  # n -> pool.rows(n)
+        self.graphs: dict = {}  # (n, kv_len) -> _GraphedStep, or None (capture failed)
+        self.mempool = _new_mempool() if graphed else None
+
+    def cache(self, n: int):
+        if n not in self.views:
+            self.views[n] = self.pool.rows(n)
+        return self.views[n]
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        n = tok.shape[0]
+        if self.graphed:
+            key = (n, kv_len)
+            if key not in self.graphs:
+                warmup = 2 if not self.graphs else 1  # later shapes: the first capture did the lazy set-up
+                g = or_eager(lambda: _GraphedStep(self.model, self.cache(n), kv_len, self.mempool, warmup),
+                             "batched decode")
+                if g is None:  # never capture into a pool a failed capture used (engine/graphs.py)
+                    self.mempool = _new_mempool()
+                self.graphs[key] = g
+            if self.graphs[key] is not None:
+                return self.graphs[key](tok, pos)
+        hidden = self.model(tok[:, None], pos[:, None], self.cache(n), kv_len=kv_len)
+        return self.model.logits(hidden)[:, 0].argmax(-1)
+
+
+def _can_graph(model) -> bool:
+    """Whether decode steps can be CUDA graphs here (a function, so CPU tests can stand a fake graph in)."""
+    return model.lm_head.weight.device.type == "cuda"
+
+
+def _compact(pool, keep: list[int]) -> None:
+    """Gather the pool's rows `keep` (ascending) into its first len(keep) rows, in place (one layer at a time:
+    a small temporary)."""
+    idx = torch.tensor(keep, device=pool.k.device)
+    for t in (pool.k, pool.v):
+        for layer in range(t.shape[0]):
+            t[layer, : len(keep)] = t[layer, idx]
+
+
 @torch.inference_mode()
-def _generate_chunk(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], compact: bool,
-                    deadline: float | None, graphs: bool = True) -> list[list[int]] | None:
+def _generate_chunk(model, steps: _DecodeSteps, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                    compact: bool, deadline: float | None, kv_bucket: int) -> list[list[int]] | None:
     device = model.lm_head.weight.device
     B = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    L = int(lengths.max())
+    lens = [len(p) for p in prompts]  # host copy: the largest position is known without a sync
+    lengths = torch.tensor(lens, device=device)
+    L = top = max(lens)  # top: the longest prompt among the batch's rows
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    cache = model.new_cache(B, L + max_new_tokens + 1)  # + the spare slot graph capture writes to
     positions = torch.arange(L, device=device).expand(B, L)
-    hidden = model(ids, positions, cache, kv_len=L)  # padding rows at slots >= L_i: junk no real query can see
+    hidden = model(ids, positions, steps.cache(B), kv_len=L)  # padding rows at slots >= L_i: junk no query sees
     last = hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]: each row's last prompt token
     tok = model.logits(last[:, None])[:, 0].argmax(-1)  # [B]
     outs: list[list[int]] = [[] for _ in range(B)]
     rows = list(range(B))  # batch row r -> prompt index rows[r]
-    pos = lengths.clone()  # next position of each row (where its newest token goes)
+    pos = lengths.clone()  # next position of each row (where its newest token goes): lens[rows[r]] + step
     done = [False] * B
-    graphed = graphs and device.type == "cuda"
-    step_fn = or_eager(lambda: _GraphedStep(model, cache), "batched decode") if graphed else None
     for step in range(max_new_tokens):
         toks = tok.tolist()  # the step's one host sync
         for r, i in enumerate(rows):
@@ -85,50 +163,57 @@ def _generate_chunk(model, prompts: list[list[int]], max_new_tokens: int, eos: s
             break
         if deadline is not None and time.monotonic() > deadline:
             return None
-        if compact and len(running) <= len(rows) // 2:  # drop finished rows from the batch
-            keep = torch.tensor(running, device=device)
-            cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
-            cache.batch_size = len(running)
-            rows = [rows[r] for r in running]
-            tok, pos = tok[keep], pos[keep]
-            if step_fn is not None:
-                # a new batch size: capture again
-                step_fn = or_eager(lambda: _GraphedStep(model, cache), "batched decode")
-        if step_fn is not None:
-            tok = step_fn(tok, pos)
-        else:
-            kv_len = int(pos.max()) + 1
-            hidden = model(tok[:, None], pos[:, None], cache, kv_len=kv_len)
-            tok = model.logits(hidden)[:, 0].argmax(-1)
+        n = batch_bucket(len(running))
+        if compact and n <= len(rows) // 2:  # drop finished rows from the batch (a few pad it to n)
+            finished = [r for r, i in enumerate(rows) if done[i]]
+            keep = sorted(running + finished[: n - len(running)])
+            _compact(steps.pool, keep)
+            sel = torch.tensor(keep, device=device)
+            rows, tok, pos = [rows[r] for r in keep], tok[sel], pos[sel]
+            top = max(lens[i] for i in rows)
+        need = top + step + 1  # = int(pos.max()) + 1, without the sync
+        tok = steps(tok, pos, kv_bucket_len(need, kv_bucket, steps.pool.max_seq_len))
         pos = pos + 1
     return outs
 
 
 def generate_batch(model, prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, eos_ids, batch_size: int,
                    *, compact: bool = True, sort_by_length: bool = True, deadline: float | None = None,
-                   cuda_graphs: bool = True,
+                   cuda_graphs: bool = True, kv_bucket: int | None = None,
                    on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int] | None]:
     """Greedy continuations of each prompt (output ids, ending at the first EOS if any), in input order.
 
     Prompts run `batch_size` at a time, grouped by length (less padding) unless `sort_by_length=False`.
     `on_batch(indices, outputs)` is called after each finished batch (e.g. to save it). With a `deadline`
     (time.monotonic() seconds) no new batch starts after it and a running one is abandoned; prompts not done
-    get None."""
+    get None. `kv_bucket`: decode steps attend over the smallest multiple of it covering the largest position
+    (`kv_bucket_len`); None = DEFAULT_KV_BUCKET when graphed, 1 (exactly the positions written) eagerly; 0 = the
+    whole pool (one graph per batch size: the old graphed step, kept for timing comparisons)."""
     if batch_size <= 0:
         raise ConfigError(f"batch_size must be > 0, got {batch_size}")
     if max_new_tokens <= 0:
         raise ConfigError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if kv_bucket is not None and kv_bucket < 0:
+        raise ConfigError(f"kv_bucket must be >= 0, got {kv_bucket}")
     prompts = [list(map(int, p)) for p in prompts_ids]
     if any(not p for p in prompts):
         raise ConfigError("empty prompt: give at least one token")
+    results: list[list[int] | None] = [None] * len(prompts)
+    if not prompts:
+        return results
     eos = {int(e) for e in (eos_ids or ())}
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if sort_by_length else list(range(len(prompts)))
-    results: list[list[int] | None] = [None] * len(prompts)
+    graphed = cuda_graphs and _can_graph(model)
+    bucket = kv_bucket if kv_bucket is not None else DEFAULT_KV_BUCKET if graphed else 1
+    # one pool for every chunk: + the spare slot graph capture writes to
+    pool = model.new_cache(min(batch_size, len(prompts)), max(map(len, prompts)) + max_new_tokens + 1)
+    steps = _DecodeSteps(model, pool, graphed)
     for start in range(0, len(order), batch_size):
         if deadline is not None and time.monotonic() > deadline:
             break
         idx = order[start:start + batch_size]
-        outs = _generate_chunk(model, [prompts[i] for i in idx], max_new_tokens, eos, compact, deadline, cuda_graphs)
+        outs = _generate_chunk(model, steps, [prompts[i] for i in idx], max_new_tokens, eos, compact, deadline,
+                               bucket)
         if outs is None:
             break
         for i, o in zip(idx, outs):

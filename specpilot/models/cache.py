@@ -21,6 +21,16 @@ class KVCache(torch.nn.Module):
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
 
+    def rows(self, n: int) -> "KVCache":
+        """A cache over this pool's first `n` batch rows: views, so its writes land here and its tensors keep their
+        addresses (a CUDA graph captured on it stays valid while this pool lives; engine/batch.py)."""
+        view = KVCache.__new__(KVCache)
+        torch.nn.Module.__init__(view)
+        view.register_buffer("k", self.k[:, :n], persistent=False)
+        view.register_buffer("v", self.v[:, :n], persistent=False)
+        view.max_seq_len, view.batch_size = self.max_seq_len, n
+        return view
+
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # positions [B, T]; k, v [B, Hkv, T, D]
         if positions.shape[0] == 1:  # one row: a plain index_copy keeps the common case cheap

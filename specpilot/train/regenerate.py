@@ -159,16 +159,10 @@ def regenerate(target, tokenizer, prompts: Iterable, folder: str | Path, *, max_
             n_done = sum(1 for p, _ in encoded if p.id in done)
             log(f"regenerated {n_done}/{len(encoded)} ({n_tok / max(time.monotonic() - t0, 1e-9):.0f} tok/s)")
 
-        # one generate_batch call per batch keeps the sorted order and saves each batch as it finishes
-        for start in range(0, len(encoded), batch_size):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            chunk = encoded[start:start + batch_size]
-            outs = generate_batch(target, [ids for _, ids in chunk], max_new_tokens, eos_ids, batch_size,
-                                  sort_by_length=False, deadline=deadline)
-            if any(o is None for o in outs):
-                break
-            save(list(range(start, start + len(chunk))), outs)
+        # one generate_batch call for all (sorted here, so it keeps the order): its KV pool and decode graphs serve
+        # every batch; each batch is saved as it finishes
+        generate_batch(target, [ids for _, ids in encoded], max_new_tokens, eos_ids, batch_size,
+                       sort_by_length=False, deadline=deadline, on_batch=save)
     seqs = []
     for p in prompts:
         rec = done.get(p.id)
