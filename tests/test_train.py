@@ -801,12 +801,14 @@ def test_regenerate_order_long_starts_with_the_longest_prompts(target, tmp_path,
     real = rg.generate_batch
 
     def spy(model, ps, *a, **k):
-        batches.append([len(p) for p in ps])
+        batches.append(([len(p) for p in ps], k.get("sort_by_length")))
         return real(model, ps, *a, **k)
 
     monkeypatch.setattr(rg, "generate_batch", spy)
     seqs, _ = regenerate(target, tok, prompts, tmp_path, max_new_tokens=4, batch_size=2, eos_ids=[], order="long")
-    assert batches == [[7, 6], [5, 4], [3]]  # 2 header tokens + the prompt's characters, longest first
+    # 2 header tokens + the prompt's characters, longest first, and generate_batch keeps that order (its batches
+    # are cut from it in turn)
+    assert batches == [([7, 6, 5, 4, 3], False)]
     want = generate_batch(target, [tok.encode_chat(p.messages) for p in prompts], 4, [], 1)
     assert [s.response_ids for s in seqs] == want  # the order changes which prompts go first, not the responses
 
