@@ -18,7 +18,8 @@
 # Lane 1's timings run beside lane 0's on another GPU of the same host (32 cores): noted with the figures.
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, REGEN_ORDER / REGEN_SEED
 # (which prompts a budget-cut regeneration reaches: random by the clock by default; `long` = those the shipped
-# drafter's shortest-first sessions never reached), DRAFT_LAYERS (a warm
+# drafter's shortest-first sessions never reached), REGEN_ATTN=1 (the split-KV attention kernel in the batched
+# regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
@@ -38,7 +39,7 @@ INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
 # a warm start continues at half the peak LR (session 10: 6e-4 re-warmed v1 and a short run ended below it)
 LR=${LR:-$([ -n "$INIT15" ] && echo 3e-4 || echo 6e-4)}
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
- --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)}
+ --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)} ${REGEN_ATTN:+--attention-kernel}
  --val-prompts 32 --val-tau-prompts 24 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers ${DRAFT_LAYERS:-2} --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
  --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0
