@@ -407,7 +407,13 @@ def test_predicted_gain_prices_the_draft_attention_kernel():
     now = StepKnobs(15, fused=True, attention_kernel=True, draft_pool_len=4096)
     on = dataclasses.replace(now, draft_attention_kernel=True)
     gain = predicted_gain(target, d, prof, hw, kind="dflash", now=now, new=on)
-    saved = 2 * (40e-6 + 3.5e-8 * (4096 + 16) - 24e-6)  # two draft layers: SDPA over the pool -> the kernel
+    # two draft layers: SDPA over the pool -> the kernel; and the launches: the pass's mask (7) goes, a layer's 3
+    # SDPA launches become the block's K/V write and the kernel's split + merge (4): 5 graphed launches fewer
+    from specpilot.costmodel.shapes import dflash_pass_kernels
+
+    fewer = dflash_pass_kernels(2, fused=True)[0] - dflash_pass_kernels(2, fused=True, attention_kernel=True)[0]
+    assert fewer == 7 - 2 * (4 - 3)
+    saved = 2 * (40e-6 + 3.5e-8 * (4096 + 16) - 24e-6) + fewer * hw.graph_kernel_s
     assert gain == pytest.approx(prof.step_s / (prof.step_s - saved), rel=1e-6) and gain > 1.02
     rep_on = analyze(target, d, dataclasses.replace(prof, draft_attention_kernel=True, draft_kv_pool_len=None), hw,
                      drafter_kind="dflash")

@@ -151,3 +151,23 @@ def test_build_drafter_fuses_by_the_config(target):
     net = build_drafter(cfg, _net(), target).network
     assert net.projections_fused
     assert not build_drafter(cfg.with_(fused_projections=False), net, target).network.projections_fused
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_cost_model_counts_the_static_step_launches(tiny_model_dir, kernels):
+    """costmodel.shapes.dflash_pass_kernels (what the roofline model prices a draft pass's launches at) equals the
+    launches of a bf16 static step counted op by op (load_dflash keeps the RoPE frequencies in fp32, so the tables
+    are cast: 2 ops). The split-KV attention op launches twice on the GPU (split + merge): one more a layer."""
+    from specpilot.costmodel.shapes import dflash_pass_kernels
+
+    target = load_model(tiny_model_dir("qwen3"), dtype=torch.bfloat16)
+    net = _net().to(torch.bfloat16).fuse_projections()
+    net.inv_freq = net.inv_freq.float()
+    if kernels:
+        net.use_kernels(**ALL_KERNELS)
+    ops = _static_step_launches(net, target)
+    L = net.config.num_hidden_layers
+    total, linears, _ = dflash_pass_kernels(L, fused=True, norm_kernel=kernels, rope_kernel=kernels,
+                                            act_kernel=kernels, attention_kernel=kernels)
+    assert total == sum(ops.values()) + (L if kernels else 0), ops
+    assert linears == ops["aten.linear"] == 5 * L + 2

@@ -114,6 +114,7 @@ class StepProfile:
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
+    fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -142,7 +143,7 @@ def engine_fields(cfg) -> dict:
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
             "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
-            **kernel_flags(cfg)}
+            "fused_projections": cfg.fused_projections, **kernel_flags(cfg)}
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -225,7 +226,8 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
         if drafter_cfg is None:
             raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
         return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)),
-                                 pool_len=profile.draft_kv_pool_len, **draft_kernel_flags(profile))]
+                                 pool_len=profile.draft_kv_pool_len, fused=profile.fused_projections,
+                                 attention_kernel=profile.draft_attention_kernel, **draft_kernel_flags(profile))]
     if kind != "model":
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
