@@ -232,21 +232,6 @@ def cmd_force(args) -> int:
     return 0 if summary["forcing_passed"] else 1
 
 
-def _time_calls(obj, method: str) -> list[float]:
-    """Wrap obj.method (on the instance) to add each call's wall time to the returned one-element list."""
-    total, fn = [0.0], getattr(obj, method)
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            total[0] += time.perf_counter() - t0
-
-    setattr(obj, method, timed)
-    return total
-
-
 def cmd_profile(args) -> int:
     """Measure AR and speculative steps on real prompts, then let the cost model rank the gaps to the ceiling."""
     from specpilot.cli import engine_config
@@ -265,7 +250,10 @@ def cmd_profile(args) -> int:
     encoded = [tok.encode_chat(p.messages) for p in prompts]
     spec.generate(encoded[0][:32]), ar.generate(encoded[0][:32])  # warm-up
     ar_res = [ar.generate(ids) for ids in encoded]
-    propose_wall = _time_calls(spec.drafter, "propose")  # host wall time inside propose(): host- vs device-bound
+    from specpilot.drafters.timing import ProposeTimer
+
+    # host time inside propose(), up to the drafter's pass launch, outside launches, the draft graph's device time
+    propose = ProposeTimer(spec.drafter)
     spec_res = [spec.generate(ids) for ids in encoded]
     steps = sum(len(r.accepted_lengths) for r in spec_res)
     stage = {k: sum(r.stage_s.get(k, 0.0) for r in spec_res) / steps for k in ("draft", "verify", "accept", "commit")}
@@ -286,24 +274,32 @@ def cmd_profile(args) -> int:
     )
     drafter_cfg = (spec.drafter.runner.model.config if model_drafter
                    else spec.drafter.network.config if dflash else None)
-    host_s = 0.0
+    host_s, launches = 0.0, 0.0
+    timed = propose.per_step(steps)
+    if dflash:  # measured host part of the stage (the device waits for it) and launches queued behind the graph
+        host_s, launches = timed["host_pre_launch_s"] + timed["eager_pass_s"], timed["launches_after"]
     if cfg.drafter_kind == "ngram":  # the lookup is host work: its time replayed on the outputs, off the GPU
         from specpilot.drafters.ngram import NgramDrafter, replay
 
         host_s = replay(NgramDrafter(cfg.ngram_max, cfg.ngram_min), [r.prompt_ids for r in spec_res],
                         [r.output_ids for r in spec_res], K)["propose_s"]
     report = analyze(target.config, drafter_cfg, profile, hw, drafter_kind=cfg.drafter_kind, graphed=cfg.cuda_graphs,
-                     draft_host_s=host_s)
+                     draft_host_s=host_s, draft_launches=launches)
     out.print(report.table())
-    out.print(f"propose(): {propose_wall[0] / max(steps, 1) * 1e3:.3f} ms host wall per step (the draft stage "
-              f"measured {stage['draft'] * 1e3:.3f} ms on the device)")
+    graph = timed["graph_device_s"]
+    out.print(f"propose(): {timed['wall_s'] * 1e3:.3f} ms host wall per step; host before the pass's launch "
+              f"{timed['host_pre_launch_s'] * 1e3:.3f} ms, eager passes {timed['eager_pass_s'] * 1e3:.3f} ms, "
+              f"launches outside it {timed['launches_before']:.1f} before / {timed['launches_after']:.1f} after; "
+              f"draft graph {'not timed' if graph is None else f'{graph * 1e3:.3f} ms a replay'} on the device; "
+              f"passes {timed['passes']} (the draft stage measured {stage['draft'] * 1e3:.3f} ms on the device)")
     runs = {"target": spec.runner.step_counts}
     if model_drafter:
         runs["drafter"] = spec.drafter.runner.step_counts
     out.print("steps run (graphed / eager static bucket / no bucket): " +
               ", ".join(f"{k} {v['graphed']} / {v['eager_bucket']} / {v['unbucketed']}" for k, v in runs.items()))
     print(json.dumps({"profile": profile.__dict__, "step_counts": runs,
-                      "propose_wall_s_per_step": propose_wall[0] / max(steps, 1), **report.to_dict()}, default=list))
+                      "propose_wall_s_per_step": timed["wall_s"], "propose": timed, **report.to_dict()},
+                     default=list))
     return 0
 
 

@@ -407,7 +407,13 @@ def test_predicted_gain_prices_the_draft_attention_kernel():
     now = StepKnobs(15, fused=True, attention_kernel=True, draft_pool_len=4096)
     on = dataclasses.replace(now, draft_attention_kernel=True)
     gain = predicted_gain(target, d, prof, hw, kind="dflash", now=now, new=on)
-    saved = 2 * (40e-6 + 3.5e-8 * (4096 + 16) - 24e-6)  # two draft layers: SDPA over the pool -> the kernel
+    # two draft layers: SDPA over the pool -> the kernel; and the launches: the pass's mask (7) goes, a layer's 3
+    # SDPA launches become the block's K/V write and the kernel's split + merge (4): 5 graphed launches fewer
+    from specpilot.costmodel.shapes import dflash_pass_kernels
+
+    fewer = dflash_pass_kernels(2, fused=True)[0] - dflash_pass_kernels(2, fused=True, attention_kernel=True)[0]
+    assert fewer == 7 - 2 * (4 - 3)
+    saved = 2 * (40e-6 + 3.5e-8 * (4096 + 16) - 24e-6) + fewer * hw.graph_kernel_s
     assert gain == pytest.approx(prof.step_s / (prof.step_s - saved), rel=1e-6) and gain > 1.02
     rep_on = analyze(target, d, dataclasses.replace(prof, draft_attention_kernel=True, draft_kv_pool_len=None), hw,
                      drafter_kind="dflash")
@@ -759,3 +765,36 @@ def test_lossless12_prices_one_token_fused_passes_at_three_quarters_of_the_weigh
     for kw in (dict(num_tokens=4, fused_decode=True), dict(num_tokens=1, fused_decode=False)):
         t = kw.pop("num_tokens")
         assert forward_cost(cfg, t, 512, lossless12=True, **kw).weight_bytes == forward_cost(cfg, t, 512, **kw).weight_bytes
+
+
+def test_dflash_draft_prediction_adds_the_measured_host_part_and_the_outside_launches():
+    """`specpilot profile` measures the host time before the draft graph's launch (drafters/timing.py): analyze adds
+    it to the DFlash draft stage's prediction exactly, and the launches queued behind the graph at launch_s each;
+    floors, the other stages and the pass's own prediction stay; the table's caption splits the prediction."""
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.shapes import dflash_pass_cost
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
+                           intermediate_size=2048)
+    prof = _profile(draft_s=0.678e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15,
+                    **engine_fields(EngineConfig(drafter_kind="dflash", num_draft_tokens=15)))
+    base = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash")
+    host = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash", draft_host_s=0.31e-3)
+    both = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash", draft_host_s=0.31e-3, draft_launches=2.5)
+    assert host.stages["draft"].predicted_s - base.stages["draft"].predicted_s == pytest.approx(0.31e-3, abs=1e-15)
+    assert both.stages["draft"].predicted_s - host.stages["draft"].predicted_s == pytest.approx(2.5 * 6e-6)
+    assert host.stages["draft"].floor_s == base.stages["draft"].floor_s == both.stages["draft"].floor_s
+    for stage in ("verify", "accept", "other"):
+        assert host.stages[stage] == base.stages[stage]
+    assert host.step_predicted_s - base.step_predicted_s == pytest.approx(0.31e-3)
+    assert (both.draft_host_s, both.draft_launch_s) == (0.31e-3, pytest.approx(15e-6))
+    assert base.draft_host_s == base.draft_launch_s == 0.0 and "host" not in base.table().caption
+    assert "host 0.310 ms (measured)" in both.table().caption and both.to_dict()["draft_host_s"] == 0.31e-3
+    # the pass itself: the engine's defaults (fused projections, the split-KV kernel) reach dflash_pass_cost
+    assert prof.fused_projections and prof.draft_attention_kernel
+    pass_s = pass_predicted_s(dflash_pass_cost(d, target, 600, 3, fused=True, norm_kernel=True, rope_kernel=True,
+                                               act_kernel=True, attention_kernel=True), FAKE_HW, True, True)
+    assert base.stages["draft"].predicted_s == pytest.approx(pass_s)

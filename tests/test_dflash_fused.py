@@ -151,3 +151,81 @@ def test_build_drafter_fuses_by_the_config(target):
     net = build_drafter(cfg, _net(), target).network
     assert net.projections_fused
     assert not build_drafter(cfg.with_(fused_projections=False), net, target).network.projections_fused
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_cost_model_counts_the_static_step_launches(tiny_model_dir, kernels):
+    """costmodel.shapes.dflash_pass_kernels (what the roofline model prices a draft pass's launches at) equals the
+    launches of a bf16 static step counted op by op (load_dflash keeps the RoPE frequencies in fp32, so the tables
+    are cast: 2 ops). The split-KV attention op launches twice on the GPU (split + merge): one more a layer."""
+    from specpilot.costmodel.shapes import dflash_pass_kernels
+
+    target = load_model(tiny_model_dir("qwen3"), dtype=torch.bfloat16)
+    net = _net().to(torch.bfloat16).fuse_projections()
+    net.inv_freq = net.inv_freq.float()
+    if kernels:
+        net.use_kernels(**ALL_KERNELS)
+    ops = _static_step_launches(net, target)
+    L = net.config.num_hidden_layers
+    total, linears, _ = dflash_pass_kernels(L, fused=True, norm_kernel=kernels, rope_kernel=kernels,
+                                            act_kernel=kernels, attention_kernel=kernels)
+    assert total == sum(ops.values()) + (L if kernels else 0), ops
+    assert linears == ops["aten.linear"] == 5 * L + 2
+
+
+@pytest.mark.parametrize("ctx, k, after", [
+    ([5, 6, 7, 8, 9, 5, 6, 7], 7, 4),  # the lookup ([8, 9, 5, 6, 7]) is shorter than the block: padded by a cat
+    ([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 3, 3),  # it fills the block: copy, agreement test, choice
+    ([1, 2, 3, 4], 3, 0),  # no match: the model's draft as it is
+])
+def test_ngram_assist_reports_the_launches_it_queues_after_the_pass(ctx, k, after):
+    """What the profile prices at launch_s (drafters/timing.py): the wrapper's own launches after the model's pass,
+    counted op by op (after a first call has made the wrapper's buffers). Two ops more than reported on a match
+    run on the host on CUDA, no launch: the lookup's tokens as a host tensor and their write into the pinned
+    buffer."""
+    from specpilot.drafters import NgramDrafter
+    from specpilot.drafters.base import Draft
+    from specpilot.drafters.ngram_assist import NgramAssistedDrafter
+
+    class Fixed:
+        name, last_eager_launches, tokens = "fixed", (3, 1), torch.tensor([8, 3, 3, 3, 3, 3, 3])
+
+        def propose(self, context_ids, num_tokens):
+            return Draft(self.tokens[:num_tokens])
+
+    d = NgramAssistedDrafter(Fixed(), NgramDrafter(4, 1), 2)
+    with torch.inference_mode():
+        d.propose([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 3)
+        with _Launches() as count:
+            d.propose(ctx, k)
+    assert d.last_eager_launches == (3, 1 + after)
+    host = {"aten.detach_": 1, "aten.copy_": 1} if after else {}
+    assert count.ops - collections.Counter(host) == collections.Counter(
+        {"aten.copy_": 1, "aten.cat": after - 3, "aten.eq": 1, "aten.where": 1} if after else {}), count.ops
+    assert sum(count.ops.values()) - sum(host.values()) == after
+
+
+def test_propose_timer_measures_the_host_part_before_the_pass(target):
+    """On CPU (static steps, no graph): every propose launches a pass (the first eager, then static ones); the
+    host time before it and the eager pass's host time are measured, >= 0 and within propose()'s wall time; no
+    graph is timed. The launches outside the pass are the drafters' own counts (3 before a static step)."""
+    from specpilot.drafters import NgramDrafter
+    from specpilot.drafters.ngram_assist import NgramAssistedDrafter
+    from specpilot.drafters.timing import ProposeTimer
+
+    net = _net()
+    d = NgramAssistedDrafter(DFlashBlockDrafter(net, target, 64, static=True), NgramDrafter(4, 1), 2)
+    timer = ProposeTimer(d)
+    g = torch.Generator().manual_seed(4)
+    feats, ids = torch.randn(40, net.fc.in_features, generator=g), list(range(3, 23)) + list(range(3, 23))
+    d.observe(feats[:19])
+    d.propose(ids[:20], 15)
+    for n in (23, 26, 30):
+        d.observe(feats[d.inner.fed:n - 1])
+        d.propose(ids[:n], 15)
+    assert timer.calls == 4 and timer.passes == {"eager": 1, "static": 3}
+    assert 0 <= timer.host_pre_launch_s <= timer.wall_s and 0 < timer.eager_pass_s <= timer.wall_s
+    assert timer.host_pre_launch_s + timer.eager_pass_s <= timer.wall_s
+    assert timer.launches_before == 1 + 3 * 3 and timer.graph_device_s() is None
+    per = timer.per_step(4)
+    assert per["host_pre_launch_s"] == pytest.approx(timer.host_pre_launch_s / 4) and per["graph_replays"] == 0

@@ -161,3 +161,12 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
     runs = out["step_counts"]["target"]  # how the target's steps ran: on CPU no graphs, every step eager
     assert runs["graphed"] == runs["eager_bucket"] == 0 and runs["unbucketed"] > 0
     assert out["propose_wall_s_per_step"] > 0  # host time inside the drafter, to tell host- from device-bound
+    # the measured host part of the draft stage (drafters/timing.py): DFlash's enters its prediction
+    prop = out["propose"]
+    assert prop["wall_s"] == out["propose_wall_s_per_step"] and prop["graph_device_s"] is None  # no graph on CPU
+    if kind == "dflash":
+        assert prop["passes"].get("eager", 0) >= 1 and prop["host_pre_launch_s"] >= 0
+        assert out["draft_host_s"] == pytest.approx(prop["host_pre_launch_s"] + prop["eager_pass_s"])
+        assert out["draft_launch_s"] == pytest.approx(prop["launches_after"] * 6e-6)
+    else:
+        assert out["draft_host_s"] >= 0 and prop["passes"] == {"": prop["calls"]}  # no pass to launch

@@ -10,6 +10,8 @@ Public API (others code against exactly these names):
             param_count(cfg), synthetic_config(name), SYNTHETIC_NAMES
   gaps      pass_floor_s(cost, hw)  physical bound;  pass_predicted_s(cost, hw, graphed=True)  calibrated estimate
             StepProfile (measured stage times, passed in), analyze(...) -> CostReport (.to_dict(), .table())
+            analyze(..., draft_host_s=, draft_launches=): the draft stage's measured host part (seconds) and
+            eager launches outside the drafter's pass (priced at launch_s), drafters/timing.ProposeTimer
   whatif    predicted_gain(target_cfg, drafter_cfg, profile, hw, kind=, now=StepKnobs, new=StepKnobs) -> float | None
             tau_at(tau, k, k_new, acceptance_by_position=None)      the loop orders its trials by these
 

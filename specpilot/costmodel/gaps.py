@@ -114,6 +114,7 @@ class StepProfile:
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
+    fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -142,7 +143,7 @@ def engine_fields(cfg) -> dict:
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
             "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
-            **kernel_flags(cfg)}
+            "fused_projections": cfg.fused_projections, **kernel_flags(cfg)}
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -184,6 +185,10 @@ class CostReport:
     predicted_speedup: float  # tau * ar_predicted / step_predicted
     measured_speedup: float | None  # tau * ar_step_s / step_measured, when the profile carries ar_step_s
     gaps: tuple[GapRow, ...] = field(default_factory=tuple)  # largest gap first
+    # of the draft stage's prediction: measured host time (analyze's draft_host_s) and eager launches outside the
+    # drafter's pass priced at launch_s (draft_launches); the rest is the passes' device prediction
+    draft_host_s: float = 0.0
+    draft_launch_s: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -205,9 +210,14 @@ class CostReport:
         t.add_row("step", _ms(self.step_measured_s), _ms(self.step_floor_s), _ms(self.step_predicted_s),
                   _ms(self.step_measured_s - self.step_floor_s), "100%")
         measured = "" if self.measured_speedup is None else f", measured vs AR {self.measured_speedup:.2f}x"
+        draft = ""
+        if self.draft_host_s or self.draft_launch_s:
+            passes = self.stages["draft"].predicted_s - self.draft_host_s - self.draft_launch_s
+            draft = (f"; draft predicted = host {_ms(self.draft_host_s)} ms (measured) + launches outside the pass "
+                     f"{_ms(self.draft_launch_s)} + pass {_ms(passes)} (modelled)")
         t.caption = (f"ceiling speedup {self.ceiling_speedup:.2f}x, measured-equivalent "
                      f"{self.measured_speedup_equiv:.2f}x, predicted {self.predicted_speedup:.2f}x{measured}; "
-                     f"predicted/measured step {self.predicted_over_measured:.2f}")
+                     f"predicted/measured step {self.predicted_over_measured:.2f}{draft}")
         return t
 
 
@@ -225,7 +235,8 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
         if drafter_cfg is None:
             raise ConfigError("drafter_kind 'dflash' needs the drafter's DFlashConfig")
         return [dflash_pass_cost(drafter_cfg, target_cfg, profile.context_len, max(1, round(profile.tau)),
-                                 pool_len=profile.draft_kv_pool_len, **draft_kernel_flags(profile))]
+                                 pool_len=profile.draft_kv_pool_len, fused=profile.fused_projections,
+                                 attention_kernel=profile.draft_attention_kernel, **draft_kernel_flags(profile))]
     if kind != "model":
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
@@ -241,7 +252,8 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
 ACCEPT_LAUNCHES = 6
 
 
-def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host_s=0.0) -> dict[str, StageCost]:
+def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host_s=0.0,
+                 draft_launches=0.0) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len,
                           **kernel_flags(profile))
@@ -249,7 +261,8 @@ def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host
     draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
     return {
         "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
-                           draft_host_s + sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)),
+                           draft_host_s + draft_launches * hw.launch_s
+                           + sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)),
         "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed, kern)),
         "accept": StageCost(profile.accept_s, 0.0, 0.0 if profile.fused_accept else ACCEPT_LAUNCHES * hw.launch_s),
         "other": StageCost(profile.other_s, 0.0, hw.host_sync_s or 0.0),
@@ -264,11 +277,14 @@ def _gap_rows(stages: dict[str, StageCost], step_s: float) -> tuple[GapRow, ...]
 
 def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: StepProfile,
             hw: HardwareCeilings, *, drafter_kind: DrafterKind = "model", graphed: bool = True,
-            draft_host_s: float = 0.0) -> CostReport:
+            draft_host_s: float = 0.0, draft_launches: float = 0.0) -> CostReport:
     """Compare a measured step with its roofline floor and calibrated prediction (see module docstring).
-    `draft_host_s`: host time of one proposal measured off the GPU (an n-gram lookup replayed on the outputs,
-    drafters/ngram.replay), added to the draft stage's prediction."""
-    stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed, draft_host_s)
+    `draft_host_s`: measured host time of one proposal that the device waits for, added to the draft stage's
+    prediction: an n-gram lookup replayed on the outputs (drafters/ngram.replay), or a model drafter's host time
+    from propose() entry to its pass's launch (+ an eager first pass's), drafters/timing.ProposeTimer.
+    `draft_launches`: eager launches a proposal queues behind its pass (per step), priced at `launch_s` each.
+    Neither changes the floor (host work is no physical bound of the GPU)."""
+    stages = _stage_costs(target_cfg, drafter_cfg, profile, hw, drafter_kind, graphed, draft_host_s, draft_launches)
     ar = forward_cost(target_cfg, 1, profile.context_len, pool_len=profile.kv_pool_len, **kernel_flags(profile))
     ar_floor, ar_pred = pass_floor_s(ar, hw), pass_predicted_s(ar, hw, graphed, profile.attention_kernel)
     step = profile.step_s
@@ -284,4 +300,5 @@ def analyze(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, profile: S
         predicted_speedup=profile.tau * ar_pred / step_pred,
         measured_speedup=None if profile.ar_step_s is None else profile.tau * profile.ar_step_s / step,
         gaps=_gap_rows(stages, step),
+        draft_host_s=draft_host_s, draft_launch_s=draft_launches * hw.launch_s,
     )

@@ -278,37 +278,76 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
 
 # --- a DFlash draft pass -------------------------------------------------------------------------------------
 
-# Per draft layer, the context path on top of a dense layer's kernels: k/v projections, k RMSNorm, RoPE of k,
-# the cache write (2); per pass: fc + hidden_norm (1 + 8) and the mask (~6). With fused projections
-# (DFlashDrafter.fuse_projections) the context's k/v are one GEMM over the fused qkv weight's k/v rows (2 -> 1),
-# on top of the dense layer's 7 -> 4: 4 GEMM launches fewer a layer.
-_DFLASH_CTX_LINEARS = 2
-_DFLASH_CTX_FUSED_LINEARS = 1
-_DFLASH_CTX_KERNELS = _DFLASH_CTX_LINEARS + _NORM_KERNELS + 5 + 2
-_DFLASH_HEAD_KERNELS = 1 + _NORM_KERNELS + 6
+# Launches of one static draft step (drafters/dflash.py `_static_step`, the step the engine captures as a CUDA
+# graph), counted from its aten ops in bf16 (tests/test_dflash_fused.py counts them with a dispatch mode and
+# checks this count). Per draft layer, beside the GEMMs:
+#   RMSNorms 5 (input, post-attention, the block's q and k, the context's k; 8 eager kernels each, 1 with the
+#   kernel); RoPE of the block's q and k 10 (1 with the kernel) and of the context's keys 5 (1); the context's
+#   K/V cache write 2; attention: masked SDPA 3 (cat keys, cat values, SDPA; its output is already token-major, so
+#   the head merge is a view), or with the split-KV kernel (DFlashDrafter.use_attention_kernel) the block's K/V
+#   cache write 2 + the kernel's 2 launches (split + merge); 2 residual adds; SiLU x mul 2 (1 with the kernel).
+# GEMMs a layer: the block's q, k, v 3 (1 fused), the context's k, v 2 (1 fused), o, gate, up (1 fused), down.
+# Per pass: the step's positions from its scalars 5 (lt, sub, where, 2 adds), the block ids' cat 1, embedding 1,
+# fc 1 (a GEMM) + hidden_norm, RoPE tables over both position runs 7 (cat, mul, cat, cos, sin, 2 casts), with SDPA
+# the visibility mask 7 (arange, cat, lt, ones_like, cat, ones, and), the final norm, LM head 1 (a GEMM), argmax 1.
+# An eager pass (the prompt's first) differs a little (its positions are aranges); only static passes are priced.
+_DFLASH_LAYER_NORMS = 5
+_DFLASH_ROPE_BLOCK_KERNELS = _ROPE_KERNELS
+_DFLASH_ROPE_CTX_KERNELS = _ROPE_KERNELS // 2
+_DFLASH_CTX_WRITE_KERNELS = 2
+_DFLASH_SDPA_KERNELS = 3
+_DFLASH_ATTN_KERNEL_LAUNCHES = 2 + 2  # the block's K/V write + split-KV attention and its merge
+_DFLASH_LAYER_ADDS = 2
+_DFLASH_LINEARS = 3 + 2 + 1 + 2 + 1  # q k v, context k v, o, gate up, down
+_DFLASH_FUSED_LINEARS = 1 + 1 + 1 + 1 + 1  # qkv, context kv, o, gate_up, down (DFlashDrafter.fuse_projections)
+_DFLASH_STEP_INPUT_KERNELS = 5 + 1 + 1  # positions, ids cat, embedding
+_DFLASH_ROPE_TABLE_KERNELS = 7
+_DFLASH_MASK_KERNELS = 7
+_DFLASH_PASS_NORMS = 2  # hidden_norm, final norm
+_DFLASH_PASS_LINEARS = 2  # fc, LM head
+_DFLASH_ARGMAX_KERNELS = 1
+
+
+def dflash_pass_kernels(num_layers: int, *, fused: bool = False, norm_kernel: bool = False,
+                        rope_kernel: bool = False, act_kernel: bool = False,
+                        attention_kernel: bool = False) -> tuple[int, int, int]:
+    """(all launches, GEMM launches, eager norm / RoPE chain launches) of one static DFlash draft step (the
+    graphed step; see the count above). `attention_kernel`: the block attends through the split-KV kernel
+    (EngineConfig.draft_attention_kernel): no mask, 2 launches, and the block's K/V are written to the cache."""
+    norm = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS
+    rope = (2 * _ROPE_KERNEL_LAUNCHES if rope_kernel else _DFLASH_ROPE_BLOCK_KERNELS + _DFLASH_ROPE_CTX_KERNELS)
+    attn = _DFLASH_ATTN_KERNEL_LAUNCHES if attention_kernel else _DFLASH_SDPA_KERNELS
+    linears = _DFLASH_FUSED_LINEARS if fused else _DFLASH_LINEARS
+    layer = (linears + _DFLASH_LAYER_NORMS * norm + rope + _DFLASH_CTX_WRITE_KERNELS + attn + _DFLASH_LAYER_ADDS
+             + (1 if act_kernel else 2))
+    head = (_DFLASH_STEP_INPUT_KERNELS + _DFLASH_PASS_LINEARS + _DFLASH_PASS_NORMS * norm + _DFLASH_ROPE_TABLE_KERNELS
+            + (0 if attention_kernel else _DFLASH_MASK_KERNELS) + _DFLASH_ARGMAX_KERNELS)
+    eager = ((0 if norm_kernel else (num_layers * _DFLASH_LAYER_NORMS + _DFLASH_PASS_NORMS) * _NORM_KERNELS)
+             + (0 if rope_kernel else num_layers * (_DFLASH_ROPE_BLOCK_KERNELS + _DFLASH_ROPE_CTX_KERNELS)))
+    return num_layers * layer + head, num_layers * linears + _DFLASH_PASS_LINEARS, eager
 
 
 def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_context: int,
                      dtype_bytes: int = 2, pool_len: int | None = None, *, fused: bool = False,
-                     norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False) -> PassCost:
+                     norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
+                     attention_kernel: bool = False) -> PassCost:
     """One DFlash draft pass (models/dflash.py): the block (block_size tokens: anchor + masks) through the draft
     layers, attending over the draft cache's `context_len` slots; `new_context` target feature rows projected
     (fc), turned into K/V and written; the block's hidden states through the target's LM head. `norm_kernel`:
     every RMSNorm one launch; `rope_kernel`: the block's q/k in one launch and the context keys in another;
     `act_kernel`: SiLU x mul in one launch (the drafter follows the engine's switches, engine.build_drafter);
-    `fused`: fused projections (EngineConfig.fused_projections), 4 GEMMs a layer fewer, same bytes and FLOPs."""
+    `fused`: fused projections (EngineConfig.fused_projections), 4 GEMMs a layer fewer, same bytes and FLOPs;
+    `attention_kernel`: the split-KV kernel instead of masked SDPA (EngineConfig.draft_attention_kernel). The
+    launch counts are `dflash_pass_kernels` (the static step's, counted from its ops)."""
     B = dcfg.block_size
     dense = ModelConfig(model_type="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=dcfg.hidden_size,
                         intermediate_size=dcfg.intermediate_size, num_hidden_layers=dcfg.num_hidden_layers,
                         num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
                         head_dim=dcfg.head_dim, qk_norm=True)
-    base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None,
-                        fused=fused, norm_kernel=norm_kernel, rope_kernel=rope_kernel, act_kernel=act_kernel)
-    L = dcfg.num_hidden_layers
-    ctx_linears = _DFLASH_CTX_FUSED_LINEARS if fused else _DFLASH_CTX_LINEARS
-    saved = (dcfg.num_hidden_layers + 1) * (_NORM_KERNELS - _NORM_KERNEL_LAUNCHES) if norm_kernel else 0  # k, hidden
-    ctx_rope = _ROPE_KERNELS // 2  # the context keys' RoPE, eager: 5 kernels a layer
-    saved += dcfg.num_hidden_layers * (ctx_rope - _ROPE_KERNEL_LAUNCHES) if rope_kernel else 0
+    base = forward_cost(dense, B, context_len, dtype_bytes, pool_len=pool_len + B if pool_len else None)
+    kernels, linears, eager = dflash_pass_kernels(dcfg.num_hidden_layers, fused=fused, norm_kernel=norm_kernel,
+                                                  rope_kernel=rope_kernel, act_kernel=act_kernel,
+                                                  attention_kernel=attention_kernel)
     feat = len(dcfg.target_layer_ids) * dcfg.hidden_size
     fc = feat * dcfg.hidden_size
     kv_proj = dcfg.num_hidden_layers * 2 * dcfg.hidden_size * dcfg.num_key_value_heads * dcfg.head_dim
@@ -320,15 +359,12 @@ def dflash_pass_cost(dcfg, target_cfg: ModelConfig, context_len: int, new_contex
         kv_bytes=base.kv_bytes + kv_write,
         activation_bytes=base.activation_bytes + new_context * feat * dtype_bytes,
         flops=base.flops + 2.0 * (fc + kv_proj) * new_context,
-        num_kernels=(base.num_kernels + L * (_DFLASH_CTX_KERNELS - _DFLASH_CTX_LINEARS + ctx_linears)
-                     + _DFLASH_HEAD_KERNELS - saved),
-        num_linear_kernels=base.num_linear_kernels + 1 + ctx_linears * L,
+        num_kernels=kernels,
+        num_linear_kernels=linears,
         num_layers=base.num_layers,
         attn_keys=base.attn_keys,
         head_bytes=base.head_bytes,
-        # + per layer the k RMSNorm and RoPE of k (5 of the 10), per pass hidden_norm
-        num_eager_kernels=base.num_eager_kernels + (0 if norm_kernel else (dcfg.num_hidden_layers + 1) * _NORM_KERNELS)
-        + (0 if rope_kernel else dcfg.num_hidden_layers * ctx_rope),
+        num_eager_kernels=eager,
     )
 
 

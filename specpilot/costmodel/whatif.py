@@ -102,7 +102,8 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len
         out.append(dflash_pass_cost(drafter_cfg, target_cfg, ctx, max(1, round(tau)), pool_len=draft_pool,
-                                    fused=knobs.fused, **draft_kernel_flags(knobs)))
+                                    fused=knobs.fused, attention_kernel=knobs.draft_attention_kernel,
+                                    **draft_kernel_flags(knobs)))
     return out
 
 

@@ -20,9 +20,20 @@ With the attention kernel (`DFlashDrafter.use_attention_kernel`, the engine's CU
 to slots anchor .. anchor+B-1 as well, written after the context in each layer, so they replace the padding rows
 there; a later step's context overwrites them in turn before its anchor passes them. The cache's block_size spare
 slots past max_seq_len hold a block at the last anchor (and the graph's capture-time positions).
+
+Host timing (read by drafters/timing.py for `specpilot profile`; always kept, one perf_counter a pass): on CUDA the
+draft stage starts with the GPU idle (the step before ended in its host sync), so the device waits for the host
+until the graph replay is launched. `last_launch_t` is when the last pass was launched (perf_counter just before
+the replay, the eager static step or the eager pass), `last_pass` which one, `last_eager_launches` the (before,
+after) counts of device launches outside the pass: before the replay the pending context's cat, its copy into
+the static buffer and the scalars' host-to-device copy (3; their device time hides under the host's way to the
+replay), after it the drafts' clone (1, queued behind the graph). `graph_events` (None: off) collects CUDA event
+pairs around each replay: the graph's own device time, measured.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -47,6 +58,9 @@ class DFlashBlockDrafter:
         # `padded_length`; EngineConfig.pad_shapes, set by build_drafter)
         self.pad_shapes = self.device.type == "cuda"
         self.graph = None
+        self.last_launch_t, self.last_pass, self.last_eager_launches = 0.0, "", (0, 0)  # see the module docstring
+        self.last_eager_pass_s = 0.0  # host seconds spent launching the last eager pass (0 for a static one)
+        self.graph_events: list | None = None
         self.static = static or (cuda_graphs and self.device.type == "cuda")
         # a static (graphed) pass takes at most a block of new context tokens: the engine ends a run of plain steps
         # (EngineConfig.adaptive) before more pile up (more would take the slower eager pass, still correct)
@@ -100,8 +114,19 @@ class DFlashBlockDrafter:
             self._copied = torch.cuda.Event()
             self._copied.record()
         if self.graph is not None:
+            timed = self.graph_events is not None
+            if timed:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            self.last_launch_t, self.last_pass = time.perf_counter(), "graph"
             self.graph.replay()
+            if timed:
+                end.record()
+                self.graph_events.append((start, end))
+            self.last_eager_launches = (3, 1)  # cat, copy, scalars' copy; the clone
             return self.drafts.clone()
+        self.last_launch_t, self.last_pass = time.perf_counter(), "static"
+        self.last_eager_launches = (3, 0)
         return self._static_step()
 
     def reset(self) -> None:
@@ -137,12 +162,15 @@ class DFlashBlockDrafter:
         with return_logits, the eager step's logits [k, V]; the pending context counts as fed afterwards."""
         anchor_pos, ctx = self._pending_context(context_ids)
         k = min(num_tokens, self.network.block_size - 1)
+        self.last_eager_pass_s = 0.0
         if not return_logits and self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
             out = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
         else:
             C = ctx.shape[0]
             pad_to = padded_length(C, self.cache.max_seq_len - (anchor_pos - C)) if self.pad_shapes and C else None
+            self.last_launch_t, self.last_pass, self.last_eager_launches = time.perf_counter(), "eager", (1, 0)
             out = draft_block(self.network, self.target, context_ids[-1], ctx, anchor_pos=anchor_pos,
                               cache=self.cache, num_tokens=k, return_logits=return_logits, pad_to=pad_to)
+            self.last_eager_pass_s = time.perf_counter() - self.last_launch_t  # launch-bound: ~its device time
         self.fed, self.pending = anchor_pos, []
         return out

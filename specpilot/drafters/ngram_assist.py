@@ -79,13 +79,18 @@ class NgramAssistedDrafter:
             draft = self.inner.propose(context_ids, num_tokens)
             follow, n = self.lookup.lookup(context_ids, num_tokens)
             match = n >= self.min_match and bool(follow)
+        before, after = getattr(self.inner, "last_eager_launches", (0, 0))
         model = draft.token_ids
         K = model.shape[0]
         if K == 0 or draft.probs is not None or not match:
+            self.last_eager_launches = (before, after)
             return draft
         follow = follow[:K]
         look = self._to_device(follow)
         cand = look if len(follow) == K else torch.cat((look, model[len(follow):]))
+        # launched after the model's pass (drafters/timing.py prices them): the lookup's host-to-device copy, the
+        # padding cat when it is shorter than the block, the agreement test and the choice
+        self.last_eager_launches = (before, after + 3 + (len(follow) < K))
         return Draft(torch.where(self._agree(look, model), cand, model))
 
     @staticmethod
