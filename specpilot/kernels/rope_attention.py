@@ -30,7 +30,8 @@ import os
 
 import torch
 
-from specpilot.kernels.decode_attention import ONE_LAUNCH_SPLIT, _counters, _pow2, decode_attention_reference
+import specpilot.kernels.decode_attention as da
+from specpilot.kernels.decode_attention import _counters, _pow2, decode_attention_reference
 from specpilot.kernels.rope_write import _check_shapes, rope_write_reference
 
 try:
@@ -110,8 +111,8 @@ if triton is not None:
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6, scale: float | None = None, *, split_s: int = ONE_LAUNCH_SPLIT[0],
-                   block_s: int = ONE_LAUNCH_SPLIT[1]) -> torch.Tensor:
+                   eps: float = 1e-6, scale: float | None = None, *, split_s: int = 128,
+                   block_s: int = 64) -> torch.Tensor:
     """One new token per row: q [B, H, 1, D], k/v [B, Hkv, 1, D] (raw projection outputs, any strided views),
     cos/sin [B or 1, 1, 1, D], positions [B, 1], k_cache/v_cache [B, Hkv, S, D] (the layer's cache slots the token
     attends over; written in place) -> attention of rotate(norm(q)) over the cache with rotate(norm(k)) and v
@@ -166,7 +167,10 @@ def _register_op():
                           positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                           eps: float = 1e-6) -> torch.Tensor:
-        return rope_attention(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_weight, k_norm_weight, eps)
+        # the slices of the one-launch attention op it replaces (read at call time, as that op does): same numbers
+        split_s, block_s = da.ONE_LAUNCH_SPLIT
+        return rope_attention(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_weight, k_norm_weight, eps,
+                              split_s=split_s, block_s=block_s)
 
     @rope_attention_op.register_fake
     def _(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
