@@ -81,15 +81,15 @@ if triton is not None:
         max_pos = tl.max(pos, axis=0)
         c, s_signed, cols, partner = _cos_sin_row(cos_ptr, sin_ptr, b, 0, sc_b, 0, ss_b, 0, D)
         # rope_write's rotated q, as the attention would load it (padding rows: 0)
-        q, _ = _norm_rope_rows(q_ptr + b * sq_b + (hk * G + row0) * sq_h, qw_ptr, G - row0, sq_h, c, s_signed, cols,
-                               partner, eps, D, BLOCK_R, Q_NORM)
+        q, q_valid = _norm_rope_rows(q_ptr + b * sq_b + (hk * G + row0) * sq_h, qw_ptr, G - row0, sq_h, c,
+                                     s_signed, cols, partner, eps, D, BLOCK_R, Q_NORM)
         if UPCAST:
             q = q.to(tl.float32)
         n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)  # who works and counts: as `_split_merge_kernel`
         if pid_s < n_used:
             # the new token's K (rope_write's rounding) and V of head hk, in registers: [1, D] each
-            k_new, _ = _norm_rope_rows(k_ptr + b * sk_b + hk * sk_h, kw_ptr, 1, sk_h, c, s_signed, cols, partner,
-                                       eps, D, 1, K_NORM)
+            k_new, k_valid = _norm_rope_rows(k_ptr + b * sk_b + hk * sk_h, kw_ptr, 1, sk_h, c, s_signed, cols,
+                                             partner, eps, D, 1, K_NORM)
             v_new = tl.load(v_ptr + b * sv_b + hk * sv_h + cols)[None, :]
             slot = p.to(tl.int64)
             if (row0 == 0) & (slot >= 0) & (slot < S) & (pid_s == slot // SPLIT_S):  # the one writer of the slot
