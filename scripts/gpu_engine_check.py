@@ -5,8 +5,8 @@ On a random-weight model (fp32, so every path must give identical greedy tokens)
 AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
-programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs, dflash, batch,
-lossless12).
+programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
+rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, dflash, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
 """
@@ -26,8 +26,8 @@ from specpilot.models import random_model
 
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
-SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue", "dflash",
-            "adaptive", "batch", "lossless12")
+SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
+            "rope_in_attention", "dflash", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -230,6 +230,44 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("spec_dflash_norm_epilogue", [Engine(epi, c, build_drafter(c, dflash_net(), epi)).generate(p)
                                              for p in prompts])
 
+    def rope_in_attention():
+        # a one-token layer's q/k norm, RoPE and K/V write inside its attention launch (EngineConfig.
+        # rope_in_attention, kernels/rope_attention.py): the slice holding the new token must use the k/v its own
+        # program computed, never the cache slot another program of the launch is writing; a stale slot (or a
+        # slot written twice, a counter left non-zero) shows as other tokens. Graphed AR against eager AR and
+        # against graphed AR without it, eager AR, with PDL, n-gram speculation (fused verify blocks keep
+        # rope_write; the one-token steps between them use the switch) and a small drafter's one-token passes.
+        # Random weights of the 0.5B's shape, 4 layers: 7 q heads a kv head, one row block; the pool's 128-key
+        # slices cross at positions 128, 256 (prompts of 20-22 tokens + 48 new ones: slice 0 only, so also 300 new)
+        from specpilot.kernels import pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        ria = copy.deepcopy(fast).use_rope_in_attention()
+        off_cfg = base.with_(fused_verify=True)
+        on_cfg = off_cfg.with_(rope_in_attention=True)
+        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
+        on = [Engine(ria, on_cfg).generate(p) for p in prompts]
+        record("ar_rope_in_attention", on)
+        equals_off("ar_rope_in_attention_equals_off", on, off)
+        long_cfg = on_cfg.with_(max_new_tokens=300, max_seq_len=512)  # past two slice boundaries
+        long_off = [Engine(fast, long_cfg.with_(rope_in_attention=False)).generate(p) for p in prompts[:1]]
+        equals_off("ar_rope_in_attention_300_equals_off", [Engine(ria, long_cfg).generate(p) for p in prompts[:1]],
+                   long_off)
+        ngram_on, model = on_cfg.with_(drafter_kind="ngram"), on_cfg.with_(drafter_kind="model")
+        same_tokens((("ar_rope_in_attention_eager", on_cfg.with_(cuda_graphs=False), ria),
+                     ("spec_ngram_rope_in_attention", ngram_on, ria),
+                     ("spec_ngram_rope_in_attention_eager", ngram_on.with_(cuda_graphs=False), ria)))
+        drafter = copy.deepcopy(other).use_fused_decode().use_rope_in_attention()
+        record("spec_other_rope_in_attention", [Engine(ria, model, build_drafter(model, drafter, ria)).generate(p)
+                                                for p in prompts])
+        if pdl.set_enabled(True):
+            try:
+                record("ar_rope_in_attention_pdl", [Engine(ria, on_cfg.with_(pdl=True)).generate(p) for p in prompts])
+            finally:
+                pdl.set_enabled(False)
+        else:
+            print("ar_rope_in_attention_pdl skipped:", pdl.unsupported_reason(), flush=True)
+
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -279,7 +317,7 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
-              "norm_epilogue": norm_epilogue, "dflash": dflash,
+              "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "dflash": dflash,
               "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

@@ -19,7 +19,10 @@ same fused layer at T rows too (EngineConfig.fused_verify: M-row GEMVs, split-KV
 fusedverify --tokens=1,16` compares the T = 16 step of both); "fusednormepi" is "fusedverify" with the norm epilogue
 (EngineConfig.norm_epilogue: o_proj / down GEMVs also write the next norm, so qkv, gate_up and the LM head run
 norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=fusedverify,fusednormepi`), and
-"fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue); median of
+"fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue);
+"fusedropeattn" is "fuseddecode" with a one-token layer's RoPE + K/V write inside its attention launch
+(EngineConfig.rope_in_attention, kernels/rope_attention.py: five launches a layer; `--variants=fuseddecode,
+fusedropeattn --tokens=1`); median of
 100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
 stdout line: one JSON object.
 """
@@ -46,7 +49,7 @@ def median_ms(fn, repeats=100) -> float:
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
                "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify", "fused_normepi": "_fusednormepi",
-               "fused12_normepi": "_fused12normepi"}
+               "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn"}
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
@@ -68,7 +71,8 @@ def main(shapes, flags=()) -> int:
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
-                    (False, "fused_normepi"), (False, "fused12_normepi"), (True, False), (True, True)]
+                    (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"), (True, False),
+                    (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -78,7 +82,7 @@ def main(shapes, flags=()) -> int:
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
             fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify", "fused_normepi",
-                               "fused12_normepi")
+                               "fused12_normepi", "fused_ropeattn")
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
             every = kernel in ("all", "all_gemv") or fused
             model.use_attention_kernel(bool(kernel))
@@ -88,6 +92,7 @@ def main(shapes, flags=()) -> int:
             model.use_fused_decode(fused)
             model.use_fused_verify(kernel in ("fused_verify", "fused_normepi"))  # T = 2..16 rows fused as well
             model.use_norm_epilogue(kernel in ("fused_normepi", "fused12_normepi"))  # the norms from the GEMVs
+            model.use_rope_in_attention(kernel == "fused_ropeattn")  # RoPE + K/V write in the attention launch
             model.use_lossless12(twelve)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs

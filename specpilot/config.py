@@ -106,6 +106,10 @@ class EngineConfig:
     # with one vs 3.8-3.9 without). Same numbers (rmsnorm.py's rounding). Off: SLOWER on the H200 (session 16,
     # 1.5B random weights: T = 1 1.525 -> 1.662 ms, T = 16 1.940 -> 2.553; the last program's serial tail and the
     # registers it adds to every program cost more than the launches saved; scripts/gpu_step_timing.py fusednormepi)
+    rope_in_attention: bool = False  # CUDA, with fused_decode: a one-token fused layer's q/k norm (Qwen3), RoPE and
+    # K/V-cache write run inside its attention launch (kernels/rope_attention.py) instead of a launch of their own
+    # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
+    # latency). Same numbers. Off until an H200 run times it (scripts/gpu_step_timing.py fusedropeattn)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
@@ -153,6 +157,8 @@ class EngineConfig:
             raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
         if not isinstance(self.norm_epilogue, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"norm_epilogue must be true or false, got {self.norm_epilogue!r}")
+        if not isinstance(self.rope_in_attention, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"rope_in_attention must be true or false, got {self.rope_in_attention!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

@@ -28,6 +28,7 @@ def _cases():
     from specpilot.kernels import decode_attention as da
     from specpilot.kernels import gemv12 as g12
     from specpilot.kernels import gemv_fused as gf
+    from specpilot.kernels import rope_attention as ra
     from specpilot.kernels import rope_write as rw
 
     def gemv_types(n):  # (ocnt_ptr: the norm epilogue's arrival counter, kernels/norm_epilogue.py)
@@ -79,6 +80,13 @@ def _cases():
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
                                                                UPCAST=False, SPLITS_P2=32), attn_types
+
+    def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
+        return "fp32" if n == "eps" else attn_types(n)
+
+    yield "rope_attention_qk_norm", ra._rope_attention_kernel, dict(
+        D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32", UPCAST=False, SPLITS_P2=32, Q_NORM=True, K_NORM=True), \
+        rope_attn_types
 
 
 def _first(lines, pattern) -> int | None:

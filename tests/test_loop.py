@@ -115,7 +115,8 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "norm_epilogue", "pad_shapes", "adaptive",
+                                                             "norm_epilogue", "rope_in_attention", "pad_shapes",
+                                                             "adaptive",
                                                              "compile"]
     # pdl acts on the fused one-token path only: not offered without it
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]

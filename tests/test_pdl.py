@@ -137,7 +137,7 @@ class Recorder:
 
 
 FUSED_PATH = {"gemv_fused": ("_kernel", "_gemm_kernel"), "rope_write": ("_rope_write_kernel",),
-              "decode_attention": ("_split_merge_kernel",)}
+              "decode_attention": ("_split_merge_kernel",), "rope_attention": ("_rope_attention_kernel",)}
 
 
 def _record(monkeypatch, log: list, also_unfused: bool = False) -> None:
@@ -187,14 +187,18 @@ def test_each_fused_path_kernel_launches_with_pdl_exactly_when_switched_on(monke
         [("_split_kernel", (False, False)), ("_combine_kernel", (False, False))]
 
 
-def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_numbers(tiny_model_dir, monkeypatch):
-    """One graphed-shape one-token step of a tiny model: with the switch on, all 6 launches a layer and the LM head
-    GEMV carry launch_pdl=True and USE_PDL=True (one without would run with stream order, one with launch_pdl but
-    no wait would race its predecessor); the logits are those of the switch off."""
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_numbers(tiny_model_dir, monkeypatch,
+                                                                                   rope_in_attention):
+    """One graphed-shape one-token step of a tiny model: with the switch on, all 6 launches a layer (5 with
+    rope_in_attention: RoPE + K/V write inside the attention launch) and the LM head GEMV carry launch_pdl=True and
+    USE_PDL=True (one without would run with stream order, one with launch_pdl but no wait would race its
+    predecessor); the logits are those of the switch off."""
     from specpilot.models import load_model
 
-    model = load_model(tiny_model_dir("qwen3")).use_fused_decode()
+    model = load_model(tiny_model_dir("qwen3")).use_fused_decode().use_rope_in_attention(rope_in_attention)
     L = model.config.num_hidden_layers
+    per_layer = 5 if rope_in_attention else 6
 
     def step(m):
         cache = m.new_cache(1, 32)
@@ -207,10 +211,13 @@ def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_number
     log = []
     _record(monkeypatch, log)
     off = step(copy.deepcopy(model))
-    assert len(log) == 6 * L + 1 and all(_pdl_of(kw) == (False, False) for _, kw in log)
+    assert len(log) == per_layer * L + 1 and all(_pdl_of(kw) == (False, False) for _, kw in log)
+    names = [name for name, _ in log]
+    assert ("_rope_attention_kernel" in names, "_rope_write_kernel" in names) == (rope_in_attention,
+                                                                                 not rope_in_attention)
     _force_on(monkeypatch)
     on = step(model)
-    assert len(log) == 6 * L + 1
+    assert len(log) == per_layer * L + 1
     assert [name for name, kw in log if _pdl_of(kw) != (True, True)] == []
     assert torch.equal(on, off)
 
@@ -270,7 +277,7 @@ def test_compiled_kernels_wait_before_their_first_global_access():
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
             "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
-            "attention_one_launch", "gemv_residual_norm_out", "gemm_residual_norm_out",
+            "attention_one_launch", "rope_attention_qk_norm", "gemv_residual_norm_out", "gemm_residual_norm_out",
             "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]

@@ -58,10 +58,14 @@ _FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3 + 2
 # every fused pass loses the final norm (the last down GEMV writes it). A one-token layer keeps its six (its norms
 # were GEMV prologues: what it gains, norm-free GEMVs streaming faster, is not priced here)
 _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
-# pdl (kernels/pdl.py), with fused_decode: the six launches a layer and the LM head GEMV launch with programmatic
+# rope_in_attention (kernels/rope_attention.py), with fused_decode: a one-token layer's RoPE + K/V write runs inside
+# its attention launch (6 -> 5; with pdl the five launch with PDL). Fused verify blocks keep theirs. Not yet one of
+# KERNEL_FLAGS: gaps.StepProfile has no such field yet (engine_fields spreads KERNEL_FLAGS into it); pass it to
+# forward_cost by name until it does
+_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS = _FUSED_DECODE_LAYER_KERNELS - 1
+# pdl (kernels/pdl.py), with fused_decode: the six (five) launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
 # RoPE + K/V write a layer (its two RMSNorms, the split-KV attention pair and the cuBLAS LM head launch without)
-_PDL_KERNELS_PER_LAYER = _FUSED_DECODE_LAYER_KERNELS
 _PDL_HEAD_KERNELS = 1
 _PDL_VERIFY_KERNELS_PER_LAYER = _FUSED_LINEARS_PER_LAYER + 1
 MAX_FUSED_VERIFY_TOKENS = 16  # models/fused_decode.py MAX_TOKENS (no import: the cost model stays torch-free)
@@ -226,7 +230,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  pool_len: int | None = None, *, fused: bool = False, compiled: bool = False,
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
-                 lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False) -> PassCost:
+                 lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
+                 rope_in_attention: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -235,7 +240,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     `fused_verify` (with fused_decode) a 2-16-token pass's; `lossless12` (with fused_decode) a one-token pass's
     weight bytes: the projections and the LM head read 12-bit copies; `pdl` (with fused_decode) marks the fused
     passes' Triton launches as launched with PDL (`num_pdl_kernels`); and `norm_epilogue` takes a fused pass's
-    norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS)."""
+    norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS); `rope_in_attention` a one-token
+    fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -249,6 +255,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         L = cfg.num_hidden_layers
         norms = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS  # the final norm's
         per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS
+        if rope_in_attention and one_token_fused:
+            per_layer = _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS
         eager = 0 if norm_kernel else _NORM_KERNELS
         if norm_epilogue:  # the final norm comes out of the last down GEMV; a block keeps layer 0's input norm
             eager = 0
@@ -256,7 +264,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
             per_layer = _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS if block_fused else per_layer
         kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + norms, L * _FUSED_LINEARS_PER_LAYER + 1)
         if pdl:
-            pdl_kernels = (L * _PDL_KERNELS_PER_LAYER + _PDL_HEAD_KERNELS if one_token_fused
+            pdl_kernels = (L * per_layer + _PDL_HEAD_KERNELS if one_token_fused
                            else L * _PDL_VERIFY_KERNELS_PER_LAYER)
     return PassCost(
         num_tokens=num_tokens,

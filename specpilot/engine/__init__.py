@@ -91,6 +91,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("norm_epilogue needs fused_decode (and the fused_projections it reads): the norms keep "
                           "their own launches", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "rope_in_attention"):  # the fused one-token layer's attention launch: with it or not
+        if model.fused_decode:
+            model.use_rope_in_attention()
+        else:
+            warnings.warn("rope_in_attention needs fused_decode (and the fused_projections it reads): RoPE and the "
+                          "K/V write keep their own launch", RuntimeWarning, stacklevel=2)
     if model.fused_decode and _kernel_on(config, "lossless12"):
         if model.lm_head.weight.dtype == torch.bfloat16:
             model.use_lossless12()

@@ -83,8 +83,10 @@ if triton is not None:
     @triton.jit
     def _slice_partial(q, pos, k_ptr, v_ptr, b, hk, start, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, S, SPLIT_S, scale,
                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                       UPCAST: tl.constexpr):
-        """Online softmax over keys [start, start + SPLIT_S): -> m [BLOCK_R], l [BLOCK_R], acc [BLOCK_R, D] (fp32)."""
+                       UPCAST: tl.constexpr, k_new=0, v_new=0, new_slot=0, NEW_KV: tl.constexpr = False):
+        """Online softmax over keys [start, start + SPLIT_S): -> m [BLOCK_R], l [BLOCK_R], acc [BLOCK_R, D] (fp32).
+        NEW_KV (kernels/rope_attention.py): key slot `new_slot` is read as k_new / v_new [1, D] (the new token's,
+        computed in registers) instead of from the cache, which another program of the launch is writing."""
         d = tl.arange(0, D)
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -94,6 +96,8 @@ if triton is not None:
             in_pool = s < S
             kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
                          mask=in_pool[:, None], other=0.0)
+            if NEW_KV:
+                kb = tl.where((s == new_slot)[:, None], k_new, kb)
             if UPCAST:
                 kb = kb.to(tl.float32)
             scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
@@ -105,6 +109,8 @@ if triton is not None:
             alpha = tl.exp(m_i - m_use)
             vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
                          mask=in_pool[:, None], other=0.0)
+            if NEW_KV:
+                vb = tl.where((s == new_slot)[:, None], v_new, vb)
             if UPCAST:
                 vb = vb.to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)

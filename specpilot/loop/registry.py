@@ -226,6 +226,11 @@ register(Mechanism(
     "program to finish normalizes the finished rows): qkv, gate_up and the LM head run norm-free, a verify block "
     "loses its two RMSNorm launches a layer and every fused pass the final norm's"))
 register(Mechanism(
+    "rope_in_attention", ("draft", "verify"), {"rope_in_attention": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
+    "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
+register(Mechanism(
     "pad_shapes", ("other",), {"pad_shapes": [True, False]},
     lambda dep, cfg: dep.on_cuda,
     "eager passes (prefill, the DFlash drafter's first pass, steps no graph bucket fits) padded to a few lengths, "

@@ -267,6 +267,8 @@ class DenseLM(nn.Module):
         self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
         self.fused_verify = False  # use_fused_verify(): 2-16-token steps through nine launches a layer (the same)
         self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
+        self.rope_in_attention = False  # use_rope_in_attention(): a one-token fused layer's RoPE + K/V write inside
+        # its attention launch (five launches a layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -380,6 +382,18 @@ class DenseLM(nn.Module):
         self.norm_epilogue = on
         return self
 
+    def use_rope_in_attention(self, on: bool = True) -> "DenseLM":
+        """A one-token fused layer (models/fused_decode.py) runs q/k norm (Qwen3), RoPE and the K/V-cache write
+        inside its attention launch (kernels/rope_attention.py) instead of the RoPE + K/V write launch before it:
+        five launches a layer instead of six. Same numbers. Needs fused_decode, the only path it changes; fused
+        verify blocks (T > 1) keep their RoPE + K/V write launch."""
+        if on:
+            if not self.fused_decode:
+                raise ConfigError("rope_in_attention needs fused_decode: only the fused one-token layer has it")
+            require_kernel("rope_attention", "RoPE + K/V write + attention kernel")
+        self.rope_in_attention = on
+        return self
+
     def use_lossless12(self, on: bool = True) -> "DenseLM":
         """One-token fused steps read lossless 12-bit copies of the projection and LM-head weights
         (formats/lossless12.py: every weight exact, 1.5 bytes instead of 2; kernels/gemv12.py). The bf16 weights
@@ -459,7 +473,8 @@ class DenseLM(nn.Module):
                 nxt = layers[i + 1].input_layernorm if i < last else self.model.norm if last == L - 1 else None
             if fused:
                 x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len, normed=normed,
-                                              next_norm=nxt, norm_epilogue=self.norm_epilogue)
+                                              next_norm=nxt, norm_epilogue=self.norm_epilogue,
+                                              rope_in_attention=self.rope_in_attention)
             else:
                 x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)

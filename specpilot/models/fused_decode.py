@@ -26,6 +26,10 @@ are launches of their own here (kernels/rmsnorm.py, then norm-free GEMVs: `PRENO
 was the H200's bottleneck; same numbers): nine launches a layer. The attention writes its output token-major, so
 o_proj reads it as [T, H * D] without a copy.
 
+With EngineConfig.rope_in_attention (DenseLM.use_rope_in_attention, kernels/rope_attention.py) a one-token layer's
+attention launch also does the q/k norm, RoPE and K/V write (the rope_write launch goes: five launches a layer;
+every program rotates q and the new k itself, so no slice reads the slot another program writes). Same numbers.
+
 With EngineConfig.norm_epilogue (DenseLM.use_norm_epilogue, kernels/norm_epilogue.py) the residual GEMVs also
 write the norm the next GEMV reads: o_proj's the post-attention norm, down's the next layer's input norm (the final
 norm after the last layer), so qkv, gate_up and the LM head run norm-free; a block's layer is seven launches, and
@@ -94,7 +98,7 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
-                 norm_epilogue: bool = False):
+                 norm_epilogue: bool = False, rope_in_attention: bool = False):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -102,7 +106,10 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     input norm of x, already written by the previous layer's down GEMV, so qkv runs norm-free; `norm_epilogue`
     makes o_proj's GEMV also write the post-attention norm, so gate_up runs norm-free; `next_norm` (the next
     layer's input norm, or the final norm) makes down's GEMV write that norm of the output too -> (output,
-    next_norm(output)), both [1, T, H]. Same numbers as the norms' own launches or prologues."""
+    next_norm(output)), both [1, T, H]. Same numbers as the norms' own launches or prologues.
+
+    `rope_in_attention` (EngineConfig.rope_in_attention, kernels/rope_attention.py), T = 1 only: the attention
+    launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
@@ -119,9 +126,15 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     kn = attn.k_norm.weight if attn.k_norm is not None else None
     eps = attn.q_norm.eps if attn.q_norm is not None else pre.eps
     i = attn.layer_idx
-    q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
-    keys, values = cache.read(i, kv_len)
-    out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
+    if rope_in_attention and T == 1:  # one launch: q/k norm + RoPE + K/V write + attention (rotated q never stored)
+        from specpilot.models.dense import kernel_op
+
+        keys, values = cache.read(i, kv_len)
+        out = kernel_op("rope_attention")(q, k, v, cos, sin, positions, keys, values, qn, kn, eps)  # [1, n, 1, d]
+    else:
+        q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
+        keys, values = cache.read(i, kv_len)
+        out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, hn = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
