@@ -291,3 +291,19 @@ def test_rope_in_attention_prices_a_one_token_fused_layer_at_five_launches():
     assert forward_cost(cfg, 1, 512, **flags, rope_in_attention=True).num_kernels == 5 * L + (1 + 7 + 1 + 1) + 1
     for T, kw in ((16, flags), (1, dict(fused=True)), (1, dict(flags, compiled=True))):
         assert forward_cost(cfg, T, 512, **kw, rope_in_attention=True) == forward_cost(cfg, T, 512, **kw)
+
+
+def test_cost_model_sees_the_switch_through_the_profile_and_the_loop_knobs():
+    """rope_in_attention is one of KERNEL_FLAGS: a profile or the loop's knobs with it on price one launch a
+    one-token layer fewer; the DFlash draft pass does not follow it (it is the dense model's)."""
+    from specpilot.config import EngineConfig as EC
+    from specpilot.costmodel.gaps import StepProfile, engine_fields
+    from specpilot.costmodel.shapes import KERNEL_FLAGS, draft_kernel_flags, kernel_flags
+    from specpilot.loop import _knobs
+
+    assert "rope_in_attention" in KERNEL_FLAGS and "rope_in_attention" not in draft_kernel_flags(EC())
+    on = EC(rope_in_attention=True)
+    prof = StepProfile(draft_s=0.0, verify_s=1e-3, accept_s=0.0, other_s=0.0, tau=1.0, num_draft_tokens=0,
+                       drafter_passes=0, context_len=64, **engine_fields(on))
+    assert kernel_flags(prof)["rope_in_attention"] and _knobs(on).rope_in_attention
+    assert not _knobs(EC()).rope_in_attention

@@ -114,6 +114,7 @@ class StepProfile:
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
+    rope_in_attention: bool = False  # one-token layers' RoPE + K/V write in the attention launch (EngineConfig.*)
     fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
 
     def __post_init__(self):

@@ -59,9 +59,7 @@ _FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3 + 2
 # were GEMV prologues: what it gains, norm-free GEMVs streaming faster, is not priced here)
 _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
 # rope_in_attention (kernels/rope_attention.py), with fused_decode: a one-token layer's RoPE + K/V write runs inside
-# its attention launch (6 -> 5; with pdl the five launch with PDL). Fused verify blocks keep theirs. Not yet one of
-# KERNEL_FLAGS: gaps.StepProfile has no such field yet (engine_fields spreads KERNEL_FLAGS into it); pass it to
-# forward_cost by name until it does
+# its attention launch (6 -> 5; with pdl the five launch with PDL). Fused verify blocks keep theirs.
 _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS = _FUSED_DECODE_LAYER_KERNELS - 1
 # pdl (kernels/pdl.py), with fused_decode: the six (five) launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
@@ -169,7 +167,9 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
-                "lossless12", "pdl", "norm_epilogue")
+                "lossless12", "pdl", "norm_epilogue", "rope_in_attention")
+_DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "norm_epilogue",
+                     "rope_in_attention")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -178,10 +178,9 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
-    """The switches a DFlash draft pass follows (engine.build_drafter; not add_norm_kernel, fused_decode,
-    fused_verify, lossless12, pdl or norm_epilogue, which are the dense model's), for dflash_pass_cost."""
-    return {f: v for f, v in kernel_flags(obj).items() if f not in ("add_norm_kernel", "fused_decode", "fused_verify",
-                                                                    "lossless12", "pdl", "norm_epilogue")}
+    """The switches a DFlash draft pass follows (engine.build_drafter; not _DENSE_ONLY_FLAGS, which are the dense
+    model's), for dflash_pass_cost."""
+    return {f: v for f, v in kernel_flags(obj).items() if f not in _DENSE_ONLY_FLAGS}
 
 
 def kernels_per_layer(cfg: ModelConfig, norm_kernel: bool = False, rope_kernel: bool = False,

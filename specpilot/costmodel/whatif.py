@@ -48,6 +48,7 @@ class StepKnobs:
     lossless12: bool = False  # lossless12 (that pass's GEMVs read 12-bit weight copies: 3/4 of the bytes)
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
     norm_epilogue: bool = False  # norm_epilogue (a fused pass's norms written by its residual GEMVs: fewer launches)
+    rope_in_attention: bool = False  # rope_in_attention (a one-token layer's RoPE + K/V write in its attention)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
