@@ -16,14 +16,15 @@ for f in $R/lane0.log $R/lane1.log /tmp/runs/q15.log /tmp/runs/q15-helper.log /t
   [ -e $f ] && { echo "== $f"; grep -v "^\s*$" $f | tail -${TAIL:-8}; }
 done
 nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
-for d in /tmp/ship/*/; do  # drafter shards one by one: an archive of both drafters is over the 16 MiB file limit
+for d in $([ "${SHIP:-1}" = 1 ] && ls -d /tmp/ship/*/ 2>/dev/null); do  # SHIP=0: not the drafter (room for regen parts)  # drafter shards one by one: an archive of both drafters is over the 16 MiB file limit
   [ -e "$d/config.json" ] && mkdir -p $OUT/$(basename $d) && cp $d/* $OUT/$(basename $d)/
 done
 if [ "${PACK:-1}" = 1 ] && [ -e $R/DONE ] && [ -d /tmp/runs/q15/regen ]; then  # the responses, for the next session (GPU_SESSION.md)
   [ -e /tmp/regen-pack/DONE ] || { mkdir -p /tmp/regen-pack && python3 scripts/regen_cache.py pack \
     /tmp/runs/q15/regen /tmp/regen-pack/regen-q15 && touch /tmp/regen-pack/DONE; }
-  cp /tmp/regen-pack/*.jsonl.gz $OUT/ 2>/dev/null
 fi
+# packed already (MODE=single packs right after training): the parts come back even while the pipeline runs on
+[ "${PACK:-1}" = 1 ] && [ -e /tmp/regen-pack/DONE ] && cp /tmp/regen-pack/*.jsonl.gz $OUT/ 2>/dev/null
 # the measured ceilings (the cost model's inputs; cached per GPU model), next to the results they explain
 cp ${SPECPILOT_CACHE:-/tmp/specpilot-cache}/hardware/*.json $R/ 2>/dev/null  # (scripts/gpu_env.sh sets it)
 tar czf $OUT/results.tgz -C /tmp results 2>/dev/null

@@ -19,7 +19,9 @@
 # Knobs (environment): MODE, L15 / R15 (training / regeneration seconds), PROMPTS, DATA, REGEN_ORDER / REGEN_SEED
 # (which prompts a budget-cut regeneration reaches: random by the clock by default; `long` = those the shipped
 # drafter's shortest-first sessions never reached), REGEN_ATTN=1 (the split-KV attention kernel in the batched
-# regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), DRAFT_LAYERS (a warm
+# regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), REGEN_KV_BUCKET
+# (--regen-kv-bucket; both chosen from /tmp/regen_speed.json when unset and it exists), PACK=0 (MODE=single packs
+# the regeneration cache right after training unless set), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
@@ -38,8 +40,19 @@ declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b
 INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
 # a warm start continues at half the peak LR (session 10: 6e-4 re-warmed v1 and a short run ended below it)
 LR=${LR:-$([ -n "$INIT15" ] && echo 3e-4 || echo 6e-4)}
+# REGEN_ATTN / REGEN_KV_BUCKET unset and a call before staging left /tmp/regen_speed.json (scripts/gpu_regen_speed.py's
+# JSON line, session 18's plan): the fastest variant that ran sets both (its KV bucket; the split-KV kernel or not)
+if [ -z "${REGEN_ATTN+x}${REGEN_KV_BUCKET+x}" ] && [ -s /tmp/regen_speed.json ]; then
+  read -r REGEN_KV_BUCKET REGEN_ATTN < <(python3 -c "
+import json; v = json.load(open('/tmp/regen_speed.json'))['variants']
+ok = {k: r for k, r in v.items() if 'tok_s' in r}
+b = max(ok.values(), key=lambda r: r['tok_s']) if ok else {'kv_bucket': 0, 'attention_kernel': False}
+print(b['kv_bucket'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
+  echo "regeneration step from /tmp/regen_speed.json: kv bucket ${REGEN_KV_BUCKET:-default}, kernel ${REGEN_ATTN:-off}" >> $R/regen_choice.log
+fi
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)} ${REGEN_ATTN:+--attention-kernel}
+ ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET}
  --val-prompts 32 --val-tau-prompts 24 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers ${DRAFT_LAYERS:-2} --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
  --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0
@@ -50,6 +63,12 @@ ship() {  # the best checkpoint of run $1, int4, shards <= 15 MB; not when a war
   if [ "$at" = 0 ]; then echo "not shipped: no checkpoint beat the warm start's validation tau"; return 1; fi
   python3 -m specpilot.cli export-drafter /tmp/runs/$1/best /tmp/ship/${NAME[$1]} --storage int4 --group-size 64 \
     --max-shard-mb 15 && echo "shipped ${NAME[$1]}"
+}
+
+pack_regen() {  # the grown regeneration cache, for the next session (gpu_collect.sh brings the parts back)
+  [ "${PACK:-1}" = 1 ] && [ -d /tmp/runs/q15/regen ] && [ ! -e /tmp/regen-pack/DONE ] || return 0
+  mkdir -p /tmp/regen-pack && python3 scripts/regen_cache.py pack /tmp/runs/q15/regen /tmp/regen-pack/regen-q15 \
+    && touch /tmp/regen-pack/DONE && echo "[$(date +%T)] regeneration cache packed: $(ls /tmp/regen-pack | tr '\n' ' ')"
 }
 
 checks() {  # the engine's GPU parity check, the cost model's profiles, AR step times, the GEMV kernel (issue 3)
@@ -111,6 +130,7 @@ if [ $MODE = single ]; then
     --time-limit-s $L15 --regen-budget-s $R15 $WARM15 > /tmp/runs/q15.log 2>&1
   tail -2 /tmp/runs/q15.log >> $R/lane0.log
   ship q15 >> $R/lane0.log 2>&1
+  pack_regen >> $R/lane0.log 2>&1
   d=/tmp/ship/${NAME[q15]}; [ -e $d/config.json ] || d=${NAME[q15]}
   {
     echo "[$(date +%T)] bench q15 ($d): ar,specpilot"

@@ -31,7 +31,7 @@ __all__ = ["add_train_parser", "cmd_train_drafter"]
 
 RUNTIME_FLAGS = ("time_limit_s", "val_every", "save_every", "regen_batch_size", "no_progress", "resume",
                  "fit_steps_to_time", "regen_budget_s", "attention_kernel", "regen_dir", "regen_shard", "regen_only",
-                 "regen_order", "regen_seed")
+                 "regen_order", "regen_seed", "regen_kv_bucket")
 CONFIG_FILE = "train_config.json"
 
 
@@ -101,6 +101,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --time-limit-s: cut --steps to what fits in this command, so the LR schedule ends in it")
     t.add_argument("--attention-kernel", action="store_true",
                    help="decode steps (regeneration, validation) attend through the split-KV Triton kernel")
+    t.add_argument("--regen-kv-bucket", type=int, default=None,
+                   help="regeneration's graphed decode steps attend over a multiple of this many KV slots (default "
+                        "128 on CUDA; 0 = the whole pool, the pre-session-17 step)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="target dtype (default: bfloat16 on CUDA, float32 elsewhere)")
@@ -258,7 +261,8 @@ def _train(args, dist, err, t_start) -> int:
         return regenerate(target, tok, prompts, regen_dir, max_new_tokens=s.regen_max_new_tokens,
                           batch_size=s.regen_batch_size, max_prompt_tokens=max_prompt, target_name=str(s.target),
                           deadline=until, order=getattr(s, "regen_order", "short"),
-                          order_seed=getattr(s, "regen_seed", 0), log=err.print)
+                          order_seed=getattr(s, "regen_seed", 0), kv_bucket=getattr(s, "regen_kv_bucket", None),
+                          log=err.print)
 
     if shard_n > 1:
         got, left = regen(mine, regen_deadline)  # validation (shard 0) first, as below

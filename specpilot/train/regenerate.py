@@ -118,7 +118,7 @@ def regen_order(encoded: list, order: str, seed: int = 0, *, window: int = 2048)
 def regenerate(target, tokenizer, prompts: Iterable, folder: str | Path, *, max_new_tokens: int,
                batch_size: int = 64, max_prompt_tokens: int = 1024, eos_ids: Iterable[int] | None = None,
                target_name: str = "", deadline: float | None = None, order: str = "short", order_seed: int = 0,
-               log: Callable[[str], None] | None = None) -> tuple[list[Sequence], int]:
+               kv_bucket: int | None = None, log: Callable[[str], None] | None = None) -> tuple[list[Sequence], int]:
     """Responses of `target` to `prompts` (objects with `.id` and `.messages`), cached in `folder`.
 
     `order` says which pending prompts go first (it matters when a `deadline` cuts the work short; see
@@ -162,7 +162,7 @@ def regenerate(target, tokenizer, prompts: Iterable, folder: str | Path, *, max_
         # one generate_batch call for all (sorted here, so it keeps the order): its KV pool and decode graphs serve
         # every batch; each batch is saved as it finishes
         generate_batch(target, [ids for _, ids in encoded], max_new_tokens, eos_ids, batch_size,
-                       sort_by_length=False, deadline=deadline, on_batch=save)
+                       sort_by_length=False, deadline=deadline, on_batch=save, kv_bucket=kv_bucket)
     seqs = []
     for p in prompts:
         rec = done.get(p.id)
