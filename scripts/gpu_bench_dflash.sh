@@ -10,9 +10,9 @@ m=$1
 benches=${3:-humaneval,mbpp,gsm8k,mt_bench,spec_bench}
 case $benches in *spec_bench*) pool=4096 ;; *) pool=2048 ;; esac  # Spec-Bench has long (RAG, summary) prompts
 declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b)
-# SYSTEMS: a subset (default all three); TAG: a suffix for the JSON's name; DRAFTER: another checkpoint or a shipped name (default: this session's, /tmp/ship); K: the draft length
+# EXTRA: more engine flags (e.g. --early-draft); SYSTEMS: a subset (default all three); TAG: a suffix for the JSON's name; DRAFTER: another checkpoint or a shipped name (default: this session's, /tmp/ship); K: the draft length
 python3 -m specpilot.cli bench --target /tmp/models/$m --drafter ${DRAFTER:-/tmp/ship/${NAME[$m]}} --drafter-kind dflash \
   --num-draft-tokens ${K:-15} --systems ${SYSTEMS:-ar,stock,specpilot} --benchmarks $benches \
   --num-prompts ${2:-20} --max-new-tokens 256 --max-seq-len ${MAX_SEQ:-$pool} --device cuda --dtype bfloat16 \
-  ${ATTN:+--attention-kernel} \
+  ${ATTN:+--attention-kernel} ${EXTRA:-} \
   --out $OUT/bench_dflash_$m${TAG:+_$TAG}.json 2>&1 | grep -v "^\s*$" | tail -60

@@ -6,7 +6,8 @@ AR graphed == AR compiled, that speculative decoding (self drafter, random draft
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
-rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, dflash, batch, lossless12).
+rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, dflash, early_draft: the next
+DFlash block launched before the host reads the verdict, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
 """
@@ -27,7 +28,7 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "dflash", "adaptive", "batch", "lossless12")
+            "rope_in_attention", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -291,6 +292,21 @@ def main(only: tuple[str, ...] = ()) -> int:
         if taus[False] != taus[True]:
             problems.append("dflash_graphed_drafts_differ")
 
+    def early_draft():
+        # EngineConfig.early_draft (engine/spec.py): the next block launched from the verdict on the device before
+        # the host reads it (a pinned copy + event instead of .tolist()): same tokens, same drafts (tau), alone
+        # and with prompt lookup beside it, on the default fast path
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_attention_kernel()
+        net = dflash_net()
+        for assist in (0, 2):
+            c = base.with_(drafter_kind="dflash", num_draft_tokens=7, ngram_assist=assist)
+            runs = {on: [Engine(fast, c.with_(early_draft=on), build_drafter(c, net, fast)).generate(p)
+                         for p in prompts] for on in (False, True)}
+            record(f"spec_dflash_early_draft{'_assist' if assist else ''}", runs[True],
+                   tau=[o.tau for o in runs[True]])
+            if [o.tau for o in runs[True]] != [o.tau for o in runs[False]]:
+                problems.append(f"early_draft{'_assist' if assist else ''}_drafts_differ")
+
     def adaptive():
         # EngineConfig.adaptive (engine/adaptive.py): plain one-token steps mixed into speculation, on the default
         # fast path (kernels + fused decode: plain steps take the fused graphed one-token bucket). min_gain 1e9
@@ -318,7 +334,7 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "dflash": dflash,
-              "adaptive": adaptive, "batch": batch}
+              "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:
             section(name, checks[name])

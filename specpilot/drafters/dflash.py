@@ -29,6 +29,14 @@ after) counts of device launches outside the pass: before the replay the pending
 the static buffer and the scalars' host-to-device copy (3; their device time hides under the host's way to the
 replay), after it the drafts' clone (1, queued behind the graph). `graph_events` (None: off) collects CUDA event
 pairs around each replay: the graph's own device time, measured.
+
+Early launch (`launch_early`, EngineConfig.early_draft; engine/spec.py): right after a greedy verify step, before
+the host has read its verdict, the next block's static pass is launched from the device: the verify block's
+features (all K+1 rows) go into the context buffer and the scalars are derived from the packed verdict [a, next]
+on the device (anchor id = next, c = a + 1 new context rows, anchor position = fed + a + 1). Rows past c are
+rejected drafts' features: they sit at padding positions (>= the anchor), like the stale rows a normal step leaves
+there. The engine then reports how many rows were committed (`took_early`) instead of calling `observe`, and the
+next `propose` returns these drafts without launching anything: the same tokens as the normal step.
 """
 
 from __future__ import annotations
@@ -85,6 +93,9 @@ class DFlashBlockDrafter:
         self._scalars_host = torch.zeros(4, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._copied = None  # a CUDA event after the last copy out of the pinned buffer
         self.drafts = None
+        # early launch: scalars += verdict[[1, 0, 0, 0]] * [1, 0, 1, 1] (the host wrote [0, fed, 1, fed + 1])
+        self._pick = torch.tensor([1, 0, 0, 0], device=dev)
+        self._mult = torch.tensor([1, 0, 1, 1], device=dev)
 
     def _static_step(self) -> torch.Tensor:
         embed_w, lm_head = _target_io(self.target)
@@ -102,17 +113,24 @@ class DFlashBlockDrafter:
     def _capture(self):
         return capture(self._static_step)
 
-    def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
-        c = ctx.shape[0]
-        self.ctx[0, :c].copy_(ctx)
+    def _write_scalars(self, values: tuple[int, int, int, int]) -> None:
+        """The static step's scalars from the host: one non-blocking copy out of a pinned buffer."""
         host = self._scalars_host
         if self._copied is not None:  # the last copy out of the pinned buffer has run before it is rewritten
             self._copied.synchronize()  # (in the engine it has: the step synced since; this costs nothing then)
-        host[0], host[1], host[2], host[3] = anchor_id, self.fed, c, anchor_pos
+        host[0], host[1], host[2], host[3] = values
         self.scalars.copy_(host, non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def _propose_static(self, anchor_id: int, ctx: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        c = ctx.shape[0]
+        self.ctx[0, :c].copy_(ctx)
+        self._write_scalars((anchor_id, self.fed, c, anchor_pos))
+        return self._run_static()
+
+    def _run_static(self) -> torch.Tensor:
         if self.graph is not None:
             timed = self.graph_events is not None
             if timed:
@@ -132,6 +150,30 @@ class DFlashBlockDrafter:
     def reset(self) -> None:
         self.fed = 0  # context positions [0, fed) are in the draft cache
         self.pending: list[torch.Tensor] = []
+        self._early: torch.Tensor | None = None  # drafts of an early launch (launch_early), not yet proposed
+        self._early_rows: int | None = None  # its committed context rows (took_early), once the host knows them
+
+    def launch_early(self, verdict: torch.Tensor, features: torch.Tensor) -> bool:
+        """Launch the next block's pass now, from the greedy verify step's packed verdict [a, next, ...] and its
+        features [K+1, F] (both on the device, not yet read by the host; see the module docstring). -> whether it
+        was launched: only the static step can (no pending context, at most a block of rows, after the first pass)."""
+        if not self.static or self.pending or self.fed == 0 or self._early is not None:
+            return False
+        rows = features.shape[0]
+        if rows > self.network.block_size:
+            return False
+        self.ctx[0, :rows].copy_(features)
+        self._write_scalars((0, self.fed, 1, self.fed + 1))
+        self.scalars.add_(verdict[self._pick] * self._mult)
+        self._early = self._run_static()
+        return True
+
+    def took_early(self, committed: int) -> None:
+        """The engine's word, after its sync, for `observe`: `committed` (a + 1) of the early pass's context rows
+        were committed; the next propose() returns that pass's drafts."""
+        if self._early is None:
+            raise RuntimeError("took_early without an early launch")
+        self._early_rows = committed
 
     def features(self, hidden: torch.Tensor, layers: list[torch.Tensor]) -> torch.Tensor:
         """What the target runner keeps per token: the reference's context features [B, T, n*H]."""
@@ -160,9 +202,17 @@ class DFlashBlockDrafter:
     def _draft(self, context_ids: list[int], num_tokens: int, return_logits: bool) -> torch.Tensor:
         """The block at the last committed token -> its tokens [k] (the static graphed step where it applies) or,
         with return_logits, the eager step's logits [k, V]; the pending context counts as fed afterwards."""
-        anchor_pos, ctx = self._pending_context(context_ids)
         k = min(num_tokens, self.network.block_size - 1)
         self.last_eager_pass_s = 0.0
+        if self._early is not None:  # launched after the last verify step: its drafts, nothing to launch now
+            anchor_pos = len(context_ids) - 1
+            if self._early_rows is None or self.pending or self.fed + self._early_rows != anchor_pos:
+                raise RuntimeError(f"DFlash early draft out of step: {self.fed} fed + {self._early_rows} rows != "
+                                   f"{anchor_pos}")
+            out, self._early, self._early_rows = self._early, None, None
+            self.fed, self.last_pass = anchor_pos, "early"
+            return out[:k]
+        anchor_pos, ctx = self._pending_context(context_ids)
         if not return_logits and self.static and self.fed > 0 and 0 < ctx.shape[0] <= self.network.block_size:
             out = self._propose_static(context_ids[-1], ctx, anchor_pos)[:k]
         else:

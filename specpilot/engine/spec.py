@@ -13,6 +13,14 @@ inside the verify step's graph), so accept launches nothing and commit reads tha
 measures ~0. Sampling keeps the separate accept stage (`verify_chain` on the step's logits).
 Greedy output equals AR output token for token; sampled output has the target's distribution.
 
+Early draft (`EngineConfig.early_draft`, greedy + fused_accept, no policy, a drafter with `launch_early`): the
+step's sync is split. The verdict's copy to a pinned host buffer is queued first, then the next block's draft pass,
+launched from the verdict on the device (drafters/dflash.py), then the host waits for the copy alone. So the GPU
+drafts while the host commits, applies the stop rule and runs the n-gram lookup, and the next step's propose()
+launches nothing. Still one host sync a step. Not launched when the next step might not draft (the token or
+context limit within a block) or the drafter cannot (its first pass, an eager pass); a stop ends the loop and the
+early pass is dropped. Same drafts, same tokens.
+
 With a `policy` (engine/adaptive.py, `EngineConfig.adaptive`) some steps are plain: nothing is drafted, the verify
 block is the last committed token alone (the target's one-token step, graphed and fused like AR's), and its verdict
 is the target's next token. The policy picks per step from measured step costs and acceptance; a conditioned
@@ -42,6 +50,27 @@ def _plain_step(policy, catch_up: int | None, pending: int) -> bool:
     return True
 
 
+def _room_for_next(s: Session, n_ids: int, n_out: int, k_max: int) -> bool:
+    """Whether the next step drafts whatever this one accepts (up to k_max + 1 tokens): else no early launch."""
+    grown = k_max + 1
+    return s.config.max_new_tokens - (n_out + grown) - 1 > 0 and s.room(n_ids + grown) - 1 > 0
+
+
+def _launch_early(drafter, packed: torch.Tensor, features: torch.Tensor, host: torch.Tensor) -> bool:
+    """Queue the verdict's copy to the pinned `host` buffer, then the drafter's early pass; wait for the copy
+    only (engine/spec.py docstring, "Early draft"). -> whether the pass was launched."""
+    n = packed.shape[0]
+    if not packed.is_cuda:  # CPU: everything runs in order anyway
+        host[:n].copy_(packed)
+        return drafter.launch_early(packed, features)
+    host[:n].copy_(packed, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    launched = drafter.launch_early(packed, features)
+    copied.synchronize()
+    return launched
+
+
 @torch.inference_mode()
 def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=None) -> GenerationResult:
     res = GenerationResult(list(prompt_ids), [], "length")
@@ -60,6 +89,9 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
     pending = len(prompt_ids)  # committed tokens the drafter has not drafted after yet (a pass takes them in)
     if policy is not None:
         policy.start()
+    early = (fused and s.config.early_draft and policy is None and conditioned
+             and callable(getattr(drafter, "launch_early", None)))
+    verdict_host = torch.empty(k_max + 2, dtype=torch.long, pin_memory=s.device.type == "cuda") if early else None
     with s.clock(res, "decode_s"):
         while True:
             timer.start()
@@ -100,8 +132,15 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
                 packed = torch.cat([verdict.num_accepted.view(1), verdict.next_token.view(1), d_ids])
                 next_dev = verdict.next_token.view(1)
             # commit
-            a, nxt, *drafted = packed.tolist()  # the step's one host sync
-            if conditioned:  # the last committed token and the accepted drafts: their features are now final
+            launched = False
+            if early and speculative and _room_for_next(s, len(ids), len(out), k_max):
+                launched = _launch_early(drafter, packed, s.runner.last_hidden, verdict_host)
+                a, nxt, *drafted = verdict_host[: packed.shape[0]].tolist()  # the step's one host sync
+            else:
+                a, nxt, *drafted = packed.tolist()  # the step's one host sync
+            if launched:  # the drafter took the features on the device; now it learns how many were committed
+                drafter.took_early(a + 1)
+            elif conditioned:  # the last committed token and the accepted drafts: their features are now final
                 drafter.observe(s.runner.last_hidden[: a + 1])
             res.drafted_lengths.append(len(drafted))
             res.accepted_lengths.append(a)

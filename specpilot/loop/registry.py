@@ -231,6 +231,12 @@ register(Mechanism(
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
+    "early_draft", ("draft", "other"), {"early_draft": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs and cfg.drafter_kind == "dflash" and cfg.sampling.greedy
+    and cfg.fused_accept and not cfg.adaptive,
+    "the next block's DFlash pass is launched right after the verify step, from the verdict on the device, before "
+    "the host reads it: the host's commit, stop rule and n-gram lookup run while the GPU drafts"))
+register(Mechanism(
     "pad_shapes", ("other",), {"pad_shapes": [True, False]},
     lambda dep, cfg: dep.on_cuda,
     "eager passes (prefill, the DFlash drafter's first pass, steps no graph bucket fits) padded to a few lengths, "
