@@ -21,7 +21,8 @@
 # drafter's shortest-first sessions never reached), REGEN_ATTN=1 (the split-KV attention kernel in the batched
 # regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), REGEN_KV_BUCKET
 # (--regen-kv-bucket; both chosen from /tmp/regen_speed.json when unset and it exists), PACK=0 (MODE=single packs
-# the regeneration cache right after training unless set), DRAFT_LAYERS (a warm
+# the regeneration cache right after training unless set), EARLY=1 (MODE=single: after the bench, SpecPilot again
+# with --early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
@@ -125,21 +126,31 @@ if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried fr
 fi
 if [ $MODE = single ]; then
   export CUDA_VISIBLE_DEVICES=0
-  echo "[$(date +%T)] train q15 on 1 GPU $(cat $R/regen_seed.log 2>/dev/null)" > $R/lane0.log
-  timeout $((L15 + 90)) python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
-    --time-limit-s $L15 --regen-budget-s $R15 $WARM15 > /tmp/runs/q15.log 2>&1
-  tail -2 /tmp/runs/q15.log >> $R/lane0.log
-  ship q15 >> $R/lane0.log 2>&1
-  pack_regen >> $R/lane0.log 2>&1
+  if [ "$L15" = 0 ]; then  # no training: the committed drafter's bench, profile and stock at once
+    echo "[$(date +%T)] no training (L15=0)" > $R/lane0.log
+  else
+    echo "[$(date +%T)] train q15 on 1 GPU $(cat $R/regen_seed.log 2>/dev/null)" > $R/lane0.log
+    timeout $((L15 + 90)) python3 -m specpilot.cli train-drafter --target /tmp/models/q15 --out /tmp/runs/q15 $COMMON \
+      --time-limit-s $L15 --regen-budget-s $R15 $WARM15 > /tmp/runs/q15.log 2>&1
+    tail -2 /tmp/runs/q15.log >> $R/lane0.log
+    ship q15 >> $R/lane0.log 2>&1
+    pack_regen >> $R/lane0.log 2>&1
+  fi
   d=/tmp/ship/${NAME[q15]}; [ -e $d/config.json ] || d=${NAME[q15]}
   {
     echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
     DRAFTER=$d SYSTEMS=ar,specpilot TAG=spec OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+    if [ "${EARLY:-0}" = 1 ]; then  # EngineConfig.early_draft A/B: the same prompts with the next block launched early
+      echo "[$(date +%T)] bench q15 ($d): ar,specpilot --early-draft on ${EARLY_BENCH:=humaneval,mt_bench}"
+      DRAFTER=$d SYSTEMS=ar,specpilot TAG=early EXTRA=--early-draft OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $EARLY_BENCH
+    fi
     echo "[$(date +%T)] cost model: DFlash profile"
     DFLASH=$d OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-dflash 4 > $R/profile_dflash.log 2>&1
     tail -3 $R/profile_dflash.log | cut -c1-400
-    echo "[$(date +%T)] stock on ${STOCK_BENCH:=humaneval,mt_bench}"
-    DRAFTER=$d SYSTEMS=stock TAG=stock OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $STOCK_BENCH
+    if [ "${STOCK_BENCH:=humaneval,mt_bench}" != none ]; then
+      echo "[$(date +%T)] stock on $STOCK_BENCH"
+      DRAFTER=$d SYSTEMS=stock TAG=stock OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $STOCK_BENCH
+    fi
     echo "[$(date +%T)] done"
   } >> $R/lane0.log 2>&1
   date > $R/DONE
