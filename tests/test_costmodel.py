@@ -798,3 +798,44 @@ def test_dflash_draft_prediction_adds_the_measured_host_part_and_the_outside_lau
     pass_s = pass_predicted_s(dflash_pass_cost(d, target, 600, 3, fused=True, norm_kernel=True, rope_kernel=True,
                                                act_kernel=True, attention_kernel=True), FAKE_HW, True, True)
     assert base.stages["draft"].predicted_s == pytest.approx(pass_s)
+
+
+def test_early_draft_moves_the_dflash_pass_into_the_commit_stage_and_is_priced_as_a_gain():
+    """EngineConfig.early_draft: the pass is launched before the step's sync, so the profile measures it in the
+    commit ("other") stage and the draft stage launches nothing; analyze predicts it there (the host's part beside
+    the pass, not after it). The loop's what-if prices the switch as the draft stage's host part hidden: the
+    measured draft stage becomes the pass alone; switching it back off (host part unmeasured) is not priced."""
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.shapes import dflash_pass_cost
+    from specpilot.costmodel.whatif import StepKnobs, predicted_gain
+    from specpilot.train.dflash_init import new_drafter_config
+
+    target = synthetic_config("qwen2.5-1.5b")
+    d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
+                           intermediate_size=2048)
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=15)
+    assert engine_fields(cfg.with_(early_draft=True))["early_draft"] and not engine_fields(cfg)["early_draft"]
+    assert not engine_fields(cfg.with_(early_draft=True, adaptive=True))["early_draft"]  # spec.py skips it there
+    prof = _profile(draft_s=0.57e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15, other_s=0.06e-3,
+                    **engine_fields(cfg))
+    early = dataclasses.replace(prof, early_draft=True, draft_s=0.01e-3, other_s=0.40e-3)
+    off = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash", draft_host_s=0.25e-3)
+    on = analyze(target, d, early, FAKE_HW, drafter_kind="dflash")
+    pass_s = pass_predicted_s(dflash_pass_cost(d, target, 600, 3, fused=True, norm_kernel=True, rope_kernel=True,
+                                               act_kernel=True, attention_kernel=True), FAKE_HW, True, True)
+    assert on.stages["draft"].predicted_s == 0.0 and on.stages["draft"].floor_s == 0.0
+    assert on.stages["other"].predicted_s == pytest.approx(pass_s)  # (FAKE_HW has no host_sync_s)
+    assert on.stages["other"].floor_s == off.stages["draft"].floor_s > 0  # the floor moves with the pass
+    assert off.step_predicted_s - on.step_predicted_s == pytest.approx(0.25e-3)  # the host part, hidden
+    assert on.stages["verify"] == dataclasses.replace(off.stages["verify"], measured_s=early.verify_s)
+    # the loop's what-if: the measured draft stage (host wait + pass) shrinks to the pass
+    now = StepKnobs(15, fused=True, attention_kernel=True, draft_attention_kernel=True, norm_kernel=True,
+                    rope_kernel=True, act_kernel=True)
+    new = dataclasses.replace(now, early_draft=True)
+    gain = predicted_gain(target, d, prof, FAKE_HW, kind="dflash", now=now, new=new)
+    assert gain == pytest.approx(prof.step_s / (prof.step_s - (prof.draft_s - pass_s)), rel=1e-6) and gain > 1.05
+    assert predicted_gain(target, d, early, FAKE_HW, kind="dflash", now=new, new=now) is None
+    # n-gram or a small model drafter: nothing launched early, nothing priced for it
+    assert predicted_gain(target, None, _profile(drafter_passes=0), FAKE_HW, kind="ngram", now=StepKnobs(4),
+                          new=StepKnobs(4, early_draft=True)) == pytest.approx(1.0)

@@ -116,6 +116,9 @@ class StepProfile:
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
     rope_in_attention: bool = False  # one-token layers' RoPE + K/V write in the attention launch (EngineConfig.*)
     fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
+    # EngineConfig.early_draft (DFlash): the draft pass is launched before the step's sync, so its device time is
+    # measured in the commit ("other") stage while the host commits, and the draft stage launches nothing
+    early_draft: bool = False
 
     def __post_init__(self):
         times = (self.draft_s, self.verify_s, self.accept_s, self.other_s)
@@ -144,7 +147,15 @@ def engine_fields(cfg) -> dict:
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
             "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
-            "fused_projections": cfg.fused_projections, **kernel_flags(cfg)}
+            "fused_projections": cfg.fused_projections, **kernel_flags(cfg),
+            "early_draft": bool(getattr(cfg, "early_draft", False)) and early_draft_applies(cfg)}
+
+
+def early_draft_applies(cfg) -> bool:
+    """Where engine/spec.py launches DFlash blocks early (EngineConfig.early_draft): greedy, fused acceptance,
+    graphed (the static draft step), no adaptive policy."""
+    return (cfg.drafter_kind == "dflash" and cfg.sampling.greedy and cfg.fused_accept and cfg.cuda_graphs
+            and not getattr(cfg, "adaptive", False))
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -260,13 +271,20 @@ def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host
                           **kernel_flags(profile))
     kern = profile.attention_kernel
     draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
+    pass_floor = sum(pass_floor_s(c, hw) for c in drafts)
+    pass_pred = sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)
+    sync = hw.host_sync_s or 0.0
+    if profile.early_draft and kind == "dflash":  # the pass runs in the commit stage, the host's work beside it
+        draft = StageCost(profile.draft_s, 0.0, draft_launches * hw.launch_s)
+        other = StageCost(profile.other_s, pass_floor, sync + max(pass_pred, draft_host_s))
+    else:
+        draft = StageCost(profile.draft_s, pass_floor, draft_host_s + draft_launches * hw.launch_s + pass_pred)
+        other = StageCost(profile.other_s, 0.0, sync)
     return {
-        "draft": StageCost(profile.draft_s, sum(pass_floor_s(c, hw) for c in drafts),
-                           draft_host_s + draft_launches * hw.launch_s
-                           + sum(pass_predicted_s(c, hw, graphed, draft_kern) for c in drafts)),
+        "draft": draft,
         "verify": StageCost(profile.verify_s, pass_floor_s(verify, hw), pass_predicted_s(verify, hw, graphed, kern)),
         "accept": StageCost(profile.accept_s, 0.0, 0.0 if profile.fused_accept else ACCEPT_LAUNCHES * hw.launch_s),
-        "other": StageCost(profile.other_s, 0.0, hw.host_sync_s or 0.0),
+        "other": other,
     }
 
 

@@ -49,6 +49,7 @@ class StepKnobs:
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
     norm_epilogue: bool = False  # norm_epilogue (a fused pass's norms written by its residual GEMVs: fewer launches)
     rope_in_attention: bool = False  # rope_in_attention (a one-token layer's RoPE + K/V write in its attention)
+    early_draft: bool = False  # early_draft (DFlash: the pass launched before the sync, the host's work beside it)
 
 
 def _tau_geometric(tau: float, k: int, k_new: int) -> float:
@@ -135,6 +136,12 @@ def predicted_gain(target_cfg: ModelConfig, drafter_cfg, profile: StepProfile, h
     (v_now, d_now), (v_new, d_new) = device_s(kind, now, profile.tau), device_s(new_kind, new, new_tau)
     verify = profile.verify_s + v_new - v_now
     draft = profile.draft_s + d_new - d_now if new_kind == kind else new_draft_host_s + d_new
+    if new.early_draft != now.early_draft and kind == new_kind == "dflash":
+        if now.early_draft:  # the host part of a draft stage that was not measured: not priceable
+            return None
+        # the measured stage = host wait + the pass; launched early, the host's part runs beside the pass (in the
+        # commit stage, where the pass is then measured): what is left is the pass alone
+        draft = min(draft, d_new)
     step_new = verify + draft + profile.accept_s + profile.other_s
     if step_new <= 0:
         return None

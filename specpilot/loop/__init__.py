@@ -105,6 +105,7 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
 
 
 def _knobs(cfg: EngineConfig):
+    from specpilot.costmodel.gaps import early_draft_applies
     from specpilot.costmodel.shapes import kernel_flags
     from specpilot.costmodel.whatif import StepKnobs
 
@@ -112,7 +113,7 @@ def _knobs(cfg: EngineConfig):
     return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
                      cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None,
                      cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None,
-                     **kernel_flags(cfg))
+                     **kernel_flags(cfg), early_draft=cfg.early_draft and early_draft_applies(cfg))
 
 
 class CostHooks(NamedTuple):
