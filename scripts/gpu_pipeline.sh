@@ -144,9 +144,11 @@ if [ $MODE = single ]; then
       echo "[$(date +%T)] bench q15 ($d): ar,specpilot --early-draft on ${EARLY_BENCH:=humaneval,mt_bench}"
       DRAFTER=$d SYSTEMS=ar,specpilot TAG=early EXTRA=--early-draft OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $EARLY_BENCH
     fi
-    echo "[$(date +%T)] cost model: DFlash profile"
-    DFLASH=$d OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-dflash 4 > $R/profile_dflash.log 2>&1
-    tail -3 $R/profile_dflash.log | cut -c1-400
+    for k in ${PROFILES:-dflash}; do  # PROFILES="dflash ngram model": issue 3's three (model needs q05 staged)
+      echo "[$(date +%T)] cost model: $k profile"
+      DFLASH=$d OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1
+      grep "predicted/measured" $R/profile_$k.log | cut -c1-300
+    done
     if [ "${STOCK_BENCH:=humaneval,mt_bench}" != none ]; then
       echo "[$(date +%T)] stock on $STOCK_BENCH"
       DRAFTER=$d SYSTEMS=stock TAG=stock OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $STOCK_BENCH
