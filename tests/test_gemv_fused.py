@@ -367,3 +367,23 @@ def test_split_k_is_tried_only_for_long_k_without_a_norm():
     assert floats == 1536 * 8 * 16 and counters == 1536 // 16  # BLOCK_N 16 x SPLIT_K 8 x 16 rows; 96 N tiles
     assert gf._split_k_sizes(100, 64, False, True, 2) == (7 * 16 * 2 * 16 * 2, 7)  # interpreter: BLOCK_N 16
     assert gf._split_k_sizes(100, 64, False, False, 1) is None
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("K", [40, 100, 300])  # one K block (the prefetched one alone), a partial second, several
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetched_first_weight_tile_gives_the_same_bits(monkeypatch, combo, paired, K, dtype):
+    """PREFETCH (the one-row kernel under PDL on a GPU): the first K block's weights loaded before the wait, the
+    loop from the second block: the same sums in the same order, so the same bits as without it."""
+    import specpilot.kernels.gemv_fused as gf
+
+    if paired and "silu_mul" not in combo:
+        pytest.skip("PAIRED is a SiLU x up layout")
+    x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=11)
+    monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
+    plain = gemv_fused(x, w, **kw)
+    monkeypatch.setattr(gf, "INTERPRET_PREFETCH", True)
+    pre = gemv_fused(x, w, **kw)
+    assert torch.equal(pre, plain)
+    assert (pre.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2

@@ -82,6 +82,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 INTERPRET_PAIRED = False  # the interpreter's fixed configuration takes the PAIRED layout (tests set it; on a GPU
 # the autotuner chooses)
+INTERPRET_PREFETCH = False  # the interpreter's one-row kernel prefetches its first weight tile (tests set it; on a
+# GPU it does with PDL, where the prefetch can overlap the previous kernel)
 INTERPRET_SPLIT_K = 1  # the interpreter's fixed M-row configuration splits K this many ways (tests set it; on a GPU
 # the autotuner chooses, where `_split_k_applies`)
 
@@ -203,7 +205,7 @@ if triton is not None:
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
-                           OUT_P2: tl.constexpr = 1):
+                           OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -211,15 +213,20 @@ if triton is not None:
         tiles and two accumulators (the same loop as a plain GEMV of 2 BLOCK_N rows; same numbers).
 
         USE_PDL (launched with PDL, kernels/pdl.py): let the next kernel launch now, then wait for the previous one
-        before anything else. Nothing may be read or written before the wait: the predecessor may still be running
-        and may still read the buffer the allocator gave us as y (weights could be loaded early; not done here).
+        before anything else. Nothing but weights may be read, and nothing written, before the wait: the
+        predecessor may still be running and may still read the buffer the allocator gave us as y.
+
+        PREFETCH (with PDL on a GPU; the tests set it under the interpreter): the first K block's weight tile(s) are
+        loaded before the wait, so a program that became resident while the previous kernel drains has its first
+        weights in registers when the wait returns (the DRAM latency of the first load overlaps the predecessor's
+        tail instead of following it). The K loop then starts at the second block; the sums are added in the same
+        order, so the numbers are the same bits.
 
         NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
         on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
         on / onw / ocnt pointers are never touched and no atomic is compiled."""
         if USE_PDL:
             gdc_launch_dependents()
-            gdc_wait()
         dt = y_ptr.dtype.element_ty
         n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < N
@@ -229,12 +236,28 @@ if triton is not None:
             p_col = tl.program_id(0) * BLOCK_N + pi // 2
             p_mask = p_col < N
             rows = (p_col + (pi % 2) * N).to(tl.int64)[:, None] * stride_wn  # [2 BN, 1]
+        if PREFETCH:  # weights only: nobody writes them (see the docstring)
+            k_offs = tl.arange(0, BLOCK_K)
+            k_mask = k_offs < K
+            w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
+            w0 = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
+            if SILU_MUL and not PAIRED:
+                wu0 = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+        if USE_PDL:
+            gdc_wait()
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_N if PAIRED else BLOCK_N, BLOCK_K), dtype=tl.float32)
         if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:  # the first K block with the prefetched tiles (the loop's body, same order of sums)
+            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+            if HAS_NORM:
+                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+            acc += w0.to(tl.float32) * h[None, :]
+            if SILU_MUL and not PAIRED:
+                acc_up += wu0.to(tl.float32) * h[None, :]
+        for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             k_offs = k0 + tl.arange(0, BLOCK_K)
             k_mask = k_offs < K
             h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
@@ -473,9 +496,10 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     else:
         args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args)
         if _INTERPRET:
-            _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED)
+            _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
+                                               PREFETCH=INTERPRET_PREFETCH)
         else:
-            _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags)
+            _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl.use_pdl)
     return y if normed is None else (y, normed)
 
 
