@@ -96,7 +96,9 @@ class EngineConfig:
     pdl: bool = False  # CUDA sm_90+: the fused one-token path's kernels launch with programmatic dependent launch
     # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
     # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
-    # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl)
+    # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl). Session 13: ~1%. Since
+    # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH),
+    # so that load overlaps the previous kernel's tail: not yet timed
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
