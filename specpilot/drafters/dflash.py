@@ -206,6 +206,8 @@ class DFlashBlockDrafter:
         self.last_eager_pass_s = 0.0
         if self._early is not None:  # launched after the last verify step: its drafts, nothing to launch now
             anchor_pos = len(context_ids) - 1
+            if return_logits:  # (scripts/tree_tau.py runs without early launches)
+                raise RuntimeError("propose_logits after an early launch: its pass kept only the tokens")
             if self._early_rows is None or self.pending or self.fed + self._early_rows != anchor_pos:
                 raise RuntimeError(f"DFlash early draft out of step: {self.fed} fed + {self._early_rows} rows != "
                                    f"{anchor_pos}")
