@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+WRITE = re.compile(r"\b(st|atom|red)\.global\b|\b(atom|red)\.(gpu|sys|cta|acq|rel)")
 GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red|cp\.async[.\w]*)\.global\b|\b(atom|red)\.(gpu|sys|cta|acq|rel)")
 BRANCH = re.compile(r"^\s*(@%p\d+\s+)?bra\b|^\$L__BB")
 
@@ -48,7 +49,7 @@ def _cases():
         return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
 
     gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
-                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1)
+                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False)
     yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemv_types
     yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
@@ -59,11 +60,21 @@ def _cases():
         gemv_types
     yield "gemv_norm_silu_mul_paired", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
                                                                "SILU_MUL": True, "PAIRED": True}, gemv_types
+    # PREFETCH (what gemv_fused launches with PDL on): the first weight tile's loads come before the wait
+    # (weights only; tests/test_pdl.py checks that no store or atomic does)
+    yield "gemv_norm_bias_prefetch", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True,
+                                                             "K_P2": 2048, "PREFETCH": True}, gemv_types
+    yield "gemv_residual_prefetch", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True, "PREFETCH": True}, gemv_types
+    yield "gemv_norm_silu_mul_prefetch", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
+                                                                 "SILU_MUL": True, "PREFETCH": True}, gemv_types
+    yield "gemv_norm_silu_mul_paired_prefetch", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
+                                                                        "SILU_MUL": True, "PAIRED": True,
+                                                                        "PREFETCH": True}, gemv_types
     # the M-row (tl.dot) kernel of a multi-token verify step (models/fused_decode.py with fused_verify)
     def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
         return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
 
-    gemm = {k: v for k, v in gemv.items() if k != "PAIRED"} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
+    gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
     yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemm_types
     yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
@@ -75,7 +86,7 @@ def _cases():
     yield "gemm_residual_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out}, gemm_types
     yield "gemm_residual_split_k_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out, "BLOCK_N": 16,
                                                                     "SPLIT_K": 4}, gemm_types
-    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K")} | dict(BLOCK_G=64, EXC_BLOCK=16)
+    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
@@ -110,6 +121,10 @@ def report() -> dict:
                 "launch_dependents": _first(lines, r"griddepcontrol\.launch_dependents"),
                 "wait": _first(lines, r"griddepcontrol\.wait"),
                 "first_global_access": _first(lines, GLOBAL_ACCESS.pattern),
+                "first_global_write": _first(lines, WRITE.pattern),  # a store or an atomic
+                # global loads before the wait (PREFETCH: the first weight tile's)
+                "loads_before_wait": sum(1 for line in lines[: _first(lines, r"griddepcontrol\.wait") or 0]
+                                         if re.search(r"\bld\.global\b", line)),
                 "first_branch": _first(lines, BRANCH.pattern),
                 "launch_pdl": bool(compiled.metadata.launch_pdl),
                 # (the norm epilogue's, tests/test_pdl.py: its arrival atomic and L2-only row loads, and none

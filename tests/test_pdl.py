@@ -278,13 +278,19 @@ def test_compiled_kernels_wait_before_their_first_global_access():
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
             "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
             "attention_one_launch", "rope_attention_qk_norm", "gemv_residual_norm_out", "gemm_residual_norm_out",
-            "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out"} <= set(report)
+            "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out", "gemv_norm_bias_prefetch",
+            "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
         assert on["launch_pdl"], name
         assert on["launch_dependents"] is not None and on["wait"] is not None, name
-        assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
+        if name.endswith("_prefetch"):  # weight loads may come first; no store or atomic does (kernels/pdl.py)
+            assert on["launch_dependents"] < on["wait"] < on["first_global_write"], (name, on)
+            assert on["loads_before_wait"] > 0, (name, on)
+        else:
+            assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
+            assert on["loads_before_wait"] == 0, (name, on)
         assert on["first_branch"] is None or on["wait"] < on["first_branch"], (name, on)
         # the norm epilogue (kernels/norm_epilogue.py): its acq_rel arrival at gpu scope and ".cg" row loads where
         # it is on; no atomic at all in the GEMVs without it and without split-K (the default paths)
