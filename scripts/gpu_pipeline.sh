@@ -22,7 +22,8 @@
 # regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), REGEN_KV_BUCKET
 # (--regen-kv-bucket; both chosen from /tmp/regen_speed.json when unset and it exists), PACK=0 (MODE=single packs
 # the regeneration cache right after training unless set), EARLY=1 (MODE=single: after the bench, SpecPilot again
-# with --early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), DRAFT_LAYERS (a warm
+# with --early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), KD (--kd-weight:
+# that share of the loss against the target's own distributions), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
@@ -53,7 +54,7 @@ print(b['kv_bucket'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
 fi
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)} ${REGEN_ATTN:+--attention-kernel}
- ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET}
+ ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET} ${KD:+--kd-weight $KD}
  --val-prompts 32 --val-tau-prompts 24 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers ${DRAFT_LAYERS:-2} --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
  --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import dataclasses
 import json
+import math
 import random
 import shutil
 import time
@@ -833,3 +834,48 @@ def test_cli_regen_order_reaches_regenerate(train_cli, tmp_path, capsys, monkeyp
     assert seen and set(seen) == {("random", 7)}
     with pytest.raises(SystemExit):
         parser.parse_args([*args[:-4], "--regen-order", "newest"])
+
+
+def test_soft_targets_are_the_targets_distributions_at_each_labelled_offset(target):
+    """kd_weight > 0: the target pass runs to its final norm, and the soft target of block offset k is the
+    target's next-token distribution at position anchor + k - 1 (what its full forward gives there)."""
+    drafter = dt.build_drafter_for(target, num_layers=1, block_size=4, init="random", target_layer_ids=(0,))
+    tr = dt.DFlashTrainer(target, drafter, [Sequence("s", [1, 2], [3, 4])], dt.TrainConfig(max_seq_len=32,
+                                                                                             kd_weight=0.5))
+    assert tr.last_layer == target.config.num_hidden_layers - 1
+    tokens = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(4))
+    anchors = torch.tensor([[1, 5], [0, 9]])
+    feats, final = tr.target_features(tokens, final=True)
+    soft = tr.soft_targets(final, anchors)
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(11).expand(2, 11), target.new_cache(2, 16), kv_len=11)
+        want = torch.softmax(target.logits(hidden), dim=-1)
+    assert soft.shape == (2, 2, 3, target.config.vocab_size)
+    for n in range(2):
+        for a in range(2):
+            for k in range(1, 4):
+                p = min(int(anchors[n, a]) + k - 1, 10)
+                assert torch.allclose(soft[n, a, k - 1], want[n, p], atol=1e-5), (n, a, k)
+    with pytest.raises(ConfigError, match="kd_weight"):
+        dt.TrainConfig(kd_weight=1.5)
+
+
+def test_block_loss_with_one_hot_soft_targets_is_the_label_loss(target, overfit_seq):
+    """Soft targets that put all mass on the labels give exactly the hard-label loss at any kd_weight; the
+    target's real distributions give another loss (the term is live), and a kd step trains."""
+    tr = _trainer(target, overfit_seq, steps=3)
+    tokens, lengths, anchors = tr.make_batch([0, 0], random.Random(0))
+    feats = tr.target_features(tokens)
+    labels = dt.block_labels(tokens, lengths, anchors, tr.drafter.block_size)
+    hidden = dt.drafter_block_hidden(tr.drafter, target.model.embed_tokens.weight, feats, tokens, anchors)
+    lab = labels[:, :, 1:]
+    one_hot = torch.nn.functional.one_hot(lab.clamp_min(0), target.config.vocab_size).float()
+    hard, _ = dt.block_loss(tr.drafter, target.lm_head, hidden, labels, tr.weights)
+    same, _ = dt.block_loss(tr.drafter, target.lm_head, hidden, labels, tr.weights, soft=one_hot, kd_weight=0.7)
+    assert torch.allclose(hard, same, atol=1e-6)
+    tr.cfg.kd_weight = 1.0
+    tr.last_layer = target.config.num_hidden_layers - 1
+    kd, _ = tr.loss_on(tokens, lengths, anchors)
+    assert abs(kd.item() - hard.item()) > 1e-3
+    first = tr.train_step()
+    assert math.isfinite(first.loss)

@@ -92,6 +92,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="batches per length-sorted window of each epoch's shuffle, so a batch pads little; 0 = random "
                    "batches")
     t.add_argument("--loss-gamma", type=float, default=None, help="offset weight exp(-(k-1)/gamma); default (B-1)/2")
+    t.add_argument("--kd-weight", type=float, default=0.0,
+                   help="distillation: this share of the loss is CE against the target's own distribution at each "
+                        "position (the rest against its greedy token); 0 = labels only")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--val-every", type=int, default=200)
     t.add_argument("--save-every", type=int, default=200)
@@ -287,7 +290,8 @@ def _train(args, dist, err, t_start) -> int:
 
     cfg = dt.TrainConfig(steps=s.steps, batch_size=s.batch_size, anchors_per_seq=s.anchors_per_seq, lr=s.lr,
                          warmup_steps=s.warmup_steps, loss_gamma=s.loss_gamma, max_seq_len=s.max_seq_len, seed=s.seed,
-                         length_buckets=getattr(s, "length_buckets", 0))  # runs saved without it: random batches
+                         length_buckets=getattr(s, "length_buckets", 0),  # runs saved without it: random batches
+                         kd_weight=getattr(s, "kd_weight", 0.0))
     ckpt = dt.checkpoint_dir(out)
     best_tau = None
     if ckpt is not None:

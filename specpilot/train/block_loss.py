@@ -72,15 +72,21 @@ def offset_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
-def block_loss(drafter: DFlashDrafter, lm_head, hidden, labels, weights) -> tuple[torch.Tensor, dict]:
+def block_loss(drafter: DFlashDrafter, lm_head, hidden, labels, weights, soft: torch.Tensor | None = None,
+               kd_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Weighted CE over labelled block positions -> (loss, metrics as 0-d / 1-d tensors, no host sync):
     accept_len (mean over anchors of the consecutive argmax hits from offset 1), acc (top-1 over labelled
-    positions), acc_by_offset [B-1] (NaN where an offset has no label), tokens (labelled positions)."""
+    positions), acc_by_offset [B-1] (NaN where an offset has no label), tokens (labelled positions).
+    `soft` [N, A, B-1, V] (the target's distributions, DFlashTrainer.soft_targets): each position's CE is
+    (1 - kd_weight) CE(label) + kd_weight CE(soft) (TrainConfig.kd_weight)."""
     N, A, Bs = labels.shape
     lab = labels[:, :, 1:]  # offset 0 (the anchor) has no label
     h = hidden.view(N, A, Bs, -1)[:, :, 1:]
     logits = drafter.compute_logits(h, lm_head).float()  # [N, A, B-1, V]; no boolean indexing: no host sync
     ce = F.cross_entropy(logits.flatten(0, 2), lab.reshape(-1), ignore_index=IGNORE, reduction="none")
+    if soft is not None and kd_weight > 0:  # (positions without a label are weighted 0 below)
+        ce_soft = F.cross_entropy(logits.flatten(0, 2), soft.flatten(0, 2).to(logits.dtype), reduction="none")
+        ce = (1 - kd_weight) * ce + kd_weight * ce_soft
     labelled = (lab != IGNORE).float()
     w = weights.to(ce.device)[1:] * labelled  # [N, A, B-1]
     loss = (ce.view_as(w) * w).sum() / w.sum().clamp_min(1e-9)

@@ -100,6 +100,10 @@ class TrainConfig:
     seed: int = 0
     amp: bool = True  # bf16 autocast on CUDA (ignored elsewhere)
     length_buckets: int = 32  # batches per length-sorted window (epoch_batches); 0 or 1 = random batches
+    # distillation: loss = (1 - kd_weight) CE(labels) + kd_weight CE(the target's own distribution at each labelled
+    # position), same offset weights. The labels are the target's greedy tokens, so the soft targets' argmax is the
+    # label; they add how close the runners-up were. The target pass then runs to its final norm (block_loss)
+    kd_weight: float = 0.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq", "max_seq_len"):
@@ -109,6 +113,8 @@ class TrainConfig:
             raise ConfigError(f"length_buckets must be >= 0, got {self.length_buckets}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise ConfigError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
         self.betas = tuple(self.betas)
 
 
@@ -175,8 +181,11 @@ class DFlashTrainer:
         if not self.items:
             raise ConfigError("no usable training sequences (each needs a prompt and a response within max_seq_len)")
         self.capture = target_capture_layers(drafter.config.target_layer_ids, target.config.num_hidden_layers)
-        # the target pass stops at the deepest layer the drafter reads (the later layers' work would be wasted)
+        # the target pass stops at the deepest layer the drafter reads (the later layers' work would be wasted),
+        # unless distillation needs its final states
         self.last_layer = max(int(i) for i in drafter.config.target_layer_ids)
+        if cfg.kd_weight > 0:
+            self.last_layer = target.config.num_hidden_layers - 1
         self.gamma = cfg.loss_gamma if cfg.loss_gamma is not None else max(1.0, (drafter.block_size - 1) / 2)
         self.weights = offset_weights(drafter.block_size, self.gamma, self.device)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -259,7 +268,9 @@ class DFlashTrainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=on)
 
     @torch.no_grad()
-    def target_features(self, tokens: torch.Tensor) -> torch.Tensor:
+    def target_features(self, tokens: torch.Tensor, final: bool = False):
+        """-> the drafter's context features [N, T, n*H]; with `final`, (features, the target's final-normed
+        states [N, T, H]) (needs the full pass: kd_weight > 0)."""
         N, T = tokens.shape
         if self._cache is None or self._cache.batch_size != N or self._cache.max_seq_len < T:
             self._cache = self.target.new_cache(N, max(T, min(self.cfg.max_seq_len, 2 * T)))
@@ -267,15 +278,29 @@ class DFlashTrainer:
         out = self.target(tokens, pos, self._cache, kv_len=T, return_layers=self.capture,
                           last_layer=self.last_layer, is_causal=True)  # positions 0..T-1, kv_len T: as promised
         hidden, layers = out if self.capture else (out, [])
-        return context_features(hidden, layers, self.drafter.config.target_layer_ids,
-                                self.target.config.num_hidden_layers)
+        feats = context_features(hidden, layers, self.drafter.config.target_layer_ids,
+                                 self.target.config.num_hidden_layers)
+        return (feats, hidden) if final else feats
+
+    @torch.no_grad()
+    def soft_targets(self, final_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """[N, A, B-1, V] fp32: the target's next-token distribution for each labelled block offset k = 1..B-1,
+        i.e. its output at position anchor + k - 1 (clamped at the end: those offsets carry no label)."""
+        N, T, H = final_hidden.shape
+        offs = torch.arange(self.drafter.block_size - 1, device=anchors.device)
+        pos = (anchors[:, :, None] + offs).clamp(max=T - 1)  # [N, A, B-1]
+        h = final_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(*pos.shape, H)
+        return torch.softmax(self.target.lm_head(h).float(), dim=-1)
 
     def loss_on(self, tokens, lengths, anchors) -> tuple[torch.Tensor, dict]:
-        feats = self.target_features(tokens)
+        kd = self.cfg.kd_weight
+        feats, final = self.target_features(tokens, final=True) if kd > 0 else (self.target_features(tokens), None)
         labels = block_labels(tokens, lengths, anchors, self.drafter.block_size)
         with self._autocast():
+            soft = self.soft_targets(final, anchors) if kd > 0 else None
             hidden = drafter_block_hidden(self.drafter, self.target.model.embed_tokens.weight, feats, tokens, anchors)
-            return block_loss(self.drafter, self.target.lm_head, hidden, labels, self.weights)
+            return block_loss(self.drafter, self.target.lm_head, hidden, labels, self.weights, soft=soft,
+                              kd_weight=kd)
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
