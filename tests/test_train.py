@@ -873,6 +873,13 @@ def test_block_loss_with_one_hot_soft_targets_is_the_label_loss(target, overfit_
     hard, _ = dt.block_loss(tr.drafter, target.lm_head, hidden, labels, tr.weights)
     same, _ = dt.block_loss(tr.drafter, target.lm_head, hidden, labels, tr.weights, soft=one_hot, kd_weight=0.7)
     assert torch.allclose(hard, same, atol=1e-6)
+    # a real distribution: the loss is (1 - kd) x the label loss + kd x the soft CE, weighted the same way
+    soft = torch.softmax(torch.randn(one_hot.shape, generator=torch.Generator().manual_seed(1)), dim=-1)
+    mixed, _ = dt.block_loss(tr.drafter, target.lm_head, hidden, labels, tr.weights, soft=soft.clone(), kd_weight=0.3)
+    logits = tr.drafter.compute_logits(hidden.view(*labels.shape, -1)[:, :, 1:], target.lm_head).float()
+    ce_soft = -(soft * torch.log_softmax(logits, -1)).sum(-1)
+    w = tr.weights[1:] * (lab >= 0).float()  # (labels: -100 where there is none)
+    assert torch.allclose(mixed, 0.7 * hard + 0.3 * (ce_soft * w).sum() / w.sum(), atol=1e-5)
     tr.cfg.kd_weight = 1.0
     tr.last_layer = target.config.num_hidden_layers - 1
     kd, _ = tr.loss_on(tokens, lengths, anchors)

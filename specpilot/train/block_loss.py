@@ -77,16 +77,21 @@ def block_loss(drafter: DFlashDrafter, lm_head, hidden, labels, weights, soft: t
     """Weighted CE over labelled block positions -> (loss, metrics as 0-d / 1-d tensors, no host sync):
     accept_len (mean over anchors of the consecutive argmax hits from offset 1), acc (top-1 over labelled
     positions), acc_by_offset [B-1] (NaN where an offset has no label), tokens (labelled positions).
-    `soft` [N, A, B-1, V] (the target's distributions, DFlashTrainer.soft_targets): each position's CE is
-    (1 - kd_weight) CE(label) + kd_weight CE(soft) (TrainConfig.kd_weight)."""
+    `soft` [N, A, B-1, V] (the target's distributions, DFlashTrainer.soft_targets; overwritten): each position's
+    CE is (1 - kd_weight) CE(label) + kd_weight CE(soft) (TrainConfig.kd_weight)."""
     N, A, Bs = labels.shape
     lab = labels[:, :, 1:]  # offset 0 (the anchor) has no label
     h = hidden.view(N, A, Bs, -1)[:, :, 1:]
     logits = drafter.compute_logits(h, lm_head).float()  # [N, A, B-1, V]; no boolean indexing: no host sync
-    ce = F.cross_entropy(logits.flatten(0, 2), lab.reshape(-1), ignore_index=IGNORE, reduction="none")
-    if soft is not None and kd_weight > 0:  # (positions without a label are weighted 0 below)
-        ce_soft = F.cross_entropy(logits.flatten(0, 2), soft.flatten(0, 2).to(logits.dtype), reduction="none")
-        ce = (1 - kd_weight) * ce + kd_weight * ce_soft
+    if soft is not None and kd_weight > 0:
+        # CE is linear in its target distribution: one CE against kd * soft + (1 - kd) * one-hot(label), the
+        # mixture built in place in `soft` (one [.., V] log-softmax, not two). Positions without a label get any
+        # target: they are weighted 0 below
+        mix = soft.to(logits.dtype).mul_(kd_weight)
+        mix.scatter_add_(-1, lab.clamp_min(0)[..., None], torch.full_like(mix[..., :1], 1.0 - kd_weight))
+        ce = F.cross_entropy(logits.flatten(0, 2), mix.flatten(0, 2), reduction="none")
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 2), lab.reshape(-1), ignore_index=IGNORE, reduction="none")
     labelled = (lab != IGNORE).float()
     w = weights.to(ce.device)[1:] * labelled  # [N, A, B-1]
     loss = (ce.view_as(w) * w).sum() / w.sum().clamp_min(1e-9)
