@@ -50,10 +50,16 @@ def _plain_step(policy, catch_up: int | None, pending: int) -> bool:
     return True
 
 
+def _draft_len(s: Session, n_ids: int, n_out: int, k_max: int) -> int:
+    """Tokens a step drafts with n_ids committed tokens (n_out of them new): k_max, cut so the step's bonus token
+    stays within max_new_tokens and the context; < 0: no room for a step at all."""
+    return min(k_max, s.config.max_new_tokens - n_out - 1, s.room(n_ids) - 1)
+
+
 def _room_for_next(s: Session, n_ids: int, n_out: int, k_max: int) -> bool:
     """Whether the next step drafts whatever this one accepts (up to k_max + 1 tokens): else no early launch."""
     grown = k_max + 1
-    return s.config.max_new_tokens - (n_out + grown) - 1 > 0 and s.room(n_ids + grown) - 1 > 0
+    return _draft_len(s, n_ids + grown, n_out + grown, k_max) > 0
 
 
 def _launch_early(drafter, packed: torch.Tensor, features: torch.Tensor, host: torch.Tensor) -> bool:
@@ -95,7 +101,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
     with s.clock(res, "decode_s"):
         while True:
             timer.start()
-            k = min(k_max, s.config.max_new_tokens - len(out) - 1, s.room(len(ids)) - 1)
+            k = _draft_len(s, len(ids), len(out), k_max)
             if k < 0:
                 res.finish_reason = "context"
                 break
