@@ -22,8 +22,10 @@
 # regeneration steps: scripts/gpu_regen_speed.py's `_attnkernel` variants say whether it pays), REGEN_KV_BUCKET
 # (--regen-kv-bucket; both chosen from /tmp/regen_speed.json when unset and it exists), PACK=0 (MODE=single packs
 # the regeneration cache right after training unless set), EARLY=1 (MODE=single: after the bench, SpecPilot again
-# with --early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), KD (--kd-weight:
-# that share of the loss against the target's own distributions), DRAFT_LAYERS (a warm
+# with --no-early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), KD (--kd-weight:
+# that share of the loss against the target's own distributions), WARM_LR_SCALE (--warm-lr-scale: a warm start's
+# carried parameters at LR x this, grown layers at LR), VAL_PROMPTS / VAL_TAU (validation split and the prompts its
+# tau is decoded on: 32 / 24 gave ~2k tokens, too few to see a 0.03 change), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
@@ -54,8 +56,8 @@ print(b['kv_bucket'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
 fi
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)} ${REGEN_ATTN:+--attention-kernel}
- ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET} ${KD:+--kd-weight $KD}
- --val-prompts 32 --val-tau-prompts 24 --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
+ ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET} ${KD:+--kd-weight $KD} ${WARM_LR_SCALE:+--warm-lr-scale $WARM_LR_SCALE}
+ --val-prompts ${VAL_PROMPTS:-32} --val-tau-prompts ${VAL_TAU:-24} --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
  --block-size 16 --draft-layers ${DRAFT_LAYERS:-2} --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
  --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0
  --fit-steps-to-time --no-progress"
@@ -141,13 +143,14 @@ if [ $MODE = single ]; then
   {
     echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
     DRAFTER=$d SYSTEMS=ar,specpilot TAG=spec OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
-    if [ "${EARLY:-0}" = 1 ]; then  # EngineConfig.early_draft A/B: the same prompts with the next block launched early
-      echo "[$(date +%T)] bench q15 ($d): ar,specpilot --early-draft on ${EARLY_BENCH:=humaneval,mt_bench}"
-      DRAFTER=$d SYSTEMS=ar,specpilot TAG=early EXTRA=--early-draft OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $EARLY_BENCH
+    if [ "${EARLY:-0}" = 1 ]; then  # EngineConfig.early_draft A/B (on by default since session 19): the same prompts without it
+      echo "[$(date +%T)] bench q15 ($d): ar,specpilot --no-early-draft on ${EARLY_BENCH:=humaneval,mt_bench}"
+      DRAFTER=$d SYSTEMS=ar,specpilot TAG=noearly EXTRA=--no-early-draft OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $EARLY_BENCH
     fi
     for k in ${PROFILES:-dflash}; do  # PROFILES="dflash ngram model": issue 3's three (model needs q05 staged)
       echo "[$(date +%T)] cost model: $k profile"
-      DFLASH=$d OUT=$R timeout 150 bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1
+      # (the 0.5B drafter's profile ran past 150 s in session 19: its own graphs are captured too)
+      DFLASH=$d OUT=$R timeout $([ $k = model ] && echo 300 || echo 150) bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1
       grep "predicted/measured" $R/profile_$k.log | cut -c1-300
     done
     if [ "${STOCK_BENCH:=humaneval,mt_bench}" != none ]; then

@@ -779,8 +779,8 @@ def test_dflash_draft_prediction_adds_the_measured_host_part_and_the_outside_lau
     target = synthetic_config("qwen2.5-1.5b")
     d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
                            intermediate_size=2048)
-    prof = _profile(draft_s=0.678e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15,
-                    **engine_fields(EngineConfig(drafter_kind="dflash", num_draft_tokens=15)))
+    prof = _profile(draft_s=0.678e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15,  # the pass in the draft stage
+                    **engine_fields(EngineConfig(drafter_kind="dflash", num_draft_tokens=15, early_draft=False)))
     base = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash")
     host = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash", draft_host_s=0.31e-3)
     both = analyze(target, d, prof, FAKE_HW, drafter_kind="dflash", draft_host_s=0.31e-3, draft_launches=2.5)
@@ -814,8 +814,9 @@ def test_early_draft_moves_the_dflash_pass_into_the_commit_stage_and_is_priced_a
     target = synthetic_config("qwen2.5-1.5b")
     d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
                            intermediate_size=2048)
-    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=15)
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=15, early_draft=False)
     assert engine_fields(cfg.with_(early_draft=True))["early_draft"] and not engine_fields(cfg)["early_draft"]
+    assert engine_fields(EngineConfig(drafter_kind="dflash", num_draft_tokens=15))["early_draft"]  # on by default
     assert not engine_fields(cfg.with_(early_draft=True, adaptive=True))["early_draft"]  # spec.py skips it there
     prof = _profile(draft_s=0.57e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15, other_s=0.06e-3,
                     **engine_fields(cfg))

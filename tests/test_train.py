@@ -730,9 +730,12 @@ def test_cli_init_from_continues_an_exported_drafter(train_cli, tmp_path, capsys
     save_dflash(first, tmp_path / "shipped", storage="int8")
     capsys.readouterr()
     assert cmd_train_drafter(parser.parse_args([*base, "--out", str(tmp_path / "b"), "--draft-layers", "3",
-                                                "--init-from", str(tmp_path / "shipped"), "--lr", "1e-9"])) == 0
+                                                "--init-from", str(tmp_path / "shipped"), "--lr", "1e-9",
+                                                "--warm-lr-scale", "0.5"])) == 0
     second = load_dflash(tmp_path / "b" / "checkpoint")
     assert second.config.num_hidden_layers == 3  # the warm start's layer, grown by two (--draft-layers 3)
+    from specpilot.train import _carried_layers
+    assert _carried_layers(str(tmp_path / "shipped")) == 1 and _carried_layers(None) == 0  # the slower group's bound
     assert second.config.mask_token_id == first.config.mask_token_id
     a, b = first.state_dict(), second.state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.05  # int8 round trip + two ~zero-lr steps
@@ -773,6 +776,35 @@ def test_grow_layers_keeps_the_drafts_and_the_new_layers_then_learn(target, over
     for _ in range(3):
         tr2.train_step()
     assert tr2.drafter.layers[3].self_attn.o_proj.weight.abs().max().item() > 0  # the new layer learns
+
+
+def test_warm_lr_scale_slows_the_carried_parameters_and_not_the_grown_layers(target, overfit_seq):
+    """TrainConfig.warm_lr_scale / carried_layers (--warm-lr-scale with --init-from): the carried parameters (fc,
+    norms, the warm start's layers) get lr x scale, grown layers the full lr, through the whole schedule; weight
+    decay stays on matrices only; no warm start (carried_layers 0): one rate, the scale ignored."""
+    from specpilot.train.dflash_init import grow_layers
+
+    tr = _trainer(target, overfit_seq, steps=4)
+    small = tr.drafter.eval()
+    n = small.config.num_hidden_layers
+    grown = grow_layers(small, n + 1).train()
+    cfg = dataclasses.replace(tr.cfg, steps=4, warmup_steps=1, lr=1e-3, warm_lr_scale=0.25, carried_layers=n)
+    tr2 = dt.DFlashTrainer(target, grown, [overfit_seq], cfg)
+    ids = {id(p): name for name, p in grown.named_parameters()}
+    by_name = {ids[id(p)]: g for g in tr2.optimizer.param_groups for p in g["params"]}
+    assert set(by_name) == set(ids.values())  # every parameter in exactly one group
+    for name, g in by_name.items():
+        new = name.startswith(f"layers.{n}.")
+        assert g["lr"] == pytest.approx(1e-3 if new else 2.5e-4), name
+        assert g["weight_decay"] == (cfg.weight_decay if grown.get_parameter(name).dim() >= 2 else 0.0), name
+    tr2.train_step()
+    rates = {round(g["lr"] / (1e-3 * dt.lr_factor(1, cfg)), 6) for g in tr2.optimizer.param_groups}
+    assert rates == {1.0, 0.25}  # the schedule scales both
+    plain = dt.DFlashTrainer(target, grow_layers(small, n + 1).train(), [overfit_seq],
+                             dataclasses.replace(cfg, carried_layers=0))
+    assert {g["lr"] for g in plain.optimizer.param_groups} == {1e-3}
+    with pytest.raises(ConfigError, match="warm_lr_scale"):
+        dataclasses.replace(cfg, warm_lr_scale=0.0)
 
 
 def test_regen_order_decides_which_prompts_a_cut_short_run_gets():

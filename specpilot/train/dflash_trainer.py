@@ -104,6 +104,12 @@ class TrainConfig:
     # position), same offset weights. The labels are the target's greedy tokens, so the soft targets' argmax is the
     # label; they add how close the runners-up were. The target pass then runs to its final norm (block_loss)
     kd_weight: float = 0.0
+    # a warm start (--init-from): the LR of the parameters it carried is lr * warm_lr_scale, so layers grown on top
+    # of it (--draft-layers above its own: layers carried_layers and up) learn at the full lr while the trained ones
+    # move gently. Why: every warm-started run at 3e-4 lost validation tau in its first ~500 steps (sessions 10, 17,
+    # 18) while a grown layer starts as a no-op and needs the full rate. carried_layers 0: nothing was carried
+    warm_lr_scale: float = 1.0
+    carried_layers: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq", "max_seq_len"):
@@ -113,9 +119,33 @@ class TrainConfig:
             raise ConfigError(f"length_buckets must be >= 0, got {self.length_buckets}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 < self.warm_lr_scale <= 1.0:
+            raise ConfigError(f"warm_lr_scale must be in (0, 1], got {self.warm_lr_scale}")
+        if self.carried_layers < 0:
+            raise ConfigError(f"carried_layers must be >= 0, got {self.carried_layers}")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ConfigError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
         self.betas = tuple(self.betas)
+
+
+def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
+    """AdamW groups: weight decay on matrices only; with a warm start (cfg.carried_layers > 0), the carried
+    parameters (fc, norms, layers below carried_layers) at lr * warm_lr_scale, grown layers at lr. The same
+    arguments always give the same groups in the same order (a resumed run loads its optimizer state into them)."""
+    def grown(name: str) -> bool:
+        parts = name.split(".")
+        return cfg.carried_layers > 0 and parts[0] == "layers" and int(parts[1]) >= cfg.carried_layers
+
+    groups = []
+    for is_grown in (False, True):
+        scale = 1.0 if is_grown or cfg.carried_layers == 0 else cfg.warm_lr_scale
+        named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad and grown(n) == is_grown]
+        for decay in (True, False):
+            ps = [p for _, p in named if (p.dim() >= 2) == decay]
+            if ps:
+                groups.append({"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0,
+                               "lr": cfg.lr * scale})
+    return groups
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -188,12 +218,8 @@ class DFlashTrainer:
             self.last_layer = target.config.num_hidden_layers - 1
         self.gamma = cfg.loss_gamma if cfg.loss_gamma is not None else max(1.0, (drafter.block_size - 1) / 2)
         self.weights = offset_weights(drafter.block_size, self.gamma, self.device)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=cfg.betas, **({"fused": True} if self.device.type == "cuda" else {}))
+        self.optimizer = torch.optim.AdamW(param_groups(drafter, cfg), lr=cfg.lr, betas=cfg.betas,
+                                           **({"fused": True} if self.device.type == "cuda" else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
         self._cache = None
@@ -313,7 +339,7 @@ class DFlashTrainer:
         loss.backward()
         self.dist.average_grads(self.drafter.parameters())
         gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = max(g["lr"] for g in self.optimizer.param_groups)  # the full rate (grown layers' with a warm start)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
