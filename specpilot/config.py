@@ -97,8 +97,8 @@ class EngineConfig:
     # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
     # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
     # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl). Session 13: ~1%. Since
-    # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH),
-    # so that load overlaps the previous kernel's tail: not yet timed
+    # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH):
+    # SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.562 ms, Qwen3-8B 4.647 -> 4.748)
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -111,7 +111,8 @@ class EngineConfig:
     rope_in_attention: bool = False  # CUDA, with fused_decode: a one-token fused layer's q/k norm (Qwen3), RoPE and
     # K/V-cache write run inside its attention launch (kernels/rope_attention.py) instead of a launch of their own
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
-    # latency). Same numbers. Off until an H200 run times it (scripts/gpu_step_timing.py fusedropeattn)
+    # latency). Same numbers. Off: SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.573 ms, Qwen3-8B
+    # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
