@@ -14,6 +14,11 @@ Sources:
 * ``mbpp``: the standard MBPP train split (task_id 601-974) for training and its validation split (511-600) for
   validation, with the benchmark's own prompt text (task + tests). The test split (11-510) and the few-shot
   prompts (1-10) are never read.
+* ``pycode``: code-writing prompts made from the standard library: "write this function" for each public,
+  docstring-bearing (>= 60 characters) Python function and class method of a fixed list of pure-Python modules
+  (:data:`PYCODE_MODULES`), signature and docstring as the spec, in one of a few phrasings. A code source that is
+  no benchmark, so a Coder target's regenerated answers are code; nothing is read but the running interpreter's
+  own modules, so the prompts vary a little with the Python version. Split by hashed id like ShareGPT.
 * ``file``: a user's JSON/JSONL prompt file (``--prompts FILE``), split by hashed id like ShareGPT.
 
 :func:`build_prompt_splits` mixes the sources by weights into a train and a validation list, deterministically:
@@ -22,16 +27,21 @@ the same arguments always give the same prompts in the same order.
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import importlib
+import inspect
 import json
 import random
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, TextIO
 
 from specpilot.errors import DatasetError
 
-SOURCES = ("sharegpt", "sharegpt_turns", "mbpp")
+SOURCES = ("sharegpt", "sharegpt_turns", "mbpp", "pycode")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 MBPP_TRAIN_IDS = range(601, 975)  # standard MBPP train split
 MBPP_VALIDATION_IDS = range(511, 601)  # standard MBPP validation split
@@ -43,7 +53,7 @@ VALIDATION_PERCENT = 2  # share of ShareGPT / file conversations (by hashed base
 @dataclass(frozen=True)
 class TrainPrompt:
     id: str  # "<source>/<id in the source>", unique
-    source: str  # "sharegpt" | "mbpp" | file stem
+    source: str  # "sharegpt" | "sharegpt_turns" | "mbpp" | "pycode" | file stem
     messages: tuple[dict, ...]  # chat messages ending in one user turn
 
 
@@ -262,6 +272,159 @@ def load_mbpp(split: str, dataset_dir: str | Path | None = None) -> list[TrainPr
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# pycode: "write this function" prompts from the standard library's docstrings
+
+# Pure-Python stdlib modules that import without side effects on CPython 3.10-3.13 (one that fails to import is
+# skipped). Only functions and classes defined in the module itself (or in a private submodule of it) count.
+PYCODE_MODULES = tuple(sorted("""
+    argparse ast asyncio.base_events asyncio.events asyncio.locks asyncio.protocols asyncio.queues asyncio.runners
+    asyncio.streams asyncio.tasks asyncio.transports base64 bdb calendar cmd code codecs codeop collections
+    compileall concurrent.futures.process concurrent.futures.thread configparser contextlib copy dataclasses
+    dbm.dumb difflib dis doctest email.base64mime email.charset email.encoders email.feedparser email.generator
+    email.header email.headerregistry email.iterators email.message email.parser email.policy email.quoprimime
+    email.utils enum filecmp fileinput fnmatch fractions ftplib functools getopt gettext glob graphlib gzip heapq
+    hmac html html.parser http.client http.cookiejar http.cookies http.server imaplib importlib.abc
+    importlib.metadata importlib.util inspect ipaddress json json.decoder json.encoder linecache locale logging
+    logging.config logging.handlers mailbox mimetypes modulefinder multiprocessing.connection
+    multiprocessing.managers multiprocessing.pool multiprocessing.shared_memory ntpath optparse os pathlib
+    pickletools pkgutil plistlib poplib posixpath pprint profile pstats py_compile pyclbr queue quopri random re
+    reprlib runpy sched secrets selectors shelve shlex shutil smtplib socketserver statistics string subprocess
+    symtable tabnanny tarfile tempfile textwrap threading timeit tokenize trace traceback tracemalloc types
+    typing unittest.case unittest.loader unittest.mock unittest.result unittest.runner unittest.util urllib.parse
+    urllib.request urllib.robotparser uuid warnings weakref xml.dom.minidom xml.dom.pulldom xml.etree.ElementTree
+    xml.sax.handler xml.sax.saxutils xml.sax.xmlreader xmlrpc.client xmlrpc.server zipapp zipfile
+""".split()))
+PYCODE_MIN_DOC_CHARS = 60
+PYCODE_MAX_SIGNATURE_CHARS = 400
+PYCODE_FUNCTION_TEMPLATES = (
+    "Write a Python function `{name}{sig}` that does the following:\n\n{doc}\n\nReturn only the code.",
+    "Implement `{name}{sig}` in Python. Its documentation:\n\n{doc}\n\nReturn only the code.",
+    "Here is the docstring of a Python function `{name}{sig}`:\n\n{doc}\n\nWrite the function. "
+    "Return only the code.",
+    "Write `def {name}{sig}:` in Python so that it behaves as documented below.\n\n{doc}\n\nReturn only the code.",
+)
+PYCODE_METHOD_TEMPLATES = (
+    "Implement the method `{cls}.{name}{sig}` that does the following:\n\n{doc}\n\nReturn only the code.",
+    "Write the method `{name}{sig}` of a Python class `{cls}`. Its documentation:\n\n{doc}\n\nReturn only the code.",
+    "Here is the docstring of the method `{cls}.{name}{sig}`:\n\n{doc}\n\nWrite the method. Return only the code.",
+    "In a Python class `{cls}`, write `def {name}{sig}:` so that it behaves as documented below.\n\n{doc}\n\n"
+    "Return only the code.",
+)
+_ADDRESS_REPR = re.compile(r"<[^<>]*(?:<[^<>]*>[^<>]*)* at 0x[0-9a-fA-F]+>")  # e.g. <function <lambda> at 0x7f..>
+
+
+def _pycode_own(obj, module: str) -> bool:
+    mod = getattr(obj, "__module__", None)
+    return isinstance(mod, str) and (mod == module or mod.startswith(module + "._"))
+
+
+def _pycode_members(mod, module: str) -> Iterator[tuple[str, object, str | None]]:
+    """(qualname, function, class name or None) of the module's public functions and its public classes' public
+    methods (plain, static and class methods), defined there (aliases and imported names skipped)."""
+    for name, obj in sorted(vars(mod).items()):
+        if name.startswith("_") or not _pycode_own(obj, module) or getattr(obj, "__qualname__", None) != name:
+            continue
+        if inspect.isfunction(obj):
+            yield name, obj, None
+        elif inspect.isclass(obj):
+            for mname, raw in sorted(vars(obj).items()):
+                fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+                if (not mname.startswith("_") and inspect.isfunction(fn)
+                        and fn.__qualname__ == f"{name}.{mname}"):
+                    yield f"{name}.{mname}", fn, name
+
+
+class _Shown:
+    """A signature default shown as the given text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _pycode_default(value):
+    """A default value as it should read in the prompt: literals as they are; an enum member, class or named
+    function by name; anything else (sentinels, module state, sets in hash order) as ``...``, since its repr may
+    hold an address or change from run to run."""
+    if isinstance(value, enum.Enum):
+        return _Shown(f"{type(value).__name__}.{value.name}")
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return value
+    if type(value) in (tuple, list, dict) and not value:
+        return value
+    if type(value) is tuple and all(type(v) in (bool, int, float, str, bytes) or v is None for v in value):
+        return value
+    name = getattr(value, "__qualname__", None)
+    if (inspect.isclass(value) or inspect.isroutine(value)) and isinstance(name, str) and "<" not in name:
+        return _Shown(name)
+    return _Shown("...")
+
+
+def _pycode_signature(fn) -> str | None:
+    """The signature as text, private defaulted parameters (``_w=WHITESPACE.match``) left out; None when it
+    cannot be had or runs too long."""
+    try:
+        sig = inspect.signature(fn)
+        params = [p.replace(default=_pycode_default(p.default)) if p.default is not p.empty else p
+                  for p in sig.parameters.values() if not (p.name.startswith("_") and p.default is not p.empty)]
+        text = str(sig.replace(parameters=params))
+    except (TypeError, ValueError):
+        return None
+    text = _ADDRESS_REPR.sub("...", text)  # an address in an annotation
+    return text if len(text) <= PYCODE_MAX_SIGNATURE_CHARS else None
+
+
+def _pycode_text(pid: str, name: str, cls: str | None, sig: str, doc: str, max_chars: int) -> str | None:
+    templates = PYCODE_METHOD_TEMPLATES if cls else PYCODE_FUNCTION_TEMPLATES
+    template = templates[_stable_percent("pycode-template/" + pid) % len(templates)]  # not the split's hash
+    text = template.format(name=name, cls=cls, sig=sig, doc=doc)
+    if len(text) > max_chars:  # cut the docstring (at a line end where possible) so the prompt fits
+        room = max_chars - (len(text) - len(doc))
+        cut = doc[:room]
+        cut = cut[: cut.rfind("\n")].rstrip() if "\n" in cut else cut.rstrip()
+        if len(cut) < PYCODE_MIN_DOC_CHARS:
+            return None
+        text = template.format(name=name, cls=cls, sig=sig, doc=cut)
+    return text
+
+
+def load_pycode(modules: tuple[str, ...] = PYCODE_MODULES, *, max_chars: int = MAX_PROMPT_CHARS,
+                min_doc_chars: int = PYCODE_MIN_DOC_CHARS) -> list[TrainPrompt]:
+    """"Write this function / method" prompts from the docstrings of the standard library ``modules``, ids
+    ``pycode/<module>.<qualname>``, sorted by id; a docstring seen before (in id order) is skipped, as is a
+    module that fails to import. Reads no file and no network. The modules' attributes are read as they stand, so
+    a function another library has replaced is left out (importing torch replaces ``inspect.getfile``)."""
+    found: dict[str, tuple[str, str | None, str, str]] = {}
+    for module in sorted(set(modules)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(module)
+        except Exception:  # not in this Python (or not on this platform)
+            continue
+        for qualname, fn, cls in _pycode_members(mod, module):
+            doc = inspect.getdoc(fn)
+            if not doc or len(doc.strip()) < min_doc_chars:
+                continue
+            sig = _pycode_signature(fn)
+            if sig is not None:
+                found[f"pycode/{module}.{qualname}"] = (fn.__name__, cls, sig, doc.strip())
+    out: list[TrainPrompt] = []
+    seen: set[str] = set()
+    for pid in sorted(found):
+        name, cls, sig, doc = found[pid]
+        if doc in seen:
+            continue
+        seen.add(doc)
+        text = _pycode_text(pid, name, cls, sig, doc, max_chars)
+        if text is not None:
+            out.append(TrainPrompt(pid, "pycode", ({"role": "user", "content": text},)))
+    return out
+
+
 def load_prompt_file_split(path: str | Path, field: str = "prompt") -> list[TrainPrompt]:
     """A user's JSON/JSONL prompt file (see ``evaluator.datasets.load_prompt_file``) as training prompts."""
     from specpilot.evaluator.datasets import load_prompt_file
@@ -377,6 +540,11 @@ def build_prompt_splits(weights: dict[str, float] | str, num_train: int, num_val
         if weights.get("mbpp", 0) > 0:
             pools_train["mbpp"], pools_val["mbpp"] = load_mbpp("train", dataset_dir), load_mbpp("validation", dataset_dir)
             log(f"MBPP: {len(pools_train['mbpp'])} train (601-974) / {len(pools_val['mbpp'])} validation (511-600)")
+        if weights.get("pycode", 0) > 0:
+            train, val = hash_split(load_pycode())
+            log(f"pycode: {len(train) + len(val)} prompts from the docstrings of {len(PYCODE_MODULES)} stdlib "
+                f"modules -> {len(train)} train / {len(val)} validation")
+            pools_train["pycode"], pools_val["pycode"] = train, val
     train = _mix(pools_train, weights, num_train, seed)
     val = _mix(pools_val, weights, num_val, seed)
     if not train:
