@@ -24,7 +24,9 @@
 # the regeneration cache right after training unless set), EARLY=1 (MODE=single: after the bench, SpecPilot again
 # with --no-early-draft on EARLY_BENCH, default humaneval,mt_bench: EngineConfig.early_draft's A/B), KD (--kd-weight:
 # that share of the loss against the target's own distributions), WARM_LR_SCALE (--warm-lr-scale: a warm start's
-# carried parameters at LR x this, grown layers at LR), VAL_PROMPTS / VAL_TAU (validation split and the prompts its
+# carried parameters at LR x this, grown layers at LR), REGEN_BS (regeneration batch, default 256), CHECKS_BG
+# (MODE=single: these gpu_engine_check.py sections in the background while training; BENCH=0 then skips the bench of
+# an unchanged drafter), VAL_PROMPTS / VAL_TAU (validation split and the prompts its
 # tau is decoded on: 32 / 24 gave ~2k tokens, too few to see a 0.03 change), DRAFT_LAYERS (a warm
 # start grows to it: new layers start as no-ops, train/dflash_init.py grow_layers), ANCHORS (per sequence,
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
@@ -44,20 +46,27 @@ declare -A NAME=([q15]=dflash-qwen2.5-coder-1.5b [q05]=dflash-qwen2.5-coder-0.5b
 INIT15=${INIT15-${NAME[q15]}}; WARM15=${INIT15:+--init-from $INIT15}
 # a warm start continues at half the peak LR (session 10: 6e-4 re-warmed v1 and a short run ended below it)
 LR=${LR:-$([ -n "$INIT15" ] && echo 3e-4 || echo 6e-4)}
-# REGEN_ATTN / REGEN_KV_BUCKET unset and a call before staging left /tmp/regen_speed.json (scripts/gpu_regen_speed.py's
-# JSON line, session 18's plan): the fastest variant that ran sets both (its KV bucket; the split-KV kernel or not)
-if [ -z "${REGEN_ATTN+x}${REGEN_KV_BUCKET+x}" ] && [ -s /tmp/regen_speed.json ]; then
-  read -r REGEN_KV_BUCKET REGEN_ATTN < <(python3 -c "
-import json; v = json.load(open('/tmp/regen_speed.json'))['variants']
-ok = {k: r for k, r in v.items() if 'tok_s' in r}
-b = max(ok.values(), key=lambda r: r['tok_s']) if ok else {'kv_bucket': 0, 'attention_kernel': False}
-print(b['kv_bucket'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
-  echo "regeneration step from /tmp/regen_speed.json: kv bucket ${REGEN_KV_BUCKET:-default}, kernel ${REGEN_ATTN:-off}" >> $R/regen_choice.log
+# REGEN_ATTN / REGEN_KV_BUCKET / REGEN_BS unset and a call before staging left /tmp/regen_speed*.json
+# (scripts/gpu_regen_speed.py's JSON line, one file per --batch tried): the fastest variant that ran sets them (its
+# KV bucket, the split-KV kernel or not, its batch)
+if [ -z "${REGEN_ATTN+x}${REGEN_KV_BUCKET+x}${REGEN_BS+x}" ] && ls /tmp/regen_speed*.json > /dev/null 2>&1; then
+  read -r REGEN_KV_BUCKET REGEN_BS REGEN_ATTN < <(python3 -c "
+import glob, json
+ok = []
+for f in sorted(glob.glob('/tmp/regen_speed*.json')):
+    try:
+        d = json.load(open(f))
+    except (OSError, ValueError):
+        continue
+    ok += [dict(r, batch=d.get('batch', 256)) for r in d.get('variants', {}).values() if 'tok_s' in r]
+b = max(ok, key=lambda r: r['tok_s']) if ok else {'kv_bucket': 0, 'attention_kernel': False, 'batch': 256}
+print(b['kv_bucket'], b['batch'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
+  echo "regeneration step from /tmp/regen_speed*.json: kv bucket ${REGEN_KV_BUCKET:-default}, batch ${REGEN_BS:-256}, kernel ${REGEN_ATTN:-off}" >> $R/regen_choice.log
 fi
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P
  --regen-order ${REGEN_ORDER:-random} --regen-seed ${REGEN_SEED:-$(date +%s)} ${REGEN_ATTN:+--attention-kernel}
  ${REGEN_KV_BUCKET:+--regen-kv-bucket $REGEN_KV_BUCKET} ${KD:+--kd-weight $KD} ${WARM_LR_SCALE:+--warm-lr-scale $WARM_LR_SCALE}
- --val-prompts ${VAL_PROMPTS:-32} --val-tau-prompts ${VAL_TAU:-24} --regen-max-new-tokens 384 --regen-batch-size 256 --max-seq-len 1280
+ --val-prompts ${VAL_PROMPTS:-32} --val-tau-prompts ${VAL_TAU:-24} --regen-max-new-tokens 384 --regen-batch-size ${REGEN_BS:-256} --max-seq-len 1280
  --block-size 16 --draft-layers ${DRAFT_LAYERS:-2} --target-layers 3 --draft-intermediate-size 2048 --steps 20000 --batch-size 16
  --anchors-per-seq ${ANCHORS:-64} --length-buckets 32 --lr $LR --warmup-steps 100 --val-every 500 --save-every 0
  --fit-steps-to-time --no-progress"
@@ -129,6 +138,9 @@ if ls /tmp/regen-parts/regen-q15.*.jsonl.gz > /dev/null 2>&1; then  # carried fr
 fi
 if [ $MODE = single ]; then
   export CUDA_VISIBLE_DEVICES=0
+  if [ -n "${CHECKS_BG:-}" ]; then  # engine-check sections beside the training (small fp32 models: exactness only)
+    (timeout 400 python3 scripts/gpu_engine_check.py --only=$CHECKS_BG > $R/engine_check.log 2>&1) &
+  fi
   if [ "$L15" = 0 ]; then  # no training: the committed drafter's bench, profile and stock at once
     echo "[$(date +%T)] no training (L15=0)" > $R/lane0.log
   else
@@ -141,8 +153,10 @@ if [ $MODE = single ]; then
   fi
   d=/tmp/ship/${NAME[q15]}; [ -e $d/config.json ] || d=${NAME[q15]}
   {
-    echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
-    DRAFTER=$d SYSTEMS=ar,specpilot TAG=spec OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+    if [ "${BENCH:-1}" = 1 ] || [ "$d" != "${NAME[q15]}" ]; then  # BENCH=0: only a newly shipped drafter
+      echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
+      DRAFTER=$d SYSTEMS=ar,specpilot TAG=spec OUT=$R bash scripts/gpu_bench_dflash.sh q15 20
+    fi
     if [ "${EARLY:-0}" = 1 ]; then  # EngineConfig.early_draft A/B (on by default since session 19): the same prompts without it
       echo "[$(date +%T)] bench q15 ($d): ar,specpilot --no-early-draft on ${EARLY_BENCH:=humaneval,mt_bench}"
       DRAFTER=$d SYSTEMS=ar,specpilot TAG=noearly EXTRA=--no-early-draft OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $EARLY_BENCH
