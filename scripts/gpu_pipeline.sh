@@ -50,17 +50,7 @@ LR=${LR:-$([ -n "$INIT15" ] && echo 3e-4 || echo 6e-4)}
 # (scripts/gpu_regen_speed.py's JSON line, one file per --batch tried): the fastest variant that ran sets them (its
 # KV bucket, the split-KV kernel or not, its batch)
 if [ -z "${REGEN_ATTN+x}${REGEN_KV_BUCKET+x}${REGEN_BS+x}" ] && ls /tmp/regen_speed*.json > /dev/null 2>&1; then
-  read -r REGEN_KV_BUCKET REGEN_BS REGEN_ATTN < <(python3 -c "
-import glob, json
-ok = []
-for f in sorted(glob.glob('/tmp/regen_speed*.json')):
-    try:
-        d = json.load(open(f))
-    except (OSError, ValueError):
-        continue
-    ok += [dict(r, batch=d.get('batch', 256)) for r in d.get('variants', {}).values() if 'tok_s' in r]
-b = max(ok, key=lambda r: r['tok_s']) if ok else {'kv_bucket': 0, 'attention_kernel': False, 'batch': 256}
-print(b['kv_bucket'], b['batch'], 1 if b['attention_kernel'] else '')" 2>/dev/null)
+  read -r REGEN_KV_BUCKET REGEN_BS REGEN_ATTN < <(python3 scripts/regen_choice.py /tmp/regen_speed*.json)
   echo "regeneration step from /tmp/regen_speed*.json: kv bucket ${REGEN_KV_BUCKET:-default}, batch ${REGEN_BS:-256}, kernel ${REGEN_ATTN:-off}" >> $R/regen_choice.log
 fi
 COMMON="--device cuda --dtype bfloat16 --data ${DATA:-sharegpt=1,sharegpt_turns=1,mbpp=1} --num-prompts $P

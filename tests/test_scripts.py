@@ -116,3 +116,27 @@ def test_regen_speed_script_runs_on_cpu():
     for v in out["variants"].values():
         assert v["tok_s"] > 0 and len(v["chunk_s"]) == 2 and v["rows_equal_to_first"] == 1.0, v
     assert out["speedup_vs_pool"]["pool"] == 1.0
+
+
+def test_regen_choice_takes_the_fastest_batch_and_variant(tmp_path):
+    """regen_choice.py (gpu_pipeline.sh's regeneration step): the fastest variant over every --batch file wins, its
+    bucket, batch and kernel printed for `read`; failed variants, broken and missing files are skipped; nothing
+    usable -> the defaults."""
+    a, b, bad = tmp_path / "regen_speed_256.json", tmp_path / "regen_speed_512.json", tmp_path / "regen_speed_x.json"
+    a.write_text(json.dumps({"batch": 256, "variants": {
+        "bucket128": {"kv_bucket": 128, "attention_kernel": False, "tok_s": 30000},
+        "pool_attnkernel": {"kv_bucket": 0, "attention_kernel": True, "tok_s": 31000}}}))
+    b.write_text(json.dumps({"batch": 512, "variants": {
+        "bucket128": {"kv_bucket": 128, "attention_kernel": False, "tok_s": 45000},
+        "bucket256": {"error": "CUDA out of memory"}}}))
+    bad.write_text("{not json")
+
+    def run(*paths):
+        r = subprocess.run([sys.executable, str(SCRIPTS / "regen_choice.py"), *map(str, paths)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.rstrip("\n")
+
+    assert run(a, b, bad, tmp_path / "missing.json") == "128 512 "
+    assert run(a) == "0 256 1"  # the kernel variant was the faster one there
+    assert run(bad) == run() == "0 256 "
