@@ -13,6 +13,7 @@ captures, so tokens/s is the median over the later ones (new tokens only, prefil
 
   python3 scripts/gpu_regen_speed.py                      # Qwen2.5-1.5B shape, B 256, ~300 + 256 tokens
   python3 scripts/gpu_regen_speed.py --variants=pool,bucket128 --chunks=3
+  python3 scripts/gpu_regen_speed.py --variants=bucket128 --chunks=2 --profile   # + where a step's time goes
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variants", default="pool,bucket128,bucket256,pool_attnkernel,bucket128_attnkernel",
                     help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, eager, CPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="then the first variant that ran once more over 2 batches, the second under torch.profiler: "
+                         "its kernels by device time per step, against the step's wall time (where a step goes)")
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
@@ -77,6 +81,37 @@ def run_variant(model, prompts, args, kv_bucket: int, kernel: bool) -> dict:
             "outputs": outs}
 
 
+def profile_variant(model, prompts, args, kv_bucket: int, kernel: bool, top: int = 12) -> dict:
+    """One generate_batch call over two batches, the second traced (the first captures the graphs): the top kernels
+    by their own device time (CPU: op time) per decode step, their sum, and the traced batch's wall time per step
+    (tracing adds to it: compare the sum with the untraced variant's ms_per_step too). A sum well under the step's
+    time says the step waits on the host (the per-step sync and the row bookkeeping)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    on_gpu = torch.cuda.is_available() and not args.cpu_smoke
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    model.use_attention_kernel(kernel)
+    stamps = []
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts, schedule=schedule(wait=1, warmup=0, active=1)) as prof:
+        def step(idx, outs):
+            sync()
+            stamps.append(time.perf_counter())
+            prof.step()
+        sync()
+        stamps.append(time.perf_counter())
+        generate_batch(model, prompts[: 2 * args.batch], args.new_tokens, (), args.batch, sort_by_length=False,
+                       kv_bucket=kv_bucket, on_batch=step)
+    field = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    rows = [(e.key, getattr(e, field, 0.0) or 0.0) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    per_step = lambda us: round(us / args.new_tokens, 2)  # noqa: E731
+    return {"variant_kv_bucket": kv_bucket, "attention_kernel": kernel, "time": "device" if on_gpu else "cpu op",
+            "traced_wall_us_per_step": round((stamps[-1] - stamps[-2]) / args.new_tokens * 1e6, 1),  # (+ tracing)
+            "traced_us_per_step": per_step(sum(us for _, us in rows)),
+            "top": [[name[:80], per_step(us)] for name, us in rows[:top]]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cpu_smoke:
@@ -105,6 +140,14 @@ def main(argv=None) -> int:
         out["variants"][name] = r
         print(f"{name:<24}{r.get('tok_s', '-'):>10}{r.get('ms_per_step', '-'):>10}  {r.get('chunk_s', r.get('error'))}",
               flush=True)
+    ran = [n for n in args.variants if "tok_s" in out["variants"][n]]
+    if args.profile and ran:
+        try:
+            out["profile"] = {"variant": ran[0], "untraced_us_per_step": out["variants"][ran[0]]["ms_per_step"] * 1e3,
+                              **profile_variant(model, prompts, args, *VARIANTS[ran[0]])}
+            print(f"profile of {ran[0]}: {out['profile']}", flush=True)
+        except Exception as e:  # the timings above must still come out
+            out["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     base = out["variants"].get("pool", {}).get("tok_s")
     out["speedup_vs_pool"] = {k: round(v["tok_s"] / base, 3) for k, v in out["variants"].items()
                               if base and "tok_s" in v}

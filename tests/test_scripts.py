@@ -108,14 +108,19 @@ def test_regen_speed_script_runs_on_cpu():
     """gpu_regen_speed.py (whole-pool vs bucketed batched decode) runs at tiny shapes on the CPU; every variant
     times its batches and, the steps' numbers being equal up to masked slots, writes the first variant's tokens."""
     path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_regen_speed.py"), "--cpu-smoke"], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_regen_speed.py"), "--cpu-smoke", "--profile"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["variants"]) == {"pool", "bucket128", "bucket256"}
     for v in out["variants"].values():
         assert v["tok_s"] > 0 and len(v["chunk_s"]) == 2 and v["rows_equal_to_first"] == 1.0, v
     assert out["speedup_vs_pool"]["pool"] == 1.0
+    # --profile: the first variant's traced batch, its ops by time per step (the matmuls lead even at these shapes)
+    prof = out["profile"]
+    assert prof["variant"] == "pool" and prof["time"] == "cpu op", prof
+    top = dict(prof["top"])
+    assert 0 < max(top.values()) <= prof["traced_us_per_step"] and any("mm" in k for k in list(top)[:3]), prof
 
 
 def test_regen_choice_takes_the_fastest_batch_and_variant(tmp_path):
