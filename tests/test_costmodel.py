@@ -814,9 +814,12 @@ def test_early_draft_moves_the_dflash_pass_into_the_commit_stage_and_is_priced_a
     target = synthetic_config("qwen2.5-1.5b")
     d = new_drafter_config(target, num_layers=2, block_size=16, mask_token_id=5, num_target_features=3,
                            intermediate_size=2048)
-    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=15, early_draft=False)
+    cfg = EngineConfig(drafter_kind="dflash", num_draft_tokens=15, early_draft=False, device="cuda")
     assert engine_fields(cfg.with_(early_draft=True))["early_draft"] and not engine_fields(cfg)["early_draft"]
-    assert engine_fields(EngineConfig(drafter_kind="dflash", num_draft_tokens=15))["early_draft"]  # on by default
+    on = EngineConfig(drafter_kind="dflash", num_draft_tokens=15, device="cuda")
+    assert engine_fields(on)["early_draft"]  # on by default, where it applies: CUDA graphs
+    assert not engine_fields(on.with_(device="cpu"))["early_draft"]  # the drafter's static step needs CUDA graphs
+    assert not engine_fields(on.with_(cuda_graphs=False))["early_draft"]
     assert not engine_fields(cfg.with_(early_draft=True, adaptive=True))["early_draft"]  # spec.py skips it there
     prof = _profile(draft_s=0.57e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15, other_s=0.06e-3,
                     **engine_fields(cfg))
