@@ -130,6 +130,7 @@ if [ $MODE = single ]; then
   export CUDA_VISIBLE_DEVICES=0
   if [ -n "${CHECKS_BG:-}" ]; then  # engine-check sections beside the training (small fp32 models: exactness only)
     (timeout 400 python3 scripts/gpu_engine_check.py --only=$CHECKS_BG > $R/engine_check.log 2>&1) &
+    CHECKS_PID=$!
   fi
   if [ "$L15" = 0 ]; then  # no training: the committed drafter's bench, profile and stock at once
     echo "[$(date +%T)] no training (L15=0)" > $R/lane0.log
@@ -142,6 +143,7 @@ if [ $MODE = single ]; then
     pack_regen >> $R/lane0.log 2>&1
   fi
   d=/tmp/ship/${NAME[q15]}; [ -e $d/config.json ] || d=${NAME[q15]}
+  [ -n "${CHECKS_PID:-}" ] && wait $CHECKS_PID  # nothing else on the GPU while the timings below run
   {
     if [ "${BENCH:-1}" = 1 ] || [ "$d" != "${NAME[q15]}" ]; then  # BENCH=0: only a newly shipped drafter
       echo "[$(date +%T)] bench q15 ($d): ar,specpilot"
