@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from specpilot.config import EngineConfig
+from specpilot.config import EngineConfig, SamplingConfig
 from specpilot.costmodel import synthetic_config
 from specpilot.engine import Engine, build_drafter
 from specpilot.models import random_model
@@ -306,6 +306,14 @@ def main(only: tuple[str, ...] = ()) -> int:
                    tau=[o.tau for o in runs[True]])
             if [o.tau for o in runs[True]] != [o.tau for o in runs[False]]:
                 problems.append(f"early_draft{'_assist' if assist else ''}_drafts_differ")
+        # sampled (seeded): the early pass moves no random draw, so the same tokens as without it
+        c = base.with_(drafter_kind="dflash", num_draft_tokens=7, sampling=SamplingConfig(temperature=0.8, seed=1))
+        runs = {on: [Engine(fast, c.with_(early_draft=on), build_drafter(c, net, fast)).generate(p).output_ids
+                     for p in prompts] for on in (False, True)}
+        result["spec_dflash_early_draft_sampled"] = {"equal_to_off": runs[True] == runs[False]}
+        print("spec_dflash_early_draft_sampled", result["spec_dflash_early_draft_sampled"], flush=True)
+        if runs[True] != runs[False]:
+            problems.append("early_draft_sampled_differs")
 
     def adaptive():
         # EngineConfig.adaptive (engine/adaptive.py): plain one-token steps mixed into speculation, on the default

@@ -127,7 +127,7 @@ class EngineConfig:
     adaptive_max_plain: int = 8
     fused_accept: bool = True  # greedy speculative steps: the chain verdict is computed inside the verify step (in
     # its CUDA graph) and read packed with the drafts in the step's one sync; False = separate eager accept launches
-    early_draft: bool = True  # greedy, fused_accept, a graphed (static) DFlash drafter, no adaptive policy: the next
+    early_draft: bool = True  # a graphed (static) DFlash drafter, no adaptive policy (greedy or sampled): the next
     # block's draft pass is launched right after the verify step, from the verdict still on the device (drafters/
     # dflash.py `launch_early`), before the host reads that verdict; the host's commit, stop rule and n-gram lookup
     # then run while the GPU drafts, instead of the GPU idling through them and the host's launch of the pass. Same

@@ -805,7 +805,7 @@ def test_early_draft_moves_the_dflash_pass_into_the_commit_stage_and_is_priced_a
     commit ("other") stage and the draft stage launches nothing; analyze predicts it there (the host's part beside
     the pass, not after it). The loop's what-if prices the switch as the draft stage's host part hidden: the
     measured draft stage becomes the pass alone; switching it back off (host part unmeasured) is not priced."""
-    from specpilot.config import EngineConfig
+    from specpilot.config import EngineConfig, SamplingConfig
     from specpilot.costmodel.gaps import engine_fields
     from specpilot.costmodel.shapes import dflash_pass_cost
     from specpilot.costmodel.whatif import StepKnobs, predicted_gain
@@ -820,6 +820,7 @@ def test_early_draft_moves_the_dflash_pass_into_the_commit_stage_and_is_priced_a
     assert engine_fields(on)["early_draft"]  # on by default, where it applies: CUDA graphs
     assert not engine_fields(on.with_(device="cpu"))["early_draft"]  # the drafter's static step needs CUDA graphs
     assert not engine_fields(on.with_(cuda_graphs=False))["early_draft"]
+    assert engine_fields(on.with_(sampling=SamplingConfig(temperature=0.7)))["early_draft"]  # sampled runs too
     assert not engine_fields(cfg.with_(early_draft=True, adaptive=True))["early_draft"]  # spec.py skips it there
     prof = _profile(draft_s=0.57e-3, drafter_passes=1, tau=3.0, num_draft_tokens=15, other_s=0.06e-3,
                     **engine_fields(cfg))

@@ -6,7 +6,7 @@ be taken (not a silent fallback to observe + propose)."""
 import pytest
 import torch
 
-from specpilot.config import EngineConfig
+from specpilot.config import EngineConfig, SamplingConfig
 from specpilot.drafters.dflash import DFlashBlockDrafter
 from specpilot.drafters.ngram import NgramDrafter
 from specpilot.drafters.ngram_assist import NgramAssistedDrafter
@@ -91,6 +91,32 @@ def test_early_draft_equals_ar_and_the_normal_loop(setup, monkeypatch, assist, m
         assert calls["launched"] == 0
     else:
         assert calls["launched"] > 0
+
+
+@pytest.mark.parametrize("assist", [False, True])
+def test_early_draft_under_sampling_and_unfused_acceptance(setup, monkeypatch, assist):
+    """Sampled (seeded) and greedy without the fused verdict: the packed verdict is a device tensor there too, so
+    the early pass runs, and outputs, acceptance and drafts equal the normal loop's (DFlash drafts are argmax, so
+    launching early moves no random draw); greedy also equals AR."""
+    target, net = setup
+    base = EngineConfig(drafter_kind="dflash", num_draft_tokens=net.block_size - 1, max_new_tokens=30,
+                        max_seq_len=128, ignore_eos=True, early_draft=True)
+    ar = Engine(target, base.with_(drafter_kind="none", early_draft=False))
+    for cfg in (base.with_(sampling=SamplingConfig(temperature=0.9, seed=3)), base.with_(fused_accept=False)):
+        early_d, plain_d = _drafter(target, net, assist), _drafter(target, net, assist)
+        calls = _count_early(early_d, monkeypatch)
+        drafts_early, drafts_plain = _record(early_d, monkeypatch), _record(plain_d, monkeypatch)
+        early, plain = Engine(target, cfg, early_d), Engine(target, cfg.with_(early_draft=False), plain_d)
+        g = torch.Generator().manual_seed(7)
+        for n in (6, 17):
+            p = torch.randint(0, 90, (n,), generator=g).tolist()
+            p = p + p[: n // 2] if assist else p
+            got, ref = early.generate(p), plain.generate(p)
+            assert got.output_ids == ref.output_ids and got.accepted_lengths == ref.accepted_lengths
+            if cfg.sampling.greedy:
+                assert got.output_ids == ar.generate(p).output_ids
+        assert drafts_early == drafts_plain
+        assert calls["launched"] > 0 and calls["proposed"] == calls["launched"]
 
 
 def test_early_draft_needs_the_static_step(setup):

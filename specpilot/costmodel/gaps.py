@@ -152,10 +152,10 @@ def engine_fields(cfg) -> dict:
 
 
 def early_draft_applies(cfg) -> bool:
-    """Where engine/spec.py launches DFlash blocks early (EngineConfig.early_draft): greedy, fused acceptance,
-    graphed on CUDA (the static draft step; CUDA graphs are ignored elsewhere), no adaptive policy."""
-    return (cfg.drafter_kind == "dflash" and cfg.sampling.greedy and cfg.fused_accept and cfg.cuda_graphs
-            and str(getattr(cfg, "device", "cuda")).startswith("cuda") and not getattr(cfg, "adaptive", False))
+    """Where engine/spec.py launches DFlash blocks early (EngineConfig.early_draft): graphed on CUDA (the static
+    draft step; CUDA graphs are ignored elsewhere), no adaptive policy; greedy or sampled."""
+    on_cuda = str(getattr(cfg, "device", "cuda")).startswith("cuda")
+    return cfg.drafter_kind == "dflash" and cfg.cuda_graphs and on_cuda and not getattr(cfg, "adaptive", False)
 
 
 # --- the report ---------------------------------------------------------------------------------------------

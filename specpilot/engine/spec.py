@@ -13,13 +13,13 @@ inside the verify step's graph), so accept launches nothing and commit reads tha
 measures ~0. Sampling keeps the separate accept stage (`verify_chain` on the step's logits).
 Greedy output equals AR output token for token; sampled output has the target's distribution.
 
-Early draft (`EngineConfig.early_draft`, greedy + fused_accept, no policy, a drafter with `launch_early`): the
-step's sync is split. The verdict's copy to a pinned host buffer is queued first, then the next block's draft pass,
+Early draft (`EngineConfig.early_draft`, no policy, a drafter with `launch_early`): the step's sync is split. The verdict's copy to a pinned host buffer is queued first, then the next block's draft pass,
 launched from the verdict on the device (drafters/dflash.py), then the host waits for the copy alone. So the GPU
 drafts while the host commits, applies the stop rule and runs the n-gram lookup, and the next step's propose()
 launches nothing. Still one host sync a step. Not launched when the next step might not draft (the token or
 context limit within a block) or the drafter cannot (its first pass, an eager pass); a stop ends the loop and the
-early pass is dropped. Same drafts, same tokens.
+early pass is dropped. Same drafts, same tokens. Greedy or sampled, fused or not: the packed verdict is a device
+tensor either way, and DFlash drafts are argmax (no random draws, so a sampled run draws the same numbers).
 
 With a `policy` (engine/adaptive.py, `EngineConfig.adaptive`) some steps are plain: nothing is drafted, the verify
 block is the last committed token alone (the target's one-token step, graphed and fused like AR's), and its verdict
@@ -95,7 +95,7 @@ def generate_spec(s: Session, drafter: Drafter, prompt_ids: list[int], policy=No
     pending = len(prompt_ids)  # committed tokens the drafter has not drafted after yet (a pass takes them in)
     if policy is not None:
         policy.start()
-    early = (fused and s.config.early_draft and policy is None and conditioned
+    early = (s.config.early_draft and policy is None and conditioned
              and callable(getattr(drafter, "launch_early", None)))
     verdict_host = torch.empty(k_max + 2, dtype=torch.long, pin_memory=s.device.type == "cuda") if early else None
     with s.clock(res, "decode_s"):
