@@ -145,3 +145,40 @@ def test_regen_choice_takes_the_fastest_batch_and_variant(tmp_path):
     assert run(a, b, bad, tmp_path / "missing.json") == "128 512 "
     assert run(a) == "0 256 1"  # the kernel variant was the faster one there
     assert run(bad) == run() == "0 256 "
+
+
+def test_stage_pieces_cuts_and_moves_the_drafter_weights(tmp_path):
+    """stage_pieces.sh (GPU_SESSION.md): `cut` gives pieces that concatenate to the file; `out` takes the committed
+    drafter weights out of the working tree (what each device call sends shrinks by their size) and `in` puts them
+    back from git; `out` refuses while the drafters have uncommitted changes."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "stage_pieces.sh").write_bytes((SCRIPTS / "stage_pieces.sh").read_bytes())
+    (repo / ".gitignore").write_text("/.s[0-9][0-9]/\n")  # as the project's: the pieces never travel uncarried
+    weights = repo / "specpilot" / "hub" / "drafters" / "d" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"w" * 1000)
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, check=True)
+
+    def sh(*a, **env):
+        return subprocess.run(["bash", str(repo / "scripts" / "stage_pieces.sh"), *a], capture_output=True,
+                              text=True, env={**os.environ, **env}, timeout=60)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init")
+    full = int(sh("size").stdout)
+    data = bytes(range(256)) * 10
+    (tmp_path / "f.bin").write_bytes(data)
+    r = sh("cut", str(tmp_path / "f.bin"), "m", "3", PIECE="1000")
+    assert r.returncode == 0 and "3 pieces" in r.stdout, r.stderr
+    assert b"".join((repo / f".s{i:02d}" / "m.part").read_bytes() for i in (3, 4, 5)) == data
+    assert int(sh("size").stdout) == full  # ignored pieces travel only when carried
+    assert sh("out").returncode == 0 and not weights.exists()
+    assert int(sh("size").stdout) == full - 1000
+    assert sh("in").returncode == 0 and weights.read_bytes() == b"w" * 1000
+    (weights.parent / "config.json").write_text("{}")  # an uncommitted drafter file: `in` could not restore it
+    r = sh("out")
+    assert r.returncode == 2 and "uncommitted" in r.stderr and weights.exists()
