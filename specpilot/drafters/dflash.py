@@ -30,7 +30,7 @@ the static buffer and the scalars' host-to-device copy (3; their device time hid
 replay), after it the drafts' clone (1, queued behind the graph). `graph_events` (None: off) collects CUDA event
 pairs around each replay: the graph's own device time, measured.
 
-Early launch (`launch_early`, EngineConfig.early_draft; engine/spec.py): right after a greedy verify step, before
+Early launch (`launch_early`, EngineConfig.early_draft; engine/spec.py): right after a verify step, before
 the host has read its verdict, the next block's static pass is launched from the device: the verify block's
 features (all K+1 rows) go into the context buffer and the scalars are derived from the packed verdict [a, next]
 on the device (anchor id = next, c = a + 1 new context rows, anchor position = fed + a + 1). Rows past c are
@@ -154,7 +154,7 @@ class DFlashBlockDrafter:
         self._early_rows: int | None = None  # its committed context rows (took_early), once the host knows them
 
     def launch_early(self, verdict: torch.Tensor, features: torch.Tensor) -> bool:
-        """Launch the next block's pass now, from the greedy verify step's packed verdict [a, next, ...] and its
+        """Launch the next block's pass now, from the verify step's packed verdict [a, next, ...] and its
         features [K+1, F] (both on the device, not yet read by the host; see the module docstring). -> whether it
         was launched: only the static step can (no pending context, at most a block of rows, after the first pass)."""
         if not self.static or self.pending or self.fed == 0 or self._early is not None:

@@ -13,8 +13,9 @@ inside the verify step's graph), so accept launches nothing and commit reads tha
 measures ~0. Sampling keeps the separate accept stage (`verify_chain` on the step's logits).
 Greedy output equals AR output token for token; sampled output has the target's distribution.
 
-Early draft (`EngineConfig.early_draft`, no policy, a drafter with `launch_early`): the step's sync is split. The verdict's copy to a pinned host buffer is queued first, then the next block's draft pass,
-launched from the verdict on the device (drafters/dflash.py), then the host waits for the copy alone. So the GPU
+Early draft (`EngineConfig.early_draft`, no policy, a drafter with `launch_early`): the step's sync is split. The
+verdict's copy to a pinned host buffer is queued first, then the next block's draft pass, launched from the
+verdict on the device (drafters/dflash.py), then the host waits for the copy alone. So the GPU
 drafts while the host commits, applies the stop rule and runs the n-gram lookup, and the next step's propose()
 launches nothing. Still one host sync a step. Not launched when the next step might not draft (the token or
 context limit within a block) or the drafter cannot (its first pass, an eager pass); a stop ends the loop and the

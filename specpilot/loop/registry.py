@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specpilot.config import EngineConfig
+from specpilot.costmodel.gaps import early_draft_applies
 from specpilot.errors import ConfigError
 
 STAGES = ("draft", "verify", "accept", "other")  # the cost model's stages (costmodel.gaps.STAGES)
@@ -232,7 +233,7 @@ register(Mechanism(
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
     "early_draft", ("draft", "other"), {"early_draft": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.cuda_graphs and cfg.drafter_kind == "dflash" and not cfg.adaptive,
+    lambda dep, cfg: dep.on_cuda and early_draft_applies(cfg),
     "the next block's DFlash pass is launched right after the verify step, from the verdict on the device, before "
     "the host reads it: the host's commit, stop rule and n-gram lookup run while the GPU drafts"))
 register(Mechanism(

@@ -167,19 +167,14 @@ def _new_drafter(s, target, tok, seqs, dt):
 
 
 def _carried_layers(init_from: str | None) -> int:
-    """The layer count of the --init-from drafter (its config.json; 0 without one): the layers a warm start
-    carries, below any it grows (TrainConfig.carried_layers). Read from the file, so a resumed run gets the same."""
+    """The layer count of the --init-from drafter (0 without one): the layers a warm start carries, below any it
+    grows (TrainConfig.carried_layers). Read from its config, so a resumed run gets the same."""
     if not init_from:
         return 0
-    import json
-
-    from specpilot.errors import ConfigError
     from specpilot.hub import resolve_model
+    from specpilot.models.dflash_io import read_dflash_config
 
-    try:
-        return int(json.loads((resolve_model(init_from) / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"--init-from {init_from}: cannot read its layer count from config.json ({e})") from e
+    return read_dflash_config(resolve_model(init_from)).num_hidden_layers
 
 
 def _warm_start(name_or_path: str, target, device, err, num_layers: int = 0):
