@@ -11,6 +11,14 @@ drafter's own weights as target (every draft accepted) and with a 1.5B random ta
 
 Run: python3 scripts/gpu_model_draft_step.py   (`--cpu-smoke`: tiny shapes on the CPU, no graphs, as its test
 runs it; `--fused-decode`: the drafter's and target's one-token passes through models/fused_decode.py). Last stdout line: one JSON object, figures in ms.
+
+`--real DRAFTER TARGET` (model folders; session 20): the real Qwen2.5-Coder pair as `specpilot profile` runs it
+(engine defaults, a HumanEval prompt), with prompt lookup beside the drafter (`ngram_assist` 2, the default) and
+without. Session 20's profile measured 11.6 ms of draft stage a step (K = 4) with 8.9 ms of it host wall inside
+propose(), against 3.8 ms for the random-weight drafter here: this prints the drafter's layout (is its one-token
+pass the fused one?), its graphed one-token step on the device, propose()'s host wall, the stage split, and a
+torch.profiler view of one generation: the host calls that take the time (a cudaStreamSynchronize per pass would
+show here) and the top kernels. `--cpu-smoke --real D T` runs the same on the CPU (tests: tiny model folders).
 """
 
 from __future__ import annotations
@@ -106,5 +114,84 @@ def main(smoke: bool, fused: bool = False) -> int:
     return 0
 
 
+def _host_view(prof, top: int = 12) -> dict:
+    """A profiler's CPU-side view: the calls with the most self time (CUDA runtime calls included), and how often
+    the ones that block the host or launch work ran."""
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    watch = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+             "cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "aten::item", "aten::_local_scalar_dense")
+    counts = {e.key: e.count for e in prof.key_averages() if e.key in watch}
+    return {"top_self_cpu_us": [[e.key[:60], e.count, round(e.self_cpu_time_total)] for e in rows[:top]],
+            "counts": counts}
+
+
+@torch.inference_mode()
+def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from specpilot.drafters.timing import ProposeTimer
+    from specpilot.evaluator import datasets
+    from specpilot.models import load_model
+    from specpilot.tokenizer import Tokenizer
+
+    if not smoke and not torch.cuda.is_available():
+        print("gpu_model_draft_step.py --real needs CUDA (with --cpu-smoke it runs on the CPU)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if smoke else "cuda")
+    base = EngineConfig(drafter_kind="model", num_draft_tokens=K, max_new_tokens=16 if smoke else 128,
+                        max_seq_len=512 if smoke else 2048, device=str(device),
+                        dtype="float32" if smoke else "bfloat16")
+    target = load_model(target_dir, dtype=REAL["dtype"] if not smoke else torch.float32, device=device)
+    _apply_layout(target, base)
+    tok = Tokenizer.from_folder(target_dir)
+    if smoke:
+        ids = tok.encode("def add(a, b):\n    return a + b\n\ndef mul(a, b):")
+    else:
+        ids = tok.encode_chat(datasets.load_prompts("humaneval", num_prompts=1)[0].messages)
+    out = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "smoke": smoke, "prompt": len(ids)}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not smoke else [])
+    for assist in (2, 0):
+        cfg = base.with_(ngram_assist=assist)
+        drafter = build_drafter(cfg, drafter_dir, target)  # by path: laid out as build_drafter lays out any
+        inner = getattr(drafter, "inner", drafter)
+        model, runner = inner.runner.model, inner.runner
+        r = {"layout": {f: bool(getattr(model, f, False))
+                        for f in ("fused_decode", "fused_verify", "attention_kernel", "norm_epilogue")},
+             "graphs": sorted(T for T, g in runner.graphs.items() if g[0] is not None)}
+        e = Engine(target, cfg, drafter, tok)
+        e.generate(ids)  # warm-up (captures nothing new: the runners captured at construction)
+        timer = ProposeTimer(drafter)
+        res = e.generate(ids)
+        n = max(len(res.accepted_lengths), 1)
+        r.update(tau=round(res.tau, 3), tokens_per_s=round(res.tokens_per_s, 1),
+                 stage_ms_per_step={k: round(v * 1e3 / n, 4) for k, v in res.stage_s.items()},
+                 propose_wall_ms=round(timer.per_step(n)["wall_s"] * 1e3, 4),
+                 steps_run={"target": dict(e.runner.step_counts), "drafter": dict(runner.step_counts)})
+        one = torch.tensor([ids[-1]], device=device)
+        attempt(r, "drafter_step1_device_ms",
+                lambda: median_ms(lambda: runner.step(one, len(ids)), device, REAL if not smoke else SMOKE, "gpu"))
+        with profile(activities=acts) as prof:
+            e.generate(ids)
+            if not smoke:
+                torch.cuda.synchronize()
+        r["host"] = _host_view(prof)
+        if not smoke:
+            kern = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0),
+                          key=lambda k: k.self_device_time_total, reverse=True)
+            r["top_kernels_us"] = [[k.key[:60], k.count, round(k.self_device_time_total)] for k in kern[:10]]
+        out[f"assist{assist}"] = r
+        print(f"ngram_assist {assist}: {json.dumps(r)[:1500]}", flush=True)
+        del e, drafter, inner, model, runner
+    print(json.dumps(out))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main("--cpu-smoke" in sys.argv[1:], "--fused-decode" in sys.argv[1:]))
+    argv = sys.argv[1:]
+    if "--real" in argv:
+        i = argv.index("--real")
+        if len(argv) < i + 3:
+            print("usage: gpu_model_draft_step.py --real DRAFTER_DIR TARGET_DIR [--cpu-smoke]", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(real(argv[i + 1], argv[i + 2], "--cpu-smoke" in argv))
+    sys.exit(main("--cpu-smoke" in argv, "--fused-decode" in argv))

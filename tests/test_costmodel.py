@@ -167,6 +167,21 @@ def test_analyze_orders_differently_when_the_draft_is_slow():
     assert rep.stages["draft"].floor_s == pytest.approx(two_token + 3 * one_token)
 
 
+def test_analyze_prices_a_model_drafter_with_the_engines_layout():
+    """A small model drafter is laid out by the same EngineConfig as the target (engine.build_drafter): with
+    fused decode on, its one-token passes are fused ones (session 20: they were priced as regular passes, 2.2 ms
+    predicted per 0.5B pass where the fused pass costs ~0.8 ms)."""
+    target, drafter = synthetic_config("qwen2.5-1.5b"), synthetic_config("qwen2.5-0.5b")
+    plain = analyze(target, drafter, _profile(drafter_pass_tokens=(2, 1, 1, 1)), FAKE_HW)
+    fused = analyze(target, drafter, _profile(drafter_pass_tokens=(2, 1, 1, 1), fused_projections=True,
+                                              fused_decode=True, fused_verify=True), FAKE_HW)
+    on = dict(fused=True, fused_decode=True, fused_verify=True)
+    passes = [forward_cost(drafter, t, 600, **on) for t in (2, 1, 1, 1)]
+    assert fused.stages["draft"].predicted_s == pytest.approx(sum(pass_predicted_s(c, FAKE_HW, True, False)
+                                                                  for c in passes))
+    assert fused.stages["draft"].predicted_s < 0.8 * plain.stages["draft"].predicted_s
+
+
 def test_analyze_ngram_and_plain_ar():
     target = synthetic_config("qwen2.5-1.5b")
     rep = analyze(target, None, _profile(draft_s=0.05e-3, drafter_passes=0, ar_step_s=2.0e-3), FAKE_HW,

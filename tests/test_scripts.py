@@ -57,6 +57,27 @@ def test_model_draft_step_diagnostic_runs_on_cpu():
     assert out["engine_self_target"]["tau"] > 1 and sum(runs.values()) > 0
 
 
+@pytest.mark.slow
+def test_model_draft_step_real_mode_runs_on_cpu():
+    """`gpu_model_draft_step.py --real DRAFTER TARGET` (session 20: the real pair's slow draft stage) runs on the
+    CPU with a real small model as its own drafter: both prompt-lookup settings, the drafter's layout, its stage
+    split and the profiler's host view come back."""
+    from specpilot.hub import resolve_model
+
+    model = str(resolve_model("smollm2-135m"))
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_model_draft_step.py"), "--real", model, model, "--cpu-smoke"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for assist in ("assist2", "assist0"):
+        run = out[assist]
+        assert run["layout"]["fused_decode"] is False  # the fused path is CUDA-only: the CPU keeps the eager one
+        assert run["tau"] > 1 and run["steps_run"]["drafter"]["unbucketed"] > 0  # eager on CPU: nothing bucketed
+        assert set(run["stage_ms_per_step"]) >= {"draft", "verify"} and run["propose_wall_ms"] > 0
+        assert run["host"]["top_self_cpu_us"] and run["drafter_step1_device_ms"] > 0
+
+
 def test_regen_cache_script_round_trip(tmp_path):
     """scripts/regen_cache.py pack | unpack, as the GPU session runs it (a failure there would lose the data)."""
     from specpilot.train.regenerate import META, read_cache

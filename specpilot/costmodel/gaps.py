@@ -253,7 +253,10 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
         raise ConfigError(f"drafter_kind must be 'model', 'ngram', 'dflash' or 'none', not {kind!r}")
     if drafter_cfg is None:
         raise ConfigError("drafter_kind 'model' needs the drafter's ModelConfig")
-    return [forward_cost(drafter_cfg, t, profile.context_len, pool_len=profile.kv_pool_len)
+    # a small model drafter is laid out like the target (engine.build_drafter applies the same EngineConfig to
+    # it): its one-token passes are fused decode passes, its catch-up pass of 2-16 tokens a fused verify one
+    return [forward_cost(drafter_cfg, t, profile.context_len, pool_len=profile.kv_pool_len,
+                         fused=profile.fused_projections, **kernel_flags(profile))
             for t in profile.pass_tokens()]
 
 
