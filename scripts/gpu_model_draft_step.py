@@ -13,8 +13,8 @@ Run: python3 scripts/gpu_model_draft_step.py   (`--cpu-smoke`: tiny shapes on th
 runs it; `--fused-decode`: the drafter's and target's one-token passes through models/fused_decode.py). Last stdout line: one JSON object, figures in ms.
 
 `--real DRAFTER TARGET` (model folders; session 20): the real Qwen2.5-Coder pair as `specpilot profile` runs it
-(engine defaults, a HumanEval prompt), with prompt lookup beside the drafter (`ngram_assist` 2, the default) and
-without. Session 20's profile measured 11.6 ms of draft stage a step (K = 4) with 8.9 ms of it host wall inside
+(engine defaults, a HumanEval prompt), then with one switch changed at a time (VARIANTS: prompt lookup off, fused
+verify off, padded shapes off, CUDA graphs off). Session 20's profile measured 11.6 ms of draft stage a step (K = 4) with 8.9 ms of it host wall inside
 propose(), against 3.8 ms for the random-weight drafter here: this prints the drafter's layout (is its one-token
 pass the fused one?), its graphed one-token step on the device, propose()'s host wall, the stage split, and a
 torch.profiler view of one generation: the host calls that take the time (a cudaStreamSynchronize per pass would
@@ -114,6 +114,12 @@ def main(smoke: bool, fused: bool = False) -> int:
     return 0
 
 
+# the engine as `specpilot profile` runs it, then one switch changed at a time: which one removes the slow draft stage
+VARIANTS = (("default", {}), ("no_assist", {"ngram_assist": 0}), ("no_fused_verify", {"fused_verify": False}),
+            ("no_pad_shapes", {"pad_shapes": False}), ("no_graphs", {"cuda_graphs": False}))
+PROFILED = ("default", "no_assist")  # these two also under torch.profiler
+
+
 def _host_view(prof, top: int = 12) -> dict:
     """A profiler's CPU-side view: the calls with the most self time (CUDA runtime calls included), and how often
     the ones that block the host or launch work ran."""
@@ -150,8 +156,8 @@ def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
         ids = tok.encode_chat(datasets.load_prompts("humaneval", num_prompts=1)[0].messages)
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "smoke": smoke, "prompt": len(ids)}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not smoke else [])
-    for assist in (2, 0):
-        cfg = base.with_(ngram_assist=assist)
+    for name, change in VARIANTS:
+        cfg = base.with_(**change)
         drafter = build_drafter(cfg, drafter_dir, target)  # by path: laid out as build_drafter lays out any
         inner = getattr(drafter, "inner", drafter)
         model, runner = inner.runner.model, inner.runner
@@ -170,17 +176,18 @@ def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
         one = torch.tensor([ids[-1]], device=device)
         attempt(r, "drafter_step1_device_ms",
                 lambda: median_ms(lambda: runner.step(one, len(ids)), device, REAL if not smoke else SMOKE, "gpu"))
-        with profile(activities=acts) as prof:
-            e.generate(ids)
+        if name in PROFILED:
+            with profile(activities=acts) as prof:
+                e.generate(ids)
+                if not smoke:
+                    torch.cuda.synchronize()
+            r["host"] = _host_view(prof)
             if not smoke:
-                torch.cuda.synchronize()
-        r["host"] = _host_view(prof)
-        if not smoke:
-            kern = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0),
-                          key=lambda k: k.self_device_time_total, reverse=True)
-            r["top_kernels_us"] = [[k.key[:60], k.count, round(k.self_device_time_total)] for k in kern[:10]]
-        out[f"assist{assist}"] = r
-        print(f"ngram_assist {assist}: {json.dumps(r)[:1500]}", flush=True)
+                kern = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0),
+                              key=lambda k: k.self_device_time_total, reverse=True)
+                r["top_kernels_us"] = [[k.key[:60], k.count, round(k.self_device_time_total)] for k in kern[:10]]
+        out[name] = r
+        print(f"{name}: {json.dumps(r)[:1500]}", flush=True)
         del e, drafter, inner, model, runner
     print(json.dumps(out))
     return 0
