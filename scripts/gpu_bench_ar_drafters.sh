@@ -12,10 +12,12 @@ case $kind in
   *) drafter="--num-draft-tokens ${K:-4}" ;;
 esac
 common="--target /tmp/models/q15 --drafter-kind $kind $drafter --device cuda --dtype bfloat16 --max-new-tokens 256
-  --max-seq-len 2048 ${ATTN:+--attention-kernel} ${COMPILE:+--compile}"
+  --max-seq-len 2048 ${ATTN:+--attention-kernel} ${COMPILE:+--compile} ${EXTRA:-}"  # EXTRA: any engine flags
 if [ "${1%%-*}" = profile ]; then
   python3 -m specpilot.cli profile $common --benchmarks humaneval --num-prompts ${2:-4} 2>&1 | grep -v "Loading weights" | tail -40
 else
+  # the slow peers (transformers' AR and stock: 14-45 tok/s) on the first BASE prompts of each benchmark (vs stock
+  # is then taken on those same prompts): 20 prompts x 3 benchmarks of them alone would take ~15 min
   python3 -m specpilot.cli bench $common --systems ar,hf-ar,stock,specpilot --benchmarks humaneval,mt_bench,gsm8k \
-    --num-prompts ${2:-20} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
+    --num-prompts ${2:-20} --baseline-prompts ${BASE:-3} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
 fi

@@ -32,7 +32,8 @@
 # default 64: the target pass is most of a step, more anchors reuse it), INIT15 (warm start; empty = new drafter),
 # LR (peak; 3e-4 on a warm start; L15=0: no training, the loop and the checks start at once), BENCH=1 (with
 # nothing shipped: bench the committed drafter on GPU 0, the checks and the loop on GPU 1; ARBENCH=1 then adds the
-# 0.5B-drafter and n-gram benches on GPU 0 after the bench; FULLCHECKS=1 adds the split-K GEMV and DFlash-step
+# 0.5B-drafter and n-gram benches on GPU 0 after the bench (MODE=single: after the profiles; ARBENCH_S seconds each,
+# the slow peers on BASE prompts a benchmark); FULLCHECKS=1 adds the split-K GEMV and DFlash-step
 # diagnostics to the checks), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
 source scripts/gpu_env.sh || exit 1
@@ -112,7 +113,7 @@ loop_runs() {  # the loop with yardsticks on the shipped drafters (issue 5); TRA
 ar_benches() {  # ARBENCH=1: issue 3's rows, the 0.5B drafter and n-grams vs our AR, transformers' AR and stock
   for k in model ngram; do
     echo "[$(date +%T)] bench 1.5B + $k (20 prompts x 3 benchmarks)"
-    OUT=$R timeout ${ARBENCH_S:-300} bash scripts/gpu_bench_ar_drafters.sh $k 20 > $R/bench_$k.log 2>&1
+    OUT=$R timeout ${ARBENCH_S:-420} bash scripts/gpu_bench_ar_drafters.sh $k 20 > $R/bench_$k.log 2>&1
     tail -3 $R/bench_$k.log | cut -c1-300
   done
 }
@@ -159,6 +160,7 @@ if [ $MODE = single ]; then
       DFLASH=$d OUT=$R timeout $([ $k = model ] && echo 300 || echo 150) bash scripts/gpu_bench_ar_drafters.sh profile-$k 4 > $R/profile_$k.log 2>&1
       grep "predicted/measured" $R/profile_$k.log | cut -c1-300
     done
+    [ "${ARBENCH:-0}" = 1 ] && ar_benches  # issue 3's rows: the 0.5B drafter and n-grams vs AR, hf-ar and stock
     if [ "${STOCK_BENCH:=humaneval,mt_bench}" != none ]; then
       echo "[$(date +%T)] stock on $STOCK_BENCH"
       DRAFTER=$d SYSTEMS=stock TAG=stock OUT=$R bash scripts/gpu_bench_dflash.sh q15 20 $STOCK_BENCH
