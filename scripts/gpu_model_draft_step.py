@@ -172,6 +172,8 @@ def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
         r.update(tau=round(res.tau, 3), tokens_per_s=round(res.tokens_per_s, 1),
                  stage_ms_per_step={k: round(v * 1e3 / n, 4) for k, v in res.stage_s.items()},
                  propose_wall_ms=round(timer.per_step(n)["wall_s"] * 1e3, 4),
+                 # each of the drafter's passes between CUDA events (drafters/small_ar.py graph_events; CUDA only)
+                 pass_device_ms=None if (g := timer.per_step(n)["graph_device_s"]) is None else round(g * 1e3, 4),
                  steps_run={"target": dict(e.runner.step_counts), "drafter": dict(runner.step_counts)})
         one = torch.tensor([ids[-1]], device=device)
         attempt(r, "drafter_step1_device_ms",

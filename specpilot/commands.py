@@ -290,7 +290,8 @@ def cmd_profile(args) -> int:
     out.print(f"propose(): {timed['wall_s'] * 1e3:.3f} ms host wall per step; host before the pass's launch "
               f"{timed['host_pre_launch_s'] * 1e3:.3f} ms, eager passes {timed['eager_pass_s'] * 1e3:.3f} ms, "
               f"launches outside it {timed['launches_before']:.1f} before / {timed['launches_after']:.1f} after; "
-              f"draft graph {'not timed' if graph is None else f'{graph * 1e3:.3f} ms a replay'} on the device; "
+              f"{'drafter pass' if model_drafter else 'draft graph'} "
+              f"{'not timed' if graph is None else f'{graph * 1e3:.3f} ms a replay'} on the device; "
               f"passes {timed['passes']} (the draft stage measured {stage['draft'] * 1e3:.3f} ms on the device)")
     runs = {"target": spec.runner.step_counts}
     if model_drafter:

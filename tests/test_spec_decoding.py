@@ -192,3 +192,27 @@ def test_small_ar_drafter_feeds_only_new_tokens(models):
     assert res.output_ids == Engine(target, cfg.with_(drafter_kind="none")).generate(p).output_ids
     catch_up = fed[::3]  # each propose: one catch-up pass, then num_draft_tokens - 1 single-token passes
     assert catch_up[0] == len(p) and all(n == 2 for n in catch_up[1:])  # bonus + the never-fed last draft
+
+
+def test_propose_timer_times_a_small_model_drafters_passes(models):
+    """`specpilot profile` (drafters/timing.py) on a small model drafter: every propose launches its passes
+    (`last_launch_t` inside the call, pass kind "passes"); their device time is timed on CUDA only (the runner's
+    device decides; on the CPU nothing is timed and the output is unchanged)."""
+    from types import SimpleNamespace
+
+    from specpilot.drafters.timing import ProposeTimer, _times_passes
+
+    target = models["target"]
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=3, max_new_tokens=12, max_seq_len=64, ignore_eos=True)
+    drafter = build_drafter(cfg, target, target)
+    timer = ProposeTimer(drafter)
+    p = _prompts(1)[0]
+    res = Engine(target, cfg, drafter).generate(p)
+    assert res.output_ids == Engine(target, cfg.with_(drafter_kind="none")).generate(p).output_ids
+    steps = len(res.accepted_lengths)
+    assert timer.calls == steps and timer.passes == {"passes": steps}
+    assert 0 <= timer.host_pre_launch_s <= timer.wall_s and timer.graph_device_s() is None
+    assert drafter.inner.graph_events is None  # CPU: not switched on
+    on_gpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cuda")))
+    on_cpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cpu")))
+    assert _times_passes(on_gpu) and not _times_passes(on_cpu) and not _times_passes(SimpleNamespace())

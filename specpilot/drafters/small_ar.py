@@ -5,9 +5,15 @@ of that list and the committed context, feeds only the tokens past it (after an 
 the target added), then drafts K tokens one at a time. The
 drafted tokens never leave the device (each feeds the next step's input directly), so drafting costs no host
 sync. Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
+
+For `specpilot profile` (drafters/timing.py ProposeTimer): `last_launch_t` is when the step's first pass was
+launched, and `graph_events` (None: off; a list turns it on, CUDA only) collects a CUDA event pair around each
+pass, so the profile can tell the passes' device time from the host's part of the draft stage.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -26,6 +32,8 @@ class SmallARDrafter:
         self.device = runner.device
         self.cached: list[int] = []  # tokens whose K/V the cache holds, in position order
         self._unread: torch.Tensor | None = None
+        self.last_launch_t, self.last_pass = 0.0, ""  # see the module docstring (profiling only)
+        self.graph_events: list | None = None
 
     def reset(self) -> None:
         self.cached = []
@@ -38,6 +46,16 @@ class SmallARDrafter:
         probs = probs_from_logits(logits, self.sampling)
         dists.append(probs)
         return sample(probs, self.generator)
+
+    def _pass(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        if self.graph_events is None or self.device.type != "cuda":
+            return self.runner.step(ids, start)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        logits = self.runner.step(ids, start)
+        b.record()
+        self.graph_events.append((a, b))
+        return logits
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
@@ -52,12 +70,14 @@ class SmallARDrafter:
         new = context_ids[keep:]
         if keep + len(new) + num_tokens > self.runner.cache.max_seq_len:
             raise ValueError("drafter cache too small for this context")
-        logits = self.runner.step(torch.tensor(new, dtype=torch.long, device=self.device), keep)
+        fed = torch.tensor(new, dtype=torch.long, device=self.device)
+        self.last_launch_t, self.last_pass = time.perf_counter(), "passes"
+        logits = self._pass(fed, keep)
         dists: list[torch.Tensor] = []
         tokens = [self._pick(logits[len(new) - 1], dists)]
         pos = len(context_ids)
         for _ in range(num_tokens - 1):
-            logits = self.runner.step(tokens[-1].view(1), pos)
+            logits = self._pass(tokens[-1].view(1), pos)
             tokens.append(self._pick(logits[0], dists))
             pos += 1
         # the cache now holds the context and all drafts but the last; their values are on the device only, so

@@ -15,8 +15,8 @@ only the pass; `ProposeTimer` measures the rest, per call:
   * launches_before / launches_after: device launches outside the pass (drafters report `last_eager_launches`).
     Those before it run while the host is still on its way to the launch (inside host_pre_launch_s); those after
     queue behind the pass and add their own device time (priced by costmodel.gaps.analyze at `launch_s` each).
-  * graph_device_s: the draft graph's own device time, from CUDA event pairs around each replay (DFlash on CUDA;
-    None elsewhere). With the two host parts it splits the measured stage into host and device.
+  * graph_device_s: the draft graph's own device time, from CUDA event pairs around each replay (DFlash on CUDA),
+    or a small model drafter's one pass (each of its K passes timed alike); None elsewhere. With the two host parts it splits the measured stage into host and device.
   * wall_s: propose()'s host wall time (on CUDA it returns before the device finishes).
 
 On CPU everything is host time and there is no graph: the numbers are only the host parts' sizes there.
@@ -30,6 +30,17 @@ from collections import Counter
 import torch
 
 
+def _times_passes(net) -> bool:
+    """Whether a drafter's passes can be timed on the device: DFlash's draft graph, or a small model drafter's
+    runner passes (drafters/small_ar.py), on CUDA."""
+    if not hasattr(net, "graph_events"):
+        return False
+    if getattr(net, "graph", None) is not None:
+        return True
+    runner = getattr(net, "runner", None)
+    return runner is not None and getattr(runner, "device", torch.device("cpu")).type == "cuda"
+
+
 class ProposeTimer:
     """Wraps `drafter.propose` (on the instance) and sums the quantities above over calls."""
 
@@ -39,7 +50,7 @@ class ProposeTimer:
         self.launches_before = self.launches_after = 0
         self.passes: Counter = Counter()  # "graph" / "static" / "eager" / "" (no pass: nothing to draft)
         self._net = getattr(drafter, "inner", drafter)  # the model drafter (NgramAssistedDrafter wraps it)
-        if graph_device and getattr(self._net, "graph", None) is not None and hasattr(self._net, "graph_events"):
+        if graph_device and _times_passes(self._net):
             self._net.graph_events = []
         drafter.propose = self._timed
 
