@@ -66,8 +66,8 @@ def test_model_draft_step_real_mode_runs_on_cpu():
 
     model = str(resolve_model("smollm2-135m"))
     path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_model_draft_step.py"), "--real", model, model, "--cpu-smoke"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    cmd = [sys.executable, str(SCRIPTS / "gpu_model_draft_step.py"), "--real", model, model, "--cpu-smoke"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out) >= {"default", "no_assist", "no_fused_verify", "no_pad_shapes", "no_graphs"}

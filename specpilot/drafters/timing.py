@@ -16,7 +16,8 @@ only the pass; `ProposeTimer` measures the rest, per call:
     Those before it run while the host is still on its way to the launch (inside host_pre_launch_s); those after
     queue behind the pass and add their own device time (priced by costmodel.gaps.analyze at `launch_s` each).
   * graph_device_s: the draft graph's own device time, from CUDA event pairs around each replay (DFlash on CUDA),
-    or a small model drafter's one pass (each of its K passes timed alike); None elsewhere. With the two host parts it splits the measured stage into host and device.
+    or a small model drafter's one pass (each of its K passes timed alike); None elsewhere. With the two host
+    parts it splits the measured stage into host and device.
   * wall_s: propose()'s host wall time (on CUDA it returns before the device finishes).
 
 On CPU everything is host time and there is no graph: the numbers are only the host parts' sizes there.
@@ -48,7 +49,8 @@ class ProposeTimer:
         self.drafter, self._propose = drafter, drafter.propose
         self.calls, self.wall_s, self.host_pre_launch_s, self.eager_pass_s = 0, 0.0, 0.0, 0.0
         self.launches_before = self.launches_after = 0
-        self.passes: Counter = Counter()  # "graph" / "static" / "eager" / "" (no pass: nothing to draft)
+        self.passes: Counter = Counter()  # "graph" / "static" / "eager" (DFlash), "passes" (a model
+        # drafter's K), "" (no pass: nothing to draft)
         self._net = getattr(drafter, "inner", drafter)  # the model drafter (NgramAssistedDrafter wraps it)
         if graph_device and _times_passes(self._net):
             self._net.graph_events = []
