@@ -6,7 +6,8 @@ AR graphed == AR compiled, that speculative decoding (self drafter, random draft
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
-rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, dflash, early_draft: the next
+rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, l2_prefetch: gate/up's weight
+warmed in L2 on a side stream in each of its three modes, dflash, early_draft: the next
 DFlash block launched before the host reads the verdict, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
@@ -28,7 +29,7 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "dflash", "early_draft", "adaptive", "batch", "lossless12")
+            "rope_in_attention", "l2_prefetch", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -269,6 +270,28 @@ def main(only: tuple[str, ...] = ()) -> int:
         else:
             print("ar_rope_in_attention_pdl skipped:", pdl.unsupported_reason(), flush=True)
 
+    def l2_prefetch():
+        # gate/up's weight read into L2 on a side stream during the layer's first launches (EngineConfig.
+        # l2_prefetch, kernels/l2_prefetch.py), in each mode ("prefetch" and "bulk" are inline PTX: an illegal
+        # instruction or a bad address would fail here first), all of the weight (the last line / chunk's bounds)
+        # and half; graphed AR (the side stream a branch of the graph), eager AR, fused verify blocks (n-gram)
+        from specpilot.kernels import l2_prefetch as l2
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        off = [Engine(fast, base.with_(fused_verify=True)).generate(p) for p in prompts]
+        try:
+            for mode in l2.MODES:
+                l2.MODE = mode
+                for frac in (1.0, 0.5):
+                    warm = copy.deepcopy(fast).use_l2_prefetch(frac)
+                    cfg = base.with_(fused_verify=True, l2_prefetch=frac)
+                    on = [Engine(warm, cfg).generate(p) for p in prompts]
+                    equals_off(f"ar_l2_prefetch_{mode}_{frac}_equals_off", on, off)
+                same_tokens(((f"ar_l2_prefetch_{mode}_eager", cfg.with_(cuda_graphs=False), warm),
+                             (f"spec_ngram_l2_prefetch_{mode}", cfg.with_(drafter_kind="ngram"), warm)))
+        finally:
+            l2.MODE = "prefetch"
+
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -341,7 +364,8 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
-              "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "dflash": dflash,
+              "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "l2_prefetch": l2_prefetch,
+              "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

@@ -22,7 +22,10 @@ norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=f
 "fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue);
 "fusedropeattn" is "fuseddecode" with a one-token layer's RoPE + K/V write inside its attention launch
 (EngineConfig.rope_in_attention, kernels/rope_attention.py: five launches a layer; `--variants=fuseddecode,
-fusedropeattn --tokens=1`); median of
+fusedropeattn --tokens=1`); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
+of each layer's gate/up weight warmed in L2 on a side stream during the layer's first launches (EngineConfig.
+l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fuseddecode,fusedverify,fusedl2pf`);
+median of
 100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
 stdout line: one JSON object.
 """
@@ -38,7 +41,7 @@ import torch
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import pdl
+from specpilot.kernels import l2_prefetch, pdl
 from specpilot.models import fused_decode, random_model
 
 
@@ -49,7 +52,9 @@ def median_ms(fn, repeats=100) -> float:
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
                "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify", "fused_normepi": "_fusednormepi",
-               "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn"}
+               "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_l2load": "_fusedl2load",
+               "fused_l2pf": "_fusedl2pf", "fused_l2bulk": "_fusedl2bulk"}
+_L2_MODE = {"fused_l2load": "load", "fused_l2pf": "prefetch", "fused_l2bulk": "bulk"}  # kernels/l2_prefetch.py
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
@@ -59,6 +64,9 @@ def main(shapes, flags=()) -> int:
     # block with top-2 at its first one or two positions is 31 / 59 tokens, scripts/tree_tau.py)
     tok = [f.split("=", 1)[1] for f in flags if f.startswith("--tokens=")]
     tokens = tuple(int(t) for t in tok[0].split(",")) if tok else (1, 4, 8, 16)
+    # --l2-fraction=F: the share of each layer's gate/up weight the fusedl2* variants warm (EngineConfig.l2_prefetch)
+    frac = [f.split("=", 1)[1] for f in flags if f.startswith("--l2-fraction=")]
+    l2_fraction = float(frac[0]) if frac else 0.5
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
     print("hardware", json.dumps(out["hardware"]), flush=True)  # first: a run cut by its time limit keeps it
@@ -71,7 +79,8 @@ def main(shapes, flags=()) -> int:
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
-                    (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"), (True, False),
+                    (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
+                    (False, "fused_l2load"), (False, "fused_l2pf"), (False, "fused_l2bulk"), (True, False),
                     (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
@@ -82,7 +91,7 @@ def main(shapes, flags=()) -> int:
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
             fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify", "fused_normepi",
-                               "fused12_normepi", "fused_ropeattn")
+                               "fused12_normepi", "fused_ropeattn") or kernel in _L2_MODE
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
             every = kernel in ("all", "all_gemv") or fused
             model.use_attention_kernel(bool(kernel))
@@ -94,6 +103,10 @@ def main(shapes, flags=()) -> int:
             model.use_norm_epilogue(kernel in ("fused_normepi", "fused12_normepi"))  # the norms from the GEMVs
             model.use_rope_in_attention(kernel == "fused_ropeattn")  # RoPE + K/V write in the attention launch
             model.use_lossless12(twelve)
+            if kernel in _L2_MODE:  # gate/up's weight warmed in L2 during the layer's first launches (T > 1: fused
+                l2_prefetch.MODE = _L2_MODE[kernel]  # verify too, so its T > 1 rows time that path)
+                model.use_fused_verify(True)
+            model.use_l2_prefetch(l2_fraction if kernel in _L2_MODE else 0.0)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
             if kernel == "fused_pdl":

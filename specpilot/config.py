@@ -113,6 +113,11 @@ class EngineConfig:
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
     # latency). Same numbers. Off: SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.573 ms, Qwen3-8B
     # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
+    l2_prefetch: float = 0.0  # CUDA, with fused_decode / fused_verify: this fraction of each fused layer's gate/up
+    # weight is read into L2 on a side stream while the layer's latency-bound launches (qkv, RoPE + K/V write,
+    # attention, o_proj: HBM mostly idle) run, so the gate/up GEMV (the layer's largest read) finds it there
+    # (kernels/l2_prefetch.py). Same numbers; 0 = off. Off until an H200 run times it (scripts/gpu_step_timing.py
+    # --variants=fuseddecode,fusedl2pf50,...)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
@@ -171,6 +176,9 @@ class EngineConfig:
             raise ConfigError(f"early_draft must be true or false, got {self.early_draft!r}")
         if not isinstance(self.rope_in_attention, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"rope_in_attention must be true or false, got {self.rope_in_attention!r}")
+        if isinstance(self.l2_prefetch, bool) or not isinstance(self.l2_prefetch, (int, float)) \
+                or not 0.0 <= self.l2_prefetch <= 1.0:
+            raise ConfigError(f"l2_prefetch is a fraction of the gate/up weight in [0, 1], got {self.l2_prefetch!r}")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

@@ -97,6 +97,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("rope_in_attention needs fused_decode (and the fused_projections it reads): RoPE and the "
                           "K/V write keep their own launch", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "l2_prefetch"):  # the fused layer's gate/up weight warmed in L2: with it or not at all
+        if model.fused_decode or model.fused_verify:
+            model.use_l2_prefetch(config.l2_prefetch)
+        else:
+            warnings.warn("l2_prefetch needs fused_decode or fused_verify (and the fused_projections they read): "
+                          "no weight is warmed", RuntimeWarning, stacklevel=2)
     if model.fused_decode and _kernel_on(config, "lossless12"):
         if model.lm_head.weight.dtype == torch.bfloat16:
             model.use_lossless12()

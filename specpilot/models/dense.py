@@ -45,6 +45,14 @@ def kernel_op(name: str):
     return op
 
 
+def triton_missing() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 def require_kernel(name: str, what: str) -> None:
     """Resolve the op `name` now (torch.compile then traces a plain dict lookup; see kernel_op), or say clearly
     that the kernel `what` cannot run here (Triton missing: the op is None)."""
@@ -269,6 +277,7 @@ class DenseLM(nn.Module):
         self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
         self.rope_in_attention = False  # use_rope_in_attention(): a one-token fused layer's RoPE + K/V write inside
         # its attention launch (five launches a layer)
+        self.l2_prefetch = 0.0  # use_l2_prefetch(): that fraction of a fused layer's gate/up weight warmed in L2
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -394,6 +403,19 @@ class DenseLM(nn.Module):
         self.rope_in_attention = on
         return self
 
+    def use_l2_prefetch(self, fraction: float) -> "DenseLM":
+        """A fused layer (models/fused_decode.py, one token or a verify block) reads `fraction` of its gate/up
+        weight into L2 on a side stream while its latency-bound launches run (kernels/l2_prefetch.py); 0 = off.
+        Same numbers. Needs fused_decode or fused_verify, the only paths it changes."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"l2_prefetch is a fraction of the gate/up weight in [0, 1], got {fraction}")
+        if fraction > 0 and not (self.fused_decode or self.fused_verify):
+            raise ConfigError("l2_prefetch needs fused_decode or fused_verify: only the fused layer has it")
+        if fraction > 0 and triton_missing():
+            raise ConfigError("l2_prefetch needs Triton, which is not installed")
+        self.l2_prefetch = float(fraction)
+        return self
+
     def use_lossless12(self, on: bool = True) -> "DenseLM":
         """One-token fused steps read lossless 12-bit copies of the projection and LM-head weights
         (formats/lossless12.py: every weight exact, 1.5 bytes instead of 2; kernels/gemv12.py). The bf16 weights
@@ -474,7 +496,8 @@ class DenseLM(nn.Module):
             if fused:
                 x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len, normed=normed,
                                               next_norm=nxt, norm_epilogue=self.norm_epilogue,
-                                              rope_in_attention=self.rope_in_attention)
+                                              rope_in_attention=self.rope_in_attention,
+                                              l2_prefetch=self.l2_prefetch)
             else:
                 x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)

@@ -98,7 +98,7 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
-                 norm_epilogue: bool = False, rope_in_attention: bool = False):
+                 norm_epilogue: bool = False, rope_in_attention: bool = False, l2_prefetch: float = 0.0):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -109,10 +109,19 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     next_norm(output)), both [1, T, H]. Same numbers as the norms' own launches or prologues.
 
     `rope_in_attention` (EngineConfig.rope_in_attention, kernels/rope_attention.py), T = 1 only: the attention
-    launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch."""
+    launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch.
+
+    `l2_prefetch` (EngineConfig.l2_prefetch, kernels/l2_prefetch.py): that fraction of gate/up's weight is read
+    into L2 on a side stream while qkv, RoPE, attention and o_proj run (latency-bound launches that leave HBM
+    idle); gate/up's GEMV waits for it. Same numbers."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
+    side = None
+    if l2_prefetch > 0 and (T > 1 or getattr(mlp.gate_up_proj, "packed12", None) is None):  # (12-bit: not warmed)
+        from specpilot.kernels import l2_prefetch as l2
+
+        side = l2.fork(mlp.gate_up_proj.weight, l2_prefetch)
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
     x2 = x.view(T, h)
@@ -138,14 +147,23 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, hn = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
+        _join(side)
         act = project(mlp.gate_up_proj, hn, None, post.eps, None, "silu_mul")  # [T, I]
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
+        _join(side)
         act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
         return x2.view(1, T, h)
     return x2[0].view(1, T, h), x2[1].view(1, T, h)
+
+
+def _join(side) -> None:
+    if side is not None:
+        from specpilot.kernels import l2_prefetch as l2
+
+        l2.join(side)
 
 
 def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
