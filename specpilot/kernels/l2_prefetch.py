@@ -37,11 +37,11 @@ MODES = ("load", "prefetch", "bulk")
 MODE = "prefetch"  # scripts/gpu_step_timing.py's fusedl2* variants set it; the H200 decides the default
 LINE = 128  # bytes per cache line: one `prefetch` each
 CHUNK = 64 * 1024  # bytes per `cp.async.bulk.prefetch` (a multiple of 16)
-PROGRAMS = {"load": 32, "prefetch": 8, "bulk": 1}  # few programs: the layer's own launches keep the SMs
-BLOCK = 1024  # elements (load) / lines or chunks (prefetch, bulk) a program handles per loop iteration
+PROGRAMS = {"load": 64, "prefetch": 8, "bulk": 1}  # few programs: the layer's own launches keep the SMs
+BLOCK = 1024  # lines or chunks (prefetch, bulk) a program issues per loop iteration
+LOAD_BLOCK = 8192  # elements a "load" program reads per iteration: 8 x 16 bytes in flight per thread (8 warps),
+# ~1 MB over its 64 programs (a load's result is used at once, so the in-flight bytes set its bandwidth)
 
-_PREFETCH_PTX = "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;"
-_BULK_PTX = "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;"
 
 
 def _interpreting() -> bool:
@@ -49,16 +49,19 @@ def _interpreting() -> bool:
 
 
 if triton is not None:
+    _PREFETCH_PTX = tl.constexpr("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
+    _BULK_PTX = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;")
+
     @triton.jit
     def _warm_load(w_ptr, n, per_program, out_ptr, BLOCK: tl.constexpr):
-        """Elements [pid * per_program, (pid + 1) * per_program) of w (< n): loaded with evict_last and summed."""
+        """Elements [pid * per_program, (pid + 1) * per_program) of w (< n): loaded with evict_last and summed.
+        per_program is a multiple of BLOCK, so each program's loads are aligned and vectorize."""
         pid = tl.program_id(0)
-        start = pid.to(tl.int64) * per_program
+        start = tl.multiple_of(pid.to(tl.int64) * per_program, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(0, per_program, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
-            keep = (offs < n) & (i + tl.arange(0, BLOCK) < per_program)
-            acc += tl.load(w_ptr + offs, mask=keep, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last").to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
@@ -108,8 +111,8 @@ def warm(weight: torch.Tensor, fraction: float, mode: str | None = None) -> torc
         return out
     programs = PROGRAMS[mode]
     if mode == "load":
-        per = -(-n // programs)
-        _warm_load[(programs,)](weight, n, per, out, BLOCK=BLOCK)
+        per = -(-n // (programs * LOAD_BLOCK)) * LOAD_BLOCK  # a multiple of the block: aligned, vectorized loads
+        _warm_load[(programs,)](weight, n, per, out, BLOCK=LOAD_BLOCK, num_warps=8)
         return out
     nbytes = n * weight.element_size()
     unit = LINE if mode == "prefetch" else CHUNK
