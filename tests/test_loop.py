@@ -115,9 +115,11 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "norm_epilogue", "rope_in_attention", "pad_shapes",
-                                                             "adaptive",
-                                                             "compile"]
+                                                             "norm_epilogue", "rope_in_attention", "l2_prefetch",
+                                                             "pad_shapes", "adaptive", "compile"]
+    assert REGISTRY["l2_prefetch"].candidates(gpu.config, gpu) == [{"l2_prefetch": 0.5}, {"l2_prefetch": 1.0}]
+    assert "l2_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False,
+                                                                                    fused_verify=False))]
     # pdl acts on the fused one-token path only: not offered without it
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_projections=False))]

@@ -232,6 +232,12 @@ register(Mechanism(
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
+    "l2_prefetch", ("draft", "verify"), {"l2_prefetch": [0.5, 1.0, 0.0]},
+    lambda dep, cfg: dep.on_cuda and (cfg.fused_decode or cfg.fused_verify) and cfg.fused_projections,
+    "a fused layer's gate/up weight (that fraction of it) read into L2 on a side stream while the layer's "
+    "latency-bound launches (qkv, RoPE + K/V write, attention, o_proj) leave HBM idle; the gate/up GEMV finds it "
+    "there"))
+register(Mechanism(
     "early_draft", ("draft", "other"), {"early_draft": [True, False]},
     lambda dep, cfg: dep.on_cuda and early_draft_applies(cfg),
     "the next block's DFlash pass is launched right after the verify step, from the verdict on the device, before "
