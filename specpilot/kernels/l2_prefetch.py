@@ -6,8 +6,8 @@ o_proj: ~18 of ~48 us a layer at the 1.5B shape on the H200, sessions 13-19) mov
 latency, so HBM idles through them, and then the gate/up GEMV streams the layer's largest weight (55 MB at 1.5B:
 13 us at the bandwidth floor, 19.8 measured). Weights never depend on activations, so a kernel on a side stream can
 read the first part of gate/up's weight into L2 while those launches run, and the GEMV then finds it there. The
-H100/H200 L2 holds 50 MB: `fraction` of the matrix (in memory order) is warmed, not necessarily all of it. Nothing
-is written but a scratch word per program, so outputs are unchanged bit for bit.
+H100/H200 L2 holds 50 MB: `fraction` of the matrix (in memory order, at most L2_SHARE of the L2) is warmed.
+Nothing is written but a scratch word per program, so outputs are unchanged bit for bit.
 
 How (MODE; scripts/gpu_step_timing.py times each):
   "load":     every element loaded with the evict_last hint and summed (a plain bandwidth kernel; it runs anywhere,
@@ -38,6 +38,8 @@ MODE = "prefetch"  # scripts/gpu_step_timing.py's fusedl2* variants set it; the 
 LINE = 128  # bytes per cache line: one `prefetch` each
 CHUNK = 64 * 1024  # bytes per `cp.async.bulk.prefetch` (a multiple of 16)
 PROGRAMS = {"load": 64, "prefetch": 8, "bulk": 1}  # few programs: the layer's own launches keep the SMs
+L2_SHARE = 0.6  # at most this share of the GPU's L2 is warmed per layer (the rest keeps activations, the KV
+# cache's hot lines and the layer's other reads; warming more than L2 holds would evict its own first lines)
 BLOCK = 1024  # lines or chunks (prefetch, bulk) a program issues per loop iteration
 LOAD_BLOCK = 8192  # elements a "load" program reads per iteration: 8 x 16 bytes in flight per thread (8 warps),
 # ~1 MB over its 64 programs (a load's result is used at once, so the in-flight bytes set its bandwidth)
@@ -85,6 +87,7 @@ if triton is not None:
 
 
 _scratch: dict = {}  # device -> float32 [max programs]: one word per program (made outside any graph capture)
+_l2: dict = {}  # device -> its L2 bytes
 _side: dict = {}  # device -> the side stream
 
 
@@ -95,9 +98,20 @@ def _scratch_for(device: torch.device) -> torch.Tensor:
     return s
 
 
+def l2_bytes(device: torch.device) -> int | None:
+    """The L2 cache size of a CUDA device (None elsewhere; 50 MiB, the H100/H200's, when torch does not say)."""
+    if device.type != "cuda":
+        return None
+    if device not in _l2:
+        props = torch.cuda.get_device_properties(device)
+        _l2[device] = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    return _l2[device]
+
+
 def warm(weight: torch.Tensor, fraction: float, mode: str | None = None) -> torch.Tensor:
-    """Launch the warming of the first `fraction` of `weight` (contiguous) on the current stream -> the scratch
-    (one value per program; "load": the programs' sums of the elements read, which the tests check)."""
+    """Launch the warming of the first `fraction` of `weight` (contiguous) on the current stream, at most
+    L2_SHARE of the device's L2 -> the scratch (one value per program; "load": the programs' sums of the elements
+    read, which the tests check)."""
     mode = MODE if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"l2_prefetch mode must be one of {MODES}, got {mode!r}")
@@ -107,6 +121,9 @@ def warm(weight: torch.Tensor, fraction: float, mode: str | None = None) -> torc
         mode = "load"  # inline asm runs on a GPU only
     out = _scratch_for(weight.device)
     n = int(weight.numel() * min(max(fraction, 0.0), 1.0))
+    cap = l2_bytes(weight.device)
+    if cap is not None:
+        n = min(n, int(cap * L2_SHARE) // weight.element_size())
     if n == 0:
         return out
     programs = PROGRAMS[mode]
