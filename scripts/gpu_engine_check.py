@@ -7,7 +7,8 @@ batched regeneration (eager and graphed) equals batch-1 AR; then one section per
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, l2_prefetch: gate/up's weight
-warmed in L2 on a side stream in each of its three modes, dflash, early_draft: the next
+warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
+graph, dflash, early_draft: the next
 DFlash block launched before the host reads the verdict, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
@@ -29,7 +30,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "l2_prefetch", "dflash", "early_draft", "adaptive", "batch", "lossless12")
+            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "dflash", "early_draft", "adaptive", "batch",
+            "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -292,6 +294,20 @@ def main(only: tuple[str, ...] = ()) -> int:
         finally:
             l2.MODE = "prefetch"
 
+    def draft_chain_graph():
+        # a small model drafter's K - 1 one-token passes captured as one graph, each argmax feeding the next
+        # (EngineConfig.draft_chain_graph, drafters/small_ar.py): regular and fused layouts, self and other drafter
+        c = base.with_(drafter_kind="model", draft_chain_graph=True)
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        fast_other = copy.deepcopy(other).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        for name, t, d in (("spec_other_chain", target, other), ("spec_self_chain", target, target),
+                           ("spec_other_chain_fused", fast, fast_other)):
+            drafter = build_drafter(c, d, t)
+            chain = getattr(drafter, "inner", drafter).chain  # 0: the capture failed and it fell back (warned)
+            record(name, [Engine(t, c, drafter).generate(p) for p in prompts], chain=chain)
+            if chain != c.num_draft_tokens - 1:
+                problems.append(f"{name}_not_chained")
+
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -365,7 +381,7 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "l2_prefetch": l2_prefetch,
-              "dflash": dflash,
+              "draft_chain_graph": draft_chain_graph, "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

@@ -14,12 +14,12 @@ runs it; `--fused-decode`: the drafter's and target's one-token passes through m
 
 `--real DRAFTER TARGET` (model folders; session 20): the real Qwen2.5-Coder pair as `specpilot profile` runs it
 (engine defaults, a HumanEval prompt), then with one switch changed at a time (VARIANTS: prompt lookup off, fused
-verify off, padded shapes off, CUDA graphs off). Session 20's profile measured 11.6 ms of draft stage a step
-(K = 4) with 8.9 ms of it host wall inside propose(), against 3.8 ms for the random-weight drafter here: this
-prints the drafter's layout (is its one-token pass the fused one?), its graphed one-token step and each pass on the
-device, propose()'s host wall, the stage split, and a torch.profiler view of one generation: the host calls that
-take the time (a cudaStreamSynchronize per pass would show here) and the top kernels. `--cpu-smoke --real D T`
-runs the same on the CPU (tests: a real small model as its own drafter).
+verify off, padded shapes off, CUDA graphs off, the K - 1 passes chained in one graph). Session 20's profile
+measured 11.6 ms of draft stage a step (K = 4) with 8.9 ms of it host wall inside propose(), against 3.8 ms for
+the random-weight drafter here: this prints the drafter's layout (is its one-token pass the fused one?), its
+graphed one-token step and each pass on the device, propose()'s host wall, the stage split, and a torch.profiler
+view of one generation: the host calls that take the time (a cudaStreamSynchronize per pass would show here) and
+the top kernels. `--cpu-smoke --real D T` runs the same on the CPU (tests: a real small model as its own drafter).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def main(smoke: bool, fused: bool = False) -> int:
 
 # the engine as `specpilot profile` runs it, then one switch changed at a time: which one removes the slow draft stage
 VARIANTS = (("default", {}), ("no_assist", {"ngram_assist": 0}), ("no_fused_verify", {"fused_verify": False}),
-            ("no_pad_shapes", {"pad_shapes": False}), ("no_graphs", {"cuda_graphs": False}))
+            ("no_pad_shapes", {"pad_shapes": False}), ("no_graphs", {"cuda_graphs": False}),
+            ("chain_graph", {"draft_chain_graph": True}))
 PROFILED = ("default", "no_assist")  # these two also under torch.profiler
 
 

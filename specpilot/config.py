@@ -113,6 +113,10 @@ class EngineConfig:
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
     # latency). Same numbers. Off: SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.573 ms, Qwen3-8B
     # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
+    draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
+    # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
+    # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off until an
+    # H200 run times it (session 20: the 0.5B drafter's stage ran ~2.9 ms a pass against a 0.83 ms fused step)
     l2_prefetch: float = 0.0  # CUDA, with fused_decode / fused_verify: this fraction of each fused layer's gate/up
     # weight is read into L2 on a side stream while the layer's latency-bound launches (qkv, RoPE + K/V write,
     # attention, o_proj: HBM mostly idle) run, so the gate/up GEMV (the layer's largest read) finds it there
@@ -176,6 +180,8 @@ class EngineConfig:
             raise ConfigError(f"early_draft must be true or false, got {self.early_draft!r}")
         if not isinstance(self.rope_in_attention, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"rope_in_attention must be true or false, got {self.rope_in_attention!r}")
+        if not isinstance(self.draft_chain_graph, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"draft_chain_graph must be true or false, got {self.draft_chain_graph!r}")
         if isinstance(self.l2_prefetch, bool) or not isinstance(self.l2_prefetch, (int, float)) \
                 or not 0.0 <= self.l2_prefetch <= 1.0:
             raise ConfigError(f"l2_prefetch is a fraction of the gate/up weight in [0, 1], got {self.l2_prefetch!r}")

@@ -115,8 +115,10 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "norm_epilogue", "rope_in_attention", "l2_prefetch",
-                                                             "pad_shapes", "adaptive", "compile"]
+                                                             "norm_epilogue", "rope_in_attention", "draft_chain_graph",
+                                                             "l2_prefetch", "pad_shapes", "adaptive", "compile"]
+    assert REGISTRY["draft_chain_graph"].candidates(gpu.config, gpu) == [{"draft_chain_graph": True}]
+    assert "draft_chain_graph" not in [m.name for m in applicable(gpu, gpu.config.with_(drafter_kind="ngram"))]
     assert REGISTRY["l2_prefetch"].candidates(gpu.config, gpu) == [{"l2_prefetch": 0.5}, {"l2_prefetch": 1.0}]
     assert "l2_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False,
                                                                                     fused_verify=False))]

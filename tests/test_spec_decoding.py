@@ -216,3 +216,46 @@ def test_propose_timer_times_a_small_model_drafters_passes(models):
     on_gpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cuda")))
     on_cpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cpu")))
     assert _times_passes(on_gpu) and not _times_passes(on_cpu) and not _times_passes(SimpleNamespace())
+
+
+def _small_drafter(model, chain: int, K: int):
+    from specpilot.drafters import SmallARDrafter
+    from specpilot.engine.runner import ModelRunner
+
+    runner = ModelRunner(model, model.new_cache(1, 64), buckets=(1, 2, K + 1), static=True)
+    return SmallARDrafter(runner, EngineConfig().sampling, chain=chain, static=True)
+
+
+def test_chained_draft_passes_equal_the_pass_by_pass_loop(models):
+    """EngineConfig.draft_chain_graph (drafters/small_ar.py): the K - 1 one-token passes chained on the device (run
+    here from the chain's static buffers, eagerly) draft the same tokens as the pass-by-pass loop, step after step,
+    with only the catch-up pass going through the runner's bucketed steps; a step drafting another number of
+    tokens takes the loop; greedy output through the engine equals AR."""
+    target, other = models["target"], models["other"]
+    K = 4
+    loop, chained = _small_drafter(other, 0, K), _small_drafter(other, K - 1, K)
+    calls = []
+    step = chained.runner.step
+    chained.runner.step = lambda ids, start: (calls.append(ids.shape[0]), step(ids, start))[1]
+    ctx = _prompts(1)[0]
+    for n in range(6):
+        k = K if n != 3 else 2  # one step drafts fewer (the end of an output): the loop
+        a, b = loop.propose(ctx, k).token_ids, chained.propose(ctx, k).token_ids
+        assert a.tolist() == b.tolist()
+        ctx = ctx + a.tolist()[: 1 + n % 3] + [7]  # some drafts accepted, then the target's token
+    assert len(calls) == 6 + 1  # one catch-up pass a step, + the short step's second pass
+    cfg = EngineConfig(drafter_kind="model", num_draft_tokens=K, max_new_tokens=20, max_seq_len=64, ignore_eos=True,
+                       ngram_assist=0)
+    p = _prompts(2)[1]
+    res = Engine(target, cfg, _small_drafter(other, K - 1, K)).generate(p)
+    assert res.output_ids == Engine(target, cfg.with_(drafter_kind="none")).generate(p).output_ids
+    # off the GPU without static buffers (the CPU engine), and under sampling, there is no chain
+    assert build_drafter(cfg.with_(draft_chain_graph=True), other, target).chain == 0
+    from specpilot.config import SamplingConfig
+
+    sampled = _small_drafter(other, 0, K)
+    from specpilot.drafters import SmallARDrafter
+
+    assert SmallARDrafter(sampled.runner, SamplingConfig(temperature=0.7), chain=3, static=True).chain == 0
+    with pytest.raises(Exception, match="draft_chain_graph"):
+        EngineConfig(draft_chain_graph="yes")

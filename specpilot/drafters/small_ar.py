@@ -6,6 +6,14 @@ the target added), then drafts K tokens one at a time. The
 drafted tokens never leave the device (each feeds the next step's input directly), so drafting costs no host
 sync. Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
 
+Chained passes (`chain` > 0: EngineConfig.draft_chain_graph, greedy, CUDA graphs): the K - 1 one-token passes
+after the catch-up pass are ONE captured graph: each pass's argmax feeds the next on the device, so a step
+launches two graphs instead of K, and the host's per-pass work (bucket choice, input copies, the argmax launch)
+goes. Same drafts (the same forward, the same argmax). Built with the drafter, before any prompt: its capture's
+warm-up passes write K/V into slots 0..K-2, which a prompt's prefill overwrites. Steps that draft fewer or more
+than K tokens (the end of the output) take the pass-by-pass loop. `static` runs the chain's code eagerly from the
+same buffers without capturing (any device: the CPU tests).
+
 For `specpilot profile` (drafters/timing.py ProposeTimer): `last_launch_t` is when the step's first pass was
 launched, and `graph_events` (None: off; a list turns it on, CUDA only) collects a CUDA event pair around each
 pass, so the profile can tell the passes' device time from the host's part of the draft stage.
@@ -25,11 +33,15 @@ from specpilot.sampling import probs_from_logits, sample
 class SmallARDrafter:
     name = "model"
 
-    def __init__(self, runner, sampling: SamplingConfig, generator=None):
+    def __init__(self, runner, sampling: SamplingConfig, generator=None, chain: int = 0, static: bool = False):
         self.runner = runner  # an engine ModelRunner over the drafter model and its own cache
         self.sampling = sampling
         self.generator = generator
         self.device = runner.device
+        self.chain = chain if sampling.greedy else 0  # one-token passes chained in one graph (module docstring)
+        self._chain_graph, self._chain_out = None, None
+        if self.chain > 0:
+            self._build_chain(static)
         self.cached: list[int] = []  # tokens whose K/V the cache holds, in position order
         self._unread: torch.Tensor | None = None
         self.last_launch_t, self.last_pass = 0.0, ""  # see the module docstring (profiling only)
@@ -46,6 +58,49 @@ class SmallARDrafter:
         probs = probs_from_logits(logits, self.sampling)
         dists.append(probs)
         return sample(probs, self.generator)
+
+    def _chained(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """`chain` greedy one-token passes from token tok [1] at position pos [1] -> their tokens [chain]."""
+        out = []
+        for j in range(self.chain):
+            logits, _ = self.runner._run(tok.view(1, 1), (pos + j).view(1, 1))
+            tok = logits[0].argmax(-1, keepdim=True)
+            out.append(tok)
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def _build_chain(self, static: bool) -> None:
+        from specpilot.engine.graphs import or_eager
+
+        self._chain_tok = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._chain_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda" and not static:
+            from specpilot.engine.graphs import capture
+
+            built = or_eager(lambda: capture(lambda: self._chained(self._chain_tok, self._chain_pos), warmup=2),
+                             "small drafter's chained passes")
+            if built is None:  # capture failed: the pass-by-pass loop (warned)
+                self.chain = 0
+                return
+            self._chain_graph, self._chain_out = built
+        elif not static:  # no graphs here (CPU engine): the pass-by-pass loop
+            self.chain = 0
+
+    def _run_chain(self, first: torch.Tensor, pos: int) -> torch.Tensor:
+        """The chained passes after `first` (0-dim, on the device) drafted at position pos -> [chain] tokens."""
+        self._chain_tok.copy_(first.view(1))
+        self._chain_pos.fill_(pos)  # a kernel with the value as its argument: no host sync
+        if self._chain_graph is None:  # static: the same code, eagerly
+            return self._chained(self._chain_tok, self._chain_pos)
+        if self.graph_events is not None and self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._chain_graph.replay()
+            b.record()
+            self.graph_events.append((a, b))
+        else:
+            self._chain_graph.replay()
+        return self._chain_out
 
     def _pass(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         if self.graph_events is None or self.device.type != "cuda":
@@ -76,7 +131,10 @@ class SmallARDrafter:
         dists: list[torch.Tensor] = []
         tokens = [self._pick(logits[len(new) - 1], dists)]
         pos = len(context_ids)
-        for _ in range(num_tokens - 1):
+        if self.chain > 0 and num_tokens - 1 == self.chain:  # K - 1 passes in one graph (module docstring)
+            tokens.extend(self._run_chain(tokens[0], pos).unbind())
+            pos += self.chain
+        for _ in range(num_tokens - len(tokens)):
             logits = self._pass(tokens[-1].view(1), pos)
             tokens.append(self._pick(logits[0], dists))
             pos += 1

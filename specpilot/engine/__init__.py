@@ -188,7 +188,8 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
     buckets = tuple(sorted({1, 2, config.num_draft_tokens + 1, long + 1}))
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
                          cuda_graphs=config.cuda_graphs, compile=config.compile, pad_shapes=_pads(config))
-    return SmallARDrafter(runner, config.sampling, gen)
+    chain = config.num_draft_tokens - 1 if config.draft_chain_graph and config.cuda_graphs else 0
+    return SmallARDrafter(runner, config.sampling, gen, chain=chain)
 
 
 class Engine:

@@ -232,6 +232,12 @@ register(Mechanism(
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
+    "draft_chain_graph", ("draft",), {"draft_chain_graph": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.drafter_kind == "model" and cfg.cuda_graphs and cfg.sampling.greedy
+    and cfg.num_draft_tokens > 1,
+    "a small model drafter's K - 1 one-token passes captured as one graph, each argmax feeding the next on the "
+    "device: two launches a step instead of K, no per-pass host work"))
+register(Mechanism(
     "l2_prefetch", ("draft", "verify"), {"l2_prefetch": [0.5, 1.0, 0.0]},
     lambda dep, cfg: dep.on_cuda and (cfg.fused_decode or cfg.fused_verify) and cfg.fused_projections,
     "a fused layer's gate/up weight (that fraction of it) read into L2 on a side stream while the layer's "
