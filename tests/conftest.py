@@ -87,3 +87,33 @@ def _drive_drafters(drafters, feats, ids, chunks, num_tokens, committed=9):
 def drive_drafters():
     """Feeds DFlash drafters a growing context step by step (`_drive_drafters`): shared by the DFlash tests."""
     return _drive_drafters
+
+
+@pytest.fixture
+def sm90_report():
+    """Runs a tests/<script> that compiles kernels for sm_90 (no GPU needed: ptxas through Triton) in a process
+    without TRITON_INTERPRET (the interpreter replaces `triton.jit`, so nothing compiles under it) -> the JSON of
+    its last stdout line. Skips where this Triton cannot compile for NVIDIA GPUs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        from triton.backends import backends
+    except ImportError:
+        backends = {}
+    if "nvidia" not in backends:
+        pytest.skip("this Triton cannot compile for NVIDIA GPUs")
+    root = Path(__file__).resolve().parent.parent
+
+    def run(script: str) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        r = subprocess.run([sys.executable, str(root / "tests" / script)], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    return run

@@ -103,32 +103,10 @@ def test_use_l2_prefetch_and_the_config_check_their_input(tiny_model_dir):
     assert _fused(tiny_model_dir).use_l2_prefetch(0.25).use_l2_prefetch(0.0).l2_prefetch == 0.0
 
 
-def _nvidia_backend() -> bool:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="this Triton cannot compile for NVIDIA GPUs")
-def test_the_ptx_modes_assemble_for_sm90():
+def test_the_ptx_modes_assemble_for_sm90(sm90_report):
     """tests/l2_prefetch_ptx.py compiles the three warming kernels for sm_90 through ptxas (no GPU): each mode's
     PTX holds its own L2 instruction and no other's."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, str(root / "tests" / "l2_prefetch_ptx.py")], capture_output=True, text=True,
-                       timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report = sm90_report("l2_prefetch_ptx.py")
     assert all(report[m]["cubin_bytes"] > 0 for m in ("load", "prefetch", "bulk"))
     load, pf, bulk = report["load"], report["prefetch"], report["bulk"]
     assert load["evict_last_loads"] > 0 and load["prefetch"] == load["bulk"] == 0

@@ -9,12 +9,7 @@ and, compiled for sm_90, each kernel's `griddepcontrol.wait` comes before its fi
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +20,6 @@ from specpilot.errors import ConfigError
 triton = pytest.importorskip("triton", reason="triton not installed")
 
 from specpilot.kernels import pdl  # noqa: E402  (after the skip: it imports triton's griddepcontrol intrinsics)
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -255,26 +248,11 @@ def test_a_fused_verify_step_launches_its_gemvs_and_rope_write_with_pdl_and_keep
 # --- compiled for sm_90: nothing touches global memory before the wait ----------------------------------------
 
 
-def _nvidia_backend() -> bool:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="this Triton cannot compile for NVIDIA GPUs")
-def test_compiled_kernels_wait_before_their_first_global_access():
+def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
     """tests/pdl_ptx.py compiles each fused-path kernel for sm_90 (no GPU needed) in a process without the
     interpreter. With USE_PDL: launch_dependents, then wait, in the entry block, before any global load, store or
     atomic (so before every one of them in execution order); without it: no griddepcontrol at all."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "pdl_ptx.py")], capture_output=True, text=True,
-                       timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report = sm90_report("pdl_ptx.py")
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
             "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
             "attention_one_launch", "rope_attention_qk_norm", "gemv_residual_norm_out", "gemm_residual_norm_out",
