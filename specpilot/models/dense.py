@@ -45,14 +45,6 @@ def kernel_op(name: str):
     return op
 
 
-def triton_missing() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return True
-    return False
-
-
 def require_kernel(name: str, what: str) -> None:
     """Resolve the op `name` now (torch.compile then traces a plain dict lookup; see kernel_op), or say clearly
     that the kernel `what` cannot run here (Triton missing: the op is None)."""
@@ -411,7 +403,9 @@ class DenseLM(nn.Module):
             raise ConfigError(f"l2_prefetch is a fraction of the gate/up weight in [0, 1], got {fraction}")
         if fraction > 0 and not (self.fused_decode or self.fused_verify):
             raise ConfigError("l2_prefetch needs fused_decode or fused_verify: only the fused layer has it")
-        if fraction > 0 and triton_missing():
+        from specpilot.kernels import l2_prefetch as l2
+
+        if fraction > 0 and l2.triton is None:
             raise ConfigError("l2_prefetch needs Triton, which is not installed")
         self.l2_prefetch = float(fraction)
         return self

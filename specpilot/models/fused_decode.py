@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.kernels import l2_prefetch as kernels_l2
 from specpilot.kernels.gemv12 import gemv12_call
 from specpilot.models.cache import KVCache
 
@@ -117,11 +118,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
-    side = None
-    if l2_prefetch > 0 and (T > 1 or getattr(mlp.gate_up_proj, "packed12", None) is None):  # (12-bit: not warmed)
-        from specpilot.kernels import l2_prefetch as l2
-
-        side = l2.fork(mlp.gate_up_proj.weight, l2_prefetch)
+    side = None  # (12-bit one-token GEMVs read another copy of the weight: not warmed)
+    if l2_prefetch > 0 and (T > 1 or getattr(mlp.gate_up_proj, "packed12", None) is None):
+        side = kernels_l2.fork(mlp.gate_up_proj.weight, l2_prefetch)
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
     x2 = x.view(T, h)
@@ -147,23 +146,18 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, hn = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
-        _join(side)
+        if side is not None:  # gate/up's GEMV after its warming
+            kernels_l2.join(side)
         act = project(mlp.gate_up_proj, hn, None, post.eps, None, "silu_mul")  # [T, I]
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
-        _join(side)
+        if side is not None:  # gate/up's GEMV after its warming
+            kernels_l2.join(side)
         act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
         return x2.view(1, T, h)
     return x2[0].view(1, T, h), x2[1].view(1, T, h)
-
-
-def _join(side) -> None:
-    if side is not None:
-        from specpilot.kernels import l2_prefetch as l2
-
-        l2.join(side)
 
 
 def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
