@@ -92,25 +92,23 @@ class SmallARDrafter:
         self._chain_pos.fill_(pos)  # a kernel with the value as its argument: no host sync
         if self._chain_graph is None:  # static: the same code, eagerly
             return self._chained(self._chain_tok, self._chain_pos)
-        if self.graph_events is not None and self.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self._chain_graph.replay()
-            b.record()
-            self.graph_events.append((a, b))
-        else:
-            self._chain_graph.replay()
+        self._timed(self._chain_graph.replay)
         return self._chain_out
 
     def _pass(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        return self._timed(lambda: self.runner.step(ids, start))
+
+    def _timed(self, launch):
+        """launch() -> its result; between a CUDA event pair kept in `graph_events` when profiling (see the module
+        docstring)."""
         if self.graph_events is None or self.device.type != "cuda":
-            return self.runner.step(ids, start)
+            return launch()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        logits = self.runner.step(ids, start)
+        out = launch()
         b.record()
         self.graph_events.append((a, b))
-        return logits
+        return out
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
