@@ -36,6 +36,14 @@
 # the slow peers on BASE prompts a benchmark); FULLCHECKS=1 adds the split-K GEMV and DFlash-step
 # diagnostics to the checks), W15 (loop wall seconds), TRANSFER=1 (the 0.5B loops), COMPILE=1 (compiled step timings), STEP_S, PROFILES.
 set -u
+# Each device call copies the checkout over this one again, unchanged files included: an import or a script read
+# while that copy runs fails (session 21: the n-gram profile died on `from specpilot.train import ...` while a
+# collect call's copy was under way). So the pipeline runs from its own snapshot of the tree (staged pieces left out).
+if [ -z "${PIPELINE_SNAPSHOT:-}" ]; then
+  rm -rf /tmp/pipeline-tree && mkdir -p /tmp/pipeline-tree || exit 1
+  tar -C . --exclude='./.s[0-9][0-9]' --exclude='./.c[0-9][0-9]' -cf - . | tar -C /tmp/pipeline-tree -xf - || exit 1
+  cd /tmp/pipeline-tree && PIPELINE_SNAPSHOT=1 exec bash scripts/gpu_pipeline.sh "$@"
+fi
 source scripts/gpu_env.sh || exit 1
 R=/tmp/results
 mkdir -p $R

@@ -276,8 +276,8 @@ def cmd_profile(args) -> int:
                    else spec.drafter.network.config if dflash else None)
     host_s, launches = 0.0, 0.0
     timed = propose.per_step(steps)
-    if dflash:  # measured host part of the stage (the device waits for it) and launches queued behind the graph
-        host_s, launches = timed["host_pre_launch_s"] + timed["eager_pass_s"], timed["launches_after"]
+    if dflash or model_drafter:  # measured host part of the stage (the device waits for it) and launches queued
+        host_s, launches = timed["host_pre_launch_s"] + timed["eager_pass_s"], timed["launches_after"]  # behind
     if cfg.drafter_kind == "ngram":  # the lookup is host work: its time replayed on the outputs, off the GPU
         from specpilot.drafters.ngram import NgramDrafter, replay
 
@@ -293,6 +293,9 @@ def cmd_profile(args) -> int:
               f"{'drafter pass' if model_drafter else 'draft graph'} "
               f"{'not timed' if graph is None else f'{graph * 1e3:.3f} ms a replay'} on the device; "
               f"passes {timed['passes']} (the draft stage measured {stage['draft'] * 1e3:.3f} ms on the device)")
+    if timed["by_pass"]:  # a small model drafter: the catch-up pass (2+ tokens) apart from the one-token ones
+        out.print("device ms a pass, by tokens fed: " + ", ".join(
+            f"{k}: {v['mean_s'] * 1e3:.3f} x {v['count']}" for k, v in timed["by_pass"].items()))
     runs = {"target": spec.runner.step_counts}
     if model_drafter:
         runs["drafter"] = spec.drafter.runner.step_counts

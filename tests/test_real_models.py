@@ -132,10 +132,11 @@ def test_shipped_dflash_drafter_is_lossless_and_accepts_tokens():
     assert out.num_output_tokens / out.num_target_forwards > 1.2
 
 
-@pytest.mark.parametrize("kind", ["ngram", "dflash"])
+@pytest.mark.parametrize("kind", ["ngram", "dflash", "model"])
 def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, monkeypatch, kind):
     """`profile` end to end on a real small target (ceilings faked: measuring them needs a GPU): the stage table
-    and a JSON last line whose stages sum to the measured step, for n-grams and for a DFlash drafter."""
+    and a JSON last line whose stages sum to the measured step, for n-grams, a DFlash drafter and a small model
+    drafter (the real model drafting for itself)."""
     import specpilot.costmodel as cm
     from specpilot.costmodel import HardwareCeilings
     from specpilot.models.dflash_io import save_dflash
@@ -150,6 +151,8 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
         drafter = dt.build_drafter_for(model, num_layers=1, block_size=8, init="random", seed=0)
         save_dflash(drafter, tmp_path / "d")
         extra = ["--drafter", str(tmp_path / "d"), "--num-draft-tokens", "7"]
+    if kind == "model":
+        extra = ["--drafter", str(path), "--num-draft-tokens", "4"]
     code = main(["profile", "--target", str(path), "--drafter-kind", kind, *extra, "--benchmarks", "humaneval",
                  "--num-prompts", "1", "--max-new-tokens", "16", "--max-seq-len", "512"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -157,7 +160,7 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
     st = out["stages"]
     assert sum(v["measured_s"] for v in st.values()) == pytest.approx(out["step_measured_s"])
     assert st["verify"]["predicted_s"] > 0 and out["tau"] >= 1.0
-    assert (st["draft"]["floor_s"] > 0) == (kind == "dflash")  # a draft pass on the device only for DFlash
+    assert (st["draft"]["floor_s"] > 0) == (kind != "ngram")  # no device pass for n-grams
     runs = out["step_counts"]["target"]  # how the target's steps ran: on CPU no graphs, every step eager
     assert runs["graphed"] == runs["eager_bucket"] == 0 and runs["unbucketed"] > 0
     assert out["propose_wall_s_per_step"] > 0  # host time inside the drafter, to tell host- from device-bound
@@ -166,7 +169,11 @@ def test_cli_profile_runs_on_cpu_with_given_ceilings(smollm, tmp_path, capsys, m
     assert prop["wall_s"] == out["propose_wall_s_per_step"] and prop["graph_device_s"] is None  # no graph on CPU
     if kind == "dflash":
         assert prop["passes"].get("eager", 0) >= 1 and prop["host_pre_launch_s"] >= 0
+    if kind != "ngram":  # a model's measured host part and its launches outside the graphs enter the prediction
         assert out["draft_host_s"] == pytest.approx(prop["host_pre_launch_s"] + prop["eager_pass_s"])
         assert out["draft_launch_s"] == pytest.approx(prop["launches_after"] * 6e-6)
-    else:
+    if kind == "model":  # K = 4 greedy: at least the first pass's 3 launches and the stack after it, a step
+        assert prop["passes"] == {"passes": prop["calls"]} and prop["launches_after"] >= 4
+        assert prop["host_pre_launch_s"] > 0 and out["draft_host_s"] > 0
+    if kind == "ngram":
         assert out["draft_host_s"] >= 0 and prop["passes"] == {"": prop["calls"]}  # no pass to launch

@@ -213,6 +213,20 @@ def test_propose_timer_times_a_small_model_drafters_passes(models):
     assert timer.calls == steps and timer.passes == {"passes": steps}
     assert 0 <= timer.host_pre_launch_s <= timer.wall_s and timer.graph_device_s() is None
     assert drafter.inner.graph_events is None  # CPU: not switched on
+    # its launches outside the graphs: the fed tokens' copy before the first pass; after it, per pass two input
+    # copies and an argmax, and the final stack (K = 3: 3 * 3 + 1)
+    inner = drafter.inner
+    assert inner.propose(p, 3) is not None and inner.last_eager_launches == (1, 10)
+    assert inner.propose(p, 1) is not None and inner.last_eager_launches == (1, 4)
+    # the device time per kind of pass, from the labels the drafter keeps beside its event pairs (fake events
+    # here: elapsed_time in ms, as CUDA events give it)
+    ev = lambda ms: (SimpleNamespace(elapsed_time=lambda _b: ms), None)  # noqa: E731
+    inner.graph_events, inner.graph_event_labels = [ev(2.0), ev(1.0), ev(1.0), ev(4.0)], [2, 1, 1, "chain"]
+    by = timer.graph_device_s_by_pass()
+    assert by == {"1": {"mean_s": 1e-3, "count": 2}, "2": {"mean_s": 2e-3, "count": 1},
+                  "chain": {"mean_s": 4e-3, "count": 1}}
+    inner.graph_event_labels = [1]  # labels that do not match the events: nothing claimed
+    assert timer.graph_device_s_by_pass() == {}
     on_gpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cuda")))
     on_cpu = SimpleNamespace(graph_events=None, runner=SimpleNamespace(device=torch.device("cpu")))
     assert _times_passes(on_gpu) and not _times_passes(on_cpu) and not _times_passes(SimpleNamespace())

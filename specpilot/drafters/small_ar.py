@@ -15,8 +15,11 @@ than K tokens (the end of the output) take the pass-by-pass loop. `static` runs 
 same buffers without capturing (any device: the CPU tests).
 
 For `specpilot profile` (drafters/timing.py ProposeTimer): `last_launch_t` is when the step's first pass was
-launched, and `graph_events` (None: off; a list turns it on, CUDA only) collects a CUDA event pair around each
-pass, so the profile can tell the passes' device time from the host's part of the draft stage.
+launched, `last_eager_launches` the (before, after) device launches outside the runner's graphs (greedy: the fed
+tokens' copy before it; each pass's two input copies and argmax, the chain's two copies, the final stack after),
+and `graph_events` (None: off; a list turns it on, CUDA only) collects a CUDA event pair around each pass, with
+`graph_event_labels` saying which (the tokens it fed, or "chain"): the profile can then tell the passes' device
+time from the host's part of the draft stage, and a catch-up pass's from a one-token pass's.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class SmallARDrafter:
         self.cached: list[int] = []  # tokens whose K/V the cache holds, in position order
         self._unread: torch.Tensor | None = None
         self.last_launch_t, self.last_pass = 0.0, ""  # see the module docstring (profiling only)
+        self.last_eager_launches = (0, 0)
         self.graph_events: list | None = None
+        self.graph_event_labels: list = []
 
     def reset(self) -> None:
         self.cached = []
@@ -92,15 +97,15 @@ class SmallARDrafter:
         self._chain_pos.fill_(pos)  # a kernel with the value as its argument: no host sync
         if self._chain_graph is None:  # static: the same code, eagerly
             return self._chained(self._chain_tok, self._chain_pos)
-        self._timed(self._chain_graph.replay)
+        self._timed(self._chain_graph.replay, "chain")
         return self._chain_out
 
     def _pass(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        return self._timed(lambda: self.runner.step(ids, start))
+        return self._timed(lambda: self.runner.step(ids, start), ids.shape[0])
 
-    def _timed(self, launch):
-        """launch() -> its result; between a CUDA event pair kept in `graph_events` when profiling (see the module
-        docstring)."""
+    def _timed(self, launch, label):
+        """launch() -> its result; between a CUDA event pair kept in `graph_events` (and its label in
+        `graph_event_labels`) when profiling (see the module docstring)."""
         if self.graph_events is None or self.device.type != "cuda":
             return launch()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,6 +113,7 @@ class SmallARDrafter:
         out = launch()
         b.record()
         self.graph_events.append((a, b))
+        self.graph_event_labels.append(label)
         return out
 
     @torch.inference_mode()
@@ -129,9 +135,13 @@ class SmallARDrafter:
         dists: list[torch.Tensor] = []
         tokens = [self._pick(logits[len(new) - 1], dists)]
         pos = len(context_ids)
+        after = 3  # the first pass's two input copies and its pick (greedy: one argmax)
         if self.chain > 0 and num_tokens - 1 == self.chain:  # K - 1 passes in one graph (module docstring)
             tokens.extend(self._run_chain(tokens[0], pos).unbind())
             pos += self.chain
+            after += 2
+        after += 3 * (num_tokens - len(tokens)) + 1  # the loop's passes alike; the stack below
+        self.last_eager_launches = (1, after)
         for _ in range(num_tokens - len(tokens)):
             logits = self._pass(tokens[-1].view(1), pos)
             tokens.append(self._pick(logits[0], dists))

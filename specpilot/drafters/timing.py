@@ -17,7 +17,10 @@ only the pass; `ProposeTimer` measures the rest, per call:
     queue behind the pass and add their own device time (priced by costmodel.gaps.analyze at `launch_s` each).
   * graph_device_s: the draft graph's own device time, from CUDA event pairs around each replay (DFlash on CUDA),
     or a small model drafter's one pass (each of its K passes timed alike); None elsewhere. With the two host
-    parts it splits the measured stage into host and device.
+    parts it splits the measured stage into host and device. `graph_device_s_by_pass`: the same per kind of pass
+    where the drafter labels them (a small model drafter: the tokens a pass fed, or its chained passes), because
+    one mean hides a slow kind (session 21: the 0.5B drafter's passes averaged 1.15 ms against 0.8 for a
+    one-token step: the catch-up passes are the suspects).
   * wall_s: propose()'s host wall time (on CUDA it returns before the device finishes).
 
 On CPU everything is host time and there is no graph: the numbers are only the host parts' sizes there.
@@ -82,6 +85,22 @@ class ProposeTimer:
         torch.cuda.synchronize()
         return sum(a.elapsed_time(b) for a, b in events) / 1e3
 
+    def graph_device_s_by_pass(self) -> dict[str, float]:
+        """Mean device seconds of a timed pass per label (`graph_event_labels`), with the count; {} when the
+        drafter labels nothing."""
+        events = getattr(self._net, "graph_events", None)
+        labels = getattr(self._net, "graph_event_labels", None)
+        if not events or not labels or len(labels) != len(events):
+            return {}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        sums: dict[str, list] = {}
+        for (a, b), label in zip(events, labels):
+            acc = sums.setdefault(str(label), [0.0, 0])
+            acc[0] += a.elapsed_time(b) / 1e3
+            acc[1] += 1
+        return {k: {"mean_s": v[0] / v[1], "count": v[1]} for k, v in sorted(sums.items())}
+
     def per_step(self, steps: int) -> dict:
         """The sums divided by `steps` (the profile's speculative steps), graph_device_s per timed replay."""
         n = max(steps, 1)
@@ -91,4 +110,4 @@ class ProposeTimer:
                 "eager_pass_s": self.eager_pass_s / n, "launches_before": self.launches_before / n,
                 "launches_after": self.launches_after / n, "passes": dict(self.passes),
                 "graph_device_s": None if graph is None else graph / len(events),
-                "graph_replays": len(events) if events else 0}
+                "graph_replays": len(events) if events else 0, "by_pass": self.graph_device_s_by_pass()}
