@@ -17,7 +17,8 @@ runs it; `--fused-decode`: the drafter's and target's one-token passes through m
 verify off, padded shapes off, CUDA graphs off, the K - 1 passes chained in one graph). Session 20's profile
 measured 11.6 ms of draft stage a step (K = 4) with 8.9 ms of it host wall inside propose(), against 3.8 ms for
 the random-weight drafter here: this prints the drafter's layout (is its one-token pass the fused one?), its
-graphed one-token step and each pass on the device, propose()'s host wall, the stage split, and a torch.profiler
+graphed 1-, 2- and K+1-token steps and the target's verify step alone, each pass on the device (and per kind of pass:
+session 21 found the catch-up passes ~2 ms against ~0.8 for the others), propose()'s host wall, the stage split, and a torch.profiler
 view of one generation: the host calls that take the time (a cudaStreamSynchronize per pass would show here) and
 the top kernels. `--cpu-smoke --real D T` runs the same on the CPU (tests: a real small model as its own drafter).
 """
@@ -176,10 +177,20 @@ def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
                  propose_wall_ms=round(timer.per_step(n)["wall_s"] * 1e3, 4),
                  # each of the drafter's passes between CUDA events (drafters/small_ar.py graph_events; CUDA only)
                  pass_device_ms=None if (g := timer.per_step(n)["graph_device_s"]) is None else round(g * 1e3, 4),
+                 # the same per kind of pass (tokens fed, "chain"): is the catch-up pass the slow one?
+                 pass_device_ms_by_tokens={k: [round(v["mean_s"] * 1e3, 4), v["count"]]
+                                           for k, v in timer.per_step(n)["by_pass"].items()},
                  steps_run={"target": dict(e.runner.step_counts), "drafter": dict(runner.step_counts)})
-        one = torch.tensor([ids[-1]], device=device)
-        attempt(r, "drafter_step1_device_ms",
-                lambda: median_ms(lambda: runner.step(one, len(ids)), device, REAL if not smoke else SMOKE, "gpu"))
+        # each bucket's step alone on an idle device (session 21: in the loop a 2-token catch-up pass took ~2 ms
+        # against ~0.8 for a one-token pass, while gpu_step_timing.py's fused 0.5B step at 2 tokens took 1.05):
+        # the drafter's 1-, 2- and 5-token steps and the target's verify step over K + 1 tokens
+        for T in (1, 2, K + 1):
+            block = torch.tensor(ids[-T:], device=device)
+            attempt(r, f"drafter_step{T}_device_ms", lambda block=block: median_ms(
+                lambda: runner.step(block, len(ids)), device, REAL if not smoke else SMOKE, "gpu"))
+        block = torch.tensor(ids[-(K + 1):], device=device)
+        attempt(r, f"target_verify{K + 1}_device_ms", lambda: median_ms(
+            lambda: e.runner.step_greedy_verdict(block, len(ids)), device, REAL if not smoke else SMOKE, "gpu"))
         if name in PROFILED:
             with profile(activities=acts) as prof:
                 e.generate(ids)

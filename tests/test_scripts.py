@@ -76,7 +76,9 @@ def test_model_draft_step_real_mode_runs_on_cpu():
         assert run["layout"]["fused_decode"] is False  # the fused path is CUDA-only: the CPU keeps the eager one
         assert run["tau"] > 1 and run["steps_run"]["drafter"]["unbucketed"] > 0  # eager on CPU: nothing bucketed
         assert set(run["stage_ms_per_step"]) >= {"draft", "verify"} and run["propose_wall_ms"] > 0
-        assert run["drafter_step1_device_ms"] > 0
+        assert run["drafter_step1_device_ms"] > 0 and run["drafter_step2_device_ms"] > 0
+        assert run["drafter_step5_device_ms"] > 0 and run["target_verify5_device_ms"] > 0
+        assert run["pass_device_ms_by_tokens"] == {}  # no CUDA events on the CPU: nothing timed, nothing claimed
     assert out["default"]["host"]["top_self_cpu_us"] and "host" not in out["no_graphs"]
 
 
