@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_dflash_step import attempt, median_ms, profile_propose  # noqa: E402  (sibling script: shared timers)
 
 from specpilot.config import EngineConfig  # noqa: E402
+from specpilot.drafters.timing import ProposeTimer  # noqa: E402
 from specpilot.costmodel import synthetic_config  # noqa: E402
 from specpilot.engine import Engine, _apply_layout, build_drafter  # noqa: E402
 from specpilot.models import ModelConfig, random_model  # noqa: E402
@@ -101,10 +102,16 @@ def main(smoke: bool, fused: bool = False) -> int:
     def engine(target):
         def run():  # the engine's StageTimer split per step (the mean includes the drafter's prefill step)
             e = Engine(target, ecfg, drafter)
-            for _ in range(2):  # the first run warms up
+            e.generate(ids[: p["prompt"]])  # warm-up
+            timer = ProposeTimer(drafter)  # the passes' device time by tokens fed (CUDA events)
+            try:
                 res = e.generate(ids[: p["prompt"]])
+                by = timer.per_step(len(res.accepted_lengths))["by_pass"]
+            finally:
+                drafter.propose, drafter.graph_events, drafter.graph_event_labels = timer._propose, None, []
             stages = {k: round(v * 1e3 / len(res.accepted_lengths), 4) for k, v in res.stage_s.items()}
             return {"stage_ms_per_step": stages, "tau": round(res.num_output_tokens / res.num_target_forwards, 3),
+                    "pass_device_ms_by_tokens": {k: [round(v["mean_s"] * 1e3, 4), v["count"]] for k, v in by.items()},
                     "steps_run": {"target": e.runner.step_counts, "drafter": dict(runner.step_counts)}}
         return run
 
@@ -138,7 +145,6 @@ def _host_view(prof, top: int = 12) -> dict:
 def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    from specpilot.drafters.timing import ProposeTimer
     from specpilot.evaluator import datasets
     from specpilot.models import load_model
     from specpilot.tokenizer import Tokenizer

@@ -53,6 +53,7 @@ def test_model_draft_step_diagnostic_runs_on_cpu():
     for k in ("step1_gpu_ms", "step2_gpu_ms", "propose_wall_ms", "propose_host_ms", "propose_event_ms", "profile",
               "engine_self_target", "engine_other_target"):
         assert out.get(k) is not None, (k, r.stderr)  # a failed measurement reads None
+    assert out["engine_self_target"]["pass_device_ms_by_tokens"] == {}  # CUDA events only: nothing on the CPU
     runs = out["engine_self_target"]["steps_run"]["drafter"]
     assert out["engine_self_target"]["tau"] > 1 and sum(runs.values()) > 0
 
