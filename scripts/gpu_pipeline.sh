@@ -38,10 +38,12 @@
 set -u
 # Each device call copies the checkout over this one again, unchanged files included: an import or a script read
 # while that copy runs fails (session 21: the n-gram profile died on `from specpilot.train import ...` while a
-# collect call's copy was under way). So the pipeline runs from its own snapshot of the tree (staged pieces left out).
+# collect call's copy was under way). So the pipeline runs from its own snapshot of the tree (staged pieces and git
+# history left out).
 if [ -z "${PIPELINE_SNAPSHOT:-}" ]; then
   rm -rf /tmp/pipeline-tree && mkdir -p /tmp/pipeline-tree || exit 1
-  tar -C . --exclude='./.s[0-9][0-9]' --exclude='./.c[0-9][0-9]' -cf - . | tar -C /tmp/pipeline-tree -xf - || exit 1
+  tar -C . --exclude=./.git --exclude='./.s[0-9][0-9]' --exclude='./.c[0-9][0-9]' -cf - . \
+    | tar -C /tmp/pipeline-tree -xf - || exit 1
   cd /tmp/pipeline-tree && PIPELINE_SNAPSHOT=1 exec bash scripts/gpu_pipeline.sh "$@"
 fi
 source scripts/gpu_env.sh || exit 1
