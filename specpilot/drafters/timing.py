@@ -85,7 +85,7 @@ class ProposeTimer:
         torch.cuda.synchronize()
         return sum(a.elapsed_time(b) for a, b in events) / 1e3
 
-    def graph_device_s_by_pass(self) -> dict[str, float]:
+    def graph_device_s_by_pass(self) -> dict[str, dict]:
         """Mean device seconds of a timed pass per label (`graph_event_labels`), with the count; {} when the
         drafter labels nothing."""
         events = getattr(self._net, "graph_events", None)
