@@ -8,7 +8,7 @@ norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, 
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
-graph, dflash, early_draft: the next
+graph, prefill_graphs: a prompt's prefill from its padded length's graph, dflash, early_draft: the next
 DFlash block launched before the host reads the verdict, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
@@ -30,8 +30,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "dflash", "early_draft", "adaptive", "batch",
-            "lossless12")
+            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "dflash", "early_draft",
+            "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -308,6 +308,21 @@ def main(only: tuple[str, ...] = ()) -> int:
             if chain != c.num_draft_tokens - 1:
                 problems.append(f"{name}_not_chained")
 
+    def prefill_graphs():
+        # a prompt's prefill from one graph per padded length (EngineConfig.prefill_graphs, engine/prefill_graphs.py;
+        # on by default, so the variants above ran it too): AR, and a small model drafter whose prompt feed goes
+        # through its own runner's prefill graph and a one-token step; against the same engines with it off
+        for name, c, d in (("ar", base, None), ("spec_other", base.with_(drafter_kind="model"), other)):
+            eng = Engine(target, c, build_drafter(c, d, target))
+            on = [eng.generate(p) for p in prompts]
+            off_cfg = c.with_(prefill_graphs=0)
+            off = [Engine(target, off_cfg, build_drafter(off_cfg, d, target)).generate(p) for p in prompts]
+            equals_off(f"{name}_prefill_graphs_equals_off", on, off)
+            runs = eng.runner.prefill_graphs.counts["graphed"]
+            print(f"{name}_prefill_graphs_replays", runs, flush=True)
+            if runs != len(prompts):
+                problems.append(f"{name}_prefill_graphs: {runs} graphed prefills of {len(prompts)}")
+
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -381,7 +396,7 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "l2_prefetch": l2_prefetch,
-              "draft_chain_graph": draft_chain_graph, "dflash": dflash,
+              "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

@@ -115,16 +115,20 @@ class EngineConfig:
     # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
-    # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off until an
-    # H200 run times it (session 20: the 0.5B drafter's stage ran ~2.9 ms a pass against a 0.83 ms fused step)
+    # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did
+    # not pay on the H200 (session 21, the real 0.5B drafter: draft stage 3.90 -> 4.06 ms a step)
     l2_prefetch: float = 0.0  # CUDA, with fused_decode / fused_verify: this fraction of each fused layer's gate/up
     # weight is read into L2 on a side stream while the layer's latency-bound launches (qkv, RoPE + K/V write,
     # attention, o_proj: HBM mostly idle) run, so the gate/up GEMV (the layer's largest read) finds it there
-    # (kernels/l2_prefetch.py). Same numbers; 0 = off. Off until an H200 run times it (scripts/gpu_step_timing.py
-    # --variants=fuseddecode,fusedl2pf50,...)
+    # (kernels/l2_prefetch.py). Same numbers; 0 = off. Off: slower in all three of its modes on the H200 (session
+    # 21: 1.5B step 1.458 -> 1.718-4.213 ms, Qwen3-8B 4.613 -> 4.885-5.620)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
+    prefill_graphs: int = 2048  # CUDA graphs, padded shapes: a prompt's prefill of up to this many (padded) tokens
+    # replays one captured graph per padded length, captured on first use (engine/prefill_graphs.py): the eager
+    # prefill was launch-bound, 16-18 ms for any prompt of 51-215 tokens on the H200 (session 21), and tokens/s
+    # count it. Same tokens (the same pass from the same buffers); 0 = always eager
     # speculative engines: each step either drafts or is a plain one-token step, whichever measured step costs and
     # recent acceptance say commits more tokens a second (engine/adaptive.py); lossless either way. Why: on the H200
     # a 16-token DFlash step cost 2.2-2.8 fused one-token steps (session 14), so low-acceptance stretches ran slower
@@ -182,6 +186,8 @@ class EngineConfig:
             raise ConfigError(f"rope_in_attention must be true or false, got {self.rope_in_attention!r}")
         if not isinstance(self.draft_chain_graph, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"draft_chain_graph must be true or false, got {self.draft_chain_graph!r}")
+        if isinstance(self.prefill_graphs, bool) or not isinstance(self.prefill_graphs, int) or self.prefill_graphs < 0:
+            raise ConfigError(f"prefill_graphs is a token count >= 0 (0 = off), got {self.prefill_graphs!r}")
         if isinstance(self.l2_prefetch, bool) or not isinstance(self.l2_prefetch, (int, float)) \
                 or not 0.0 <= self.l2_prefetch <= 1.0:
             raise ConfigError(f"l2_prefetch is a fraction of the gate/up weight in [0, 1], got {self.l2_prefetch!r}")

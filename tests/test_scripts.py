@@ -110,7 +110,8 @@ def test_regen_cache_script_round_trip(tmp_path):
                                                                    "fusedropeattn", "--tokens")),
                                            ("gpu_engine_check.py", ("fused_decode", "fused_verify", "pdl",
                                                                     "norm_epilogue", "rope_in_attention",
-                                                                    "early_draft", "lossless12"))])
+                                                                    "early_draft", "prefill_graphs",
+                                                                    "lossless12"))])
 def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
     """`--help` imports the script and prints what it takes (the PDL variant / section among them); a misspelt
     variant or section exits 2 at once instead of measuring nothing on the GPU."""
@@ -208,3 +209,19 @@ def test_stage_pieces_cuts_and_moves_the_drafter_weights(tmp_path):
     (weights.parent / "config.json").write_text("{}")  # an uncommitted drafter file: `in` could not restore it
     r = sh("out")
     assert r.returncode == 2 and "uncommitted" in r.stderr and weights.exists()
+
+
+def test_prefill_timing_script_runs_on_cpu():
+    """gpu_prefill_timing.py (eager vs graphed prefill, EngineConfig.prefill_graphs) runs at tiny shapes on the CPU
+    through the graphs' static twin, each length both ways; a bad --lengths exits 2 before measuring anything."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_prefill_timing.py"), "qwen2.5-1.5b", "--lengths=20,40",
+                        "--cpu-smoke"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])["shapes"]["qwen2.5-1.5b"]
+    assert all(res[f"{k}_T{T}"]["ms"] > 0 for k in ("eager", "graphed") for T in (20, 40))
+    assert set(res) >= {"speedup_T20", "speedup_T40"}
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_prefill_timing.py"), "--lengths=1,x"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--lengths" in r.stderr

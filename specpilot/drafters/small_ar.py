@@ -2,7 +2,8 @@
 
 It keeps its own KV cache and the list of tokens that cache holds. Each step it finds the longest common prefix
 of that list and the committed context, feeds only the tokens past it (after an accepted block: just the token
-the target added), then drafts K tokens one at a time. The
+the target added; a prompt through the runner's prefill graph where it has one, engine/prefill_graphs.py), then
+drafts K tokens one at a time. The
 drafted tokens never leave the device (each feeds the next step's input directly), so drafting costs no host
 sync. Rejected drafts need no rollback: their slots are simply overwritten later (see models/cache.py).
 
@@ -131,9 +132,16 @@ class SmallARDrafter:
             raise ValueError("drafter cache too small for this context")
         fed = torch.tensor(new, dtype=torch.long, device=self.device)
         self.last_launch_t, self.last_pass = time.perf_counter(), "passes"
-        logits = self._pass(fed, keep)
+        last = len(new) - 1
+        if last > 0 and len(new) > max(self.runner.graphs, default=0) and self.runner.prefill_graphed(last, keep):
+            # a feed no bucket takes (a prompt's): all but its last token through the runner's prefill graph,
+            # the last through the one-token step, instead of one eager pass with logits for every row
+            self.runner.prefill(fed[:last], keep)
+            logits, last = self._pass(fed[last:], keep + last), 0
+        else:
+            logits = self._pass(fed, keep)
         dists: list[torch.Tensor] = []
-        tokens = [self._pick(logits[len(new) - 1], dists)]
+        tokens = [self._pick(logits[last], dists)]
         pos = len(context_ids)
         after = 3  # the first pass's two input copies and its pick (greedy: one argmax)
         if self.chain > 0 and num_tokens - 1 == self.chain:  # K - 1 passes in one graph (module docstring)

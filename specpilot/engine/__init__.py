@@ -187,7 +187,8 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
     long = config.ngram_assist_tokens if config.ngram_assist else 0
     buckets = tuple(sorted({1, 2, config.num_draft_tokens + 1, long + 1}))
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
-                         cuda_graphs=config.cuda_graphs, compile=config.compile, pad_shapes=_pads(config))
+                         cuda_graphs=config.cuda_graphs, compile=config.compile, pad_shapes=_pads(config),
+                         prefill_graphs=config.prefill_graphs)
     chain = config.num_draft_tokens - 1 if config.draft_chain_graph and config.cuda_graphs else 0
     return SmallARDrafter(runner, config.sampling, gen, chain=chain)
 
@@ -203,7 +204,7 @@ class Engine:
                                   capture_layers=getattr(drafter, "target_layers", None),
                                   feature_fn=getattr(drafter, "features", None),
                                   greedy_verdict=drafter is not None and config.sampling.greedy and config.fused_accept,
-                                  pad_shapes=_pads(config))
+                                  pad_shapes=_pads(config), prefill_graphs=config.prefill_graphs)
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

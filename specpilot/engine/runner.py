@@ -12,7 +12,9 @@ with `greedy_verdict=True`: one small long tensor [num_accepted, next_token, d_1
 `static=True` runs the bucketed steps from their static buffers without capturing them (any device): the code a
 graph records, run eagerly, so CPU tests can hold it to the plain eager path.
 
-Eager passes of any length (the prompt's prefill, a step no bucket fits) are padded to one of a few lengths
+A prompt's prefill (from position 0) replays one graph per padded length when `prefill_graphs` allows that length
+(engine/prefill_graphs.py says why). Other eager passes of any length (a step no bucket fits) and longer prompts
+run eagerly. Eager passes of any length (the prompt's prefill, a step no bucket fits) are padded to one of a few lengths
 (`padded_length`) when `pad_shapes` is on (the default on CUDA): every prompt has a new length, and libraries that
 plan or tune per shape (cuDNN's attention builds an execution plan per new shape) made each new prompt cost
 35-135 ms before its first token on the H200 (BENCHMARKS.md, session 14) against ~1.5 ms a decode step. Padding
@@ -27,6 +29,7 @@ import warnings
 import torch
 
 from specpilot.engine.graphs import capture
+from specpilot.engine.prefill_graphs import PrefillGraphs
 from specpilot.models import DenseLM, KVCache
 from specpilot.verify import greedy_verdict_packed
 
@@ -42,7 +45,8 @@ def padded_length(T: int, room: int) -> int:
 class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
                  compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None,
-                 greedy_verdict: bool = False, static: bool = False, pad_shapes: bool | None = None):
+                 greedy_verdict: bool = False, static: bool = False, pad_shapes: bool | None = None,
+                 prefill_graphs: int = 0):
         self.model, self.cache = model, cache
         # with capture_layers (even empty), features of every processed token are kept after each call in
         # `last_hidden` [T, F]: `feature_fn(final_hidden, layer_outputs)` or, by default, the layer outputs
@@ -69,6 +73,11 @@ class ModelRunner:
         graphs = cuda_graphs and self.device.type == "cuda"
         if graphs or static:
             self._build(sorted(set(buckets), reverse=True), graphs)
+        # a prompt's prefill (from position 0, no logits) replayed from one graph per padded length up to
+        # `prefill_graphs` tokens (engine/prefill_graphs.py); needs padded shapes, else every prompt is a new length
+        self.prefill_graphs = PrefillGraphs(
+            lambda ids, pos: self._run(ids, pos, kv_len=ids.shape[1], logits=False, is_causal=True), self.device,
+            prefill_graphs if self.pad_shapes else 0, capture_graphs=graphs, static=static)
 
     def _run(self, ids, pos, kv_len=None, logits=True, is_causal=False):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)
@@ -137,16 +146,24 @@ class ModelRunner:
         attends with SDPA's own causal mask (no [T, S] mask tensor; the padded length is the whole key range)."""
         T = ids.shape[0]
         n = padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
+        if self.prefill_graphs.applies(start, n, logits):  # a prompt's prefill: its padded length's graph
+            return None, self.prefill_graphs(ids, n)
         if n > T:  # padding tokens after the real ones (token 0: any id will do, nothing real sees them)
             ids = torch.cat((ids, ids.new_zeros(n - T)))
         pos = torch.arange(start, start + n, device=self.device)[None]
         out, feats = self._run(ids[None], pos, kv_len=start + n, logits=logits, is_causal=start == 0)
         return (out[:T] if out is not None else None), (feats[:T] if feats is not None else None)
 
+    def prefill_graphed(self, T: int, start: int) -> bool:
+        """Whether `prefill` of T tokens at `start` replays its padded length's graph (or, static, its buffers)."""
+        n = padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
+        return self.prefill_graphs.applies(start, n, False)
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
-        """K/V of ids [T] at positions [start, start + T); no LM head. Always eager (prompt lengths vary; padded to a
-        few lengths on CUDA: see the module docstring)."""
+        """K/V of ids [T] at positions [start, start + T); no LM head. From position 0 its padded length's graph
+        when `prefill_graphs` allows it, else eager (prompt lengths vary; padded to a few lengths on CUDA: see the
+        module docstring)."""
         _, self.last_hidden = self._eager(ids, start, logits=False)
 
     def _step(self, ids: torch.Tensor, start: int):
