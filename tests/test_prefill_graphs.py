@@ -42,10 +42,13 @@ def test_static_prefill_graph_leaves_what_the_eager_prefill_leaves(models, famil
         assert torch.equal(graphed.cache.k, eager.cache.k) and torch.equal(graphed.cache.v, eager.cache.v)
         assert graphed.last_hidden.shape == (T, 2 * model.config.hidden_size)
         assert torch.equal(graphed.last_hidden, eager.last_hidden)
-        assert graphed.prefill_graphs.counts["static"] == runs and set(graphed.prefill_graphs.entries) == {32}
+        assert graphed.prefill_graphs.counts["static"] == runs
+        assert set(graphed.prefill_graphs.entries) == {16, 32, 64}  # prepared with the runner: <= 64, the cap
         step = torch.randint(3, 96, (3,), generator=g)
         torch.testing.assert_close(graphed.step(step, T), eager.step(step, T), rtol=0, atol=0)
     assert graphed.prefill_graphed(30, 0) and not graphed.prefill_graphed(70, 0) and not graphed.prefill_graphed(9, 4)
+    small = ModelRunner(model, model.new_cache(1, 40), pad_shapes=True, static=True, prefill_graphs=2048)
+    assert set(small.prefill_graphs.entries) == {16, 32}  # prepared lengths only where the pool has room
 
 
 def _static_runner(model, buckets, prefill=64, **kw):

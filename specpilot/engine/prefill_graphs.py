@@ -8,8 +8,9 @@ FLOPs or bytes (~1 ms). Tokens per second count the prefill, and at our decode s
 What can be a graph: a pass from position 0 without logits (a prompt's prefill). Its shapes depend only on its
 padded length n (engine/runner.py `padded_length`): n tokens at positions 0..n-1, attending with SDPA's causal mask
 over the first n cache slots. So one graph per padded length serves every prompt that pads to it (13 lengths for a
-4k pool, fewer in practice). A graph is captured the first time its length is needed (its warm-up runs eagerly,
-which writes K/V into slots 0..n-1: the replay right after overwrites them), up to `max_len` tokens; a capture
+4k pool, fewer in practice). The lengths up to 256 (PREPARED: most chat and code prompts) are captured with the
+runner, the longer ones the first time they are needed (a capture's warm-up runs eagerly and writes K/V into slots
+0..n-1, which any prompt's prefill overwrites before a query can see them), up to `max_len` tokens; a capture
 that fails leaves that length eager (warned), never wrong.
 
 Static buffers, refilled each call: the ids (the prompt, then zeros: the padding the eager path uses, so the cache
@@ -28,6 +29,9 @@ import torch
 from specpilot.engine.graphs import capture
 
 
+PREPARED = (16, 32, 64, 128, 256)  # padded lengths captured with the runner (engine/runner.py padded_length)
+
+
 class PrefillGraphs:
     """`run(ids [1, n], positions [1, n]) -> (None, features [n, F] or None)`: the runner's pass from position 0
     over the whole padded length (kv_len = n, causal); `capture_graphs` on CUDA, `static` anywhere (no capture)."""
@@ -39,6 +43,15 @@ class PrefillGraphs:
         self.entries: dict[int, tuple] = {}  # n -> (graph or None, ids buffer, positions buffer, outputs or None)
         self.pool = None
         self.counts = {"graphed": 0, "static": 0}  # how prefills ran here (the rest ran eagerly in the runner)
+
+    def prepare(self, lengths, room: int) -> None:
+        """Build the entries of these padded lengths now (those within `max_len` and the pool's `room`): with the
+        decode buckets, when the runner is built, so that a prompt of a common length meets a captured graph and
+        no capture lands inside a timed generation."""
+        if self.enabled:
+            for n in lengths:
+                if n <= min(self.max_len, room) and n not in self.entries:
+                    self._build(n)
 
     def applies(self, start: int, n: int, logits: bool) -> bool:
         return self.enabled and start == 0 and not logits and n <= self.max_len
