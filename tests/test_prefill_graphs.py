@@ -51,6 +51,22 @@ def test_static_prefill_graph_leaves_what_the_eager_prefill_leaves(models, famil
     assert set(small.prefill_graphs.entries) == {16, 32}  # prepared lengths only where the pool has room
 
 
+def test_prepared_prefill_graphs_are_built_in_inference_mode(models, monkeypatch):
+    """On CUDA `_build` runs the pass (the capture's warm-up) and captures it: built with the runner, outside
+    any caller's inference mode, it must still run in one (the model's weights require grad: an autograd graph
+    in a warm-up, or an in-place cache write outside it, breaks the capture)."""
+    from specpilot.engine.prefill_graphs import PrefillGraphs
+
+    modes = []
+    build = PrefillGraphs._build
+    monkeypatch.setattr(PrefillGraphs, "_build", lambda self, n: (modes.append(torch.is_inference_mode_enabled()),
+                                                                  build(self, n))[1])
+    model = models["qwen2"]
+    assert not torch.is_inference_mode_enabled()
+    ModelRunner(model, model.new_cache(1, 64), pad_shapes=True, static=True, prefill_graphs=64)
+    assert modes == [True, True, True]  # 16, 32, 64
+
+
 def _static_runner(model, buckets, prefill=64, **kw):
     return ModelRunner(model, model.new_cache(1, 128), buckets=buckets, static=True, pad_shapes=True,
                        prefill_graphs=prefill, **kw)

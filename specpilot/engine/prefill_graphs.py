@@ -44,6 +44,7 @@ class PrefillGraphs:
         self.pool = None
         self.counts = {"graphed": 0, "static": 0}  # how prefills ran here (the rest ran eagerly in the runner)
 
+    @torch.inference_mode()  # as the runner's own captures: no autograd state in a capture's warm-up or graph
     def prepare(self, lengths, room: int) -> None:
         """Build the entries of these padded lengths now (those within `max_len` and the pool's `room`): with the
         decode buckets, when the runner is built, so that a prompt of a common length meets a captured graph and
