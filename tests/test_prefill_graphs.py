@@ -72,12 +72,13 @@ def _static_runner(model, buckets, prefill=64, **kw):
                        prefill_graphs=prefill, **kw)
 
 
-@pytest.mark.parametrize("kind", ["none", "model"])
-def test_engines_with_prefill_graphs_equal_the_reference_greedy_output(models, kind):
-    """AR, and a small model drafter whose prompt feed goes through its runner's prefill graph (all but the last
-    token) and its one-token step (the last one) instead of one eager pass: greedy outputs equal plain greedy
-    decoding, prompt after prompt."""
-    target = models["qwen2"]
+@pytest.mark.parametrize("kind", ["none", "model", "dflash"])
+def test_engines_with_prefill_graphs_equal_the_reference_greedy_output(models, tiny_dflash_dir, kind):
+    """AR; a small model drafter whose prompt feed goes through its runner's prefill graph (all but the last
+    token) and its one-token step (the last one) instead of one eager pass; a DFlash drafter that reads the
+    prompt's features from the prefill graph's static output: greedy outputs equal plain greedy decoding, prompt
+    after prompt."""
+    target = models["qwen3" if kind == "dflash" else "qwen2"]
     K = 4
     cfg = EngineConfig(drafter_kind=kind, num_draft_tokens=K, max_new_tokens=16, max_seq_len=128, ignore_eos=True)
     drafter = None
@@ -86,17 +87,35 @@ def test_engines_with_prefill_graphs_equal_the_reference_greedy_output(models, k
         fed = []
         step = drafter.runner.step
         drafter.runner.step = lambda ids, start: (fed.append((ids.shape[0], start)), step(ids, start))[1]
+    if kind == "dflash":
+        drafter = build_drafter(cfg, tiny_dflash_dir, target)
     eng = Engine(target, cfg, drafter)
-    eng.runner = _static_runner(target, (1,) if drafter is None else (1, K + 1), greedy_verdict=drafter is not None)
+    eng.runner = _static_runner(target, (1,) if drafter is None else (1, K + 1), greedy_verdict=drafter is not None,
+                                capture_layers=getattr(drafter, "target_layers", None),
+                                feature_fn=getattr(drafter, "features", None))
+    plain = None
+    if kind == "dflash":  # its drafts depend on the features: the same drafts as after an eager prefill
+        other = build_drafter(cfg, tiny_dflash_dir, target)
+        plain = Engine(target, cfg, other)
+        plain.runner = _static_runner(target, (1, K + 1), prefill=0, greedy_verdict=True,
+                                      capture_layers=other.target_layers, feature_fn=other.features)
+        drafts = {id(drafter): [], id(other): []}
+        for d in (drafter, other):
+            propose = d.propose
+            d.propose = lambda ctx, n, d=d, propose=propose: (
+                lambda out: (drafts[id(d)].append(out.token_ids.tolist()), out)[1])(propose(ctx, n))
     g = torch.Generator().manual_seed(3)
-    for prompt_len in (21, 13):
+    for prompt_len in (21, 25, 13):  # two share the 32-token buffers
         prompt = torch.randint(3, 96, (prompt_len,), generator=g).tolist()
         got = eng.generate(prompt)
         assert got.output_ids == reference_greedy(target, prompt, len(got.output_ids))
-    assert eng.runner.prefill_graphs.counts["static"] == 2
-    if drafter is not None:  # each prompt's feed: prefill of all but its last token, then that one alone
-        assert drafter.runner.prefill_graphs.counts["static"] == 2
-        assert fed[0] == (1, 20) and (1, 12) in fed
+        if plain is not None:
+            assert plain.generate(prompt).output_ids == got.output_ids
+            assert drafts[id(drafter)] == drafts[id(other)] and drafts[id(drafter)]
+    assert eng.runner.prefill_graphs.counts["static"] == 3
+    if kind == "model":  # each prompt's feed: prefill of all but its last token, then that one alone
+        assert drafter.runner.prefill_graphs.counts["static"] == 3
+        assert fed[0] == (1, 20) and (1, 24) in fed and (1, 12) in fed
 
 
 def test_prefill_graphs_field(models, monkeypatch):
