@@ -12,11 +12,10 @@ with `greedy_verdict=True`: one small long tensor [num_accepted, next_token, d_1
 `static=True` runs the bucketed steps from their static buffers without capturing them (any device): the code a
 graph records, run eagerly, so CPU tests can hold it to the plain eager path.
 
-A prompt's prefill (from position 0) replays one graph per padded length when `prefill_graphs` allows that length
-(engine/prefill_graphs.py says why). Other eager passes of any length (a step no bucket fits) and longer prompts
-run eagerly. Eager passes of any length (the prompt's prefill, a step no bucket fits) are padded to one of a few lengths
-(`padded_length`) when `pad_shapes` is on (the default on CUDA): every prompt has a new length, and libraries that
-plan or tune per shape (cuDNN's attention builds an execution plan per new shape) made each new prompt cost
+A prompt's prefill (from position 0, up to `prefill_graphs` padded tokens) replays one graph per padded length
+(engine/prefill_graphs.py says why); longer prompts and steps no bucket fits run eagerly. Both are padded to one of
+a few lengths (`padded_length`) when `pad_shapes` is on (the default on CUDA): every prompt has a new length, and
+libraries that plan or tune per shape (cuDNN's attention builds an execution plan per new shape) made each prompt cost
 35-135 ms before its first token on the H200 (BENCHMARKS.md, session 14) against ~1.5 ms a decode step. Padding
 tokens sit at the positions after the real ones, so under the positional causal mask no real token sees them, and
 their K/V land in slots that later steps overwrite before any query reaches them (as a bucket's padding does).
@@ -146,7 +145,7 @@ class ModelRunner:
         on -> (logits [T, V] or None, captured hidden [T, F] or None) of the real tokens. From position 0 the pass
         attends with SDPA's own causal mask (no [T, S] mask tensor; the padded length is the whole key range)."""
         T = ids.shape[0]
-        n = padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
+        n = self._padded(T, start)
         if self.prefill_graphs.applies(start, n, logits):  # a prompt's prefill: its padded length's graph
             return None, self.prefill_graphs(ids, n)
         if n > T:  # padding tokens after the real ones (token 0: any id will do, nothing real sees them)
@@ -155,10 +154,13 @@ class ModelRunner:
         out, feats = self._run(ids[None], pos, kv_len=start + n, logits=logits, is_causal=start == 0)
         return (out[:T] if out is not None else None), (feats[:T] if feats is not None else None)
 
+    def _padded(self, T: int, start: int) -> int:
+        """The length an eager pass of T tokens at `start` runs at (T itself without pad_shapes)."""
+        return padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
+
     def prefill_graphed(self, T: int, start: int) -> bool:
         """Whether `prefill` of T tokens at `start` replays its padded length's graph (or, static, its buffers)."""
-        n = padded_length(T, self.cache.max_seq_len - start) if self.pad_shapes else T
-        return self.prefill_graphs.applies(start, n, False)
+        return self.prefill_graphs.applies(start, self._padded(T, start), False)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0) -> None:
