@@ -55,6 +55,11 @@ def configs(smoke: bool) -> tuple[ModelConfig, ModelConfig]:
             ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, **tiny))
 
 
+def _by_tokens_ms(by_pass: dict) -> dict:
+    """ProposeTimer's per-kind pass times -> {tokens fed: [mean device ms, passes]}."""
+    return {k: [round(v["mean_s"] * 1e3, 4), v["count"]] for k, v in by_pass.items()}
+
+
 @torch.inference_mode()
 def main(smoke: bool, fused: bool = False) -> int:
     if not smoke and not torch.cuda.is_available():
@@ -111,7 +116,7 @@ def main(smoke: bool, fused: bool = False) -> int:
                 drafter.propose, drafter.graph_events, drafter.graph_event_labels = timer._propose, None, []
             stages = {k: round(v * 1e3 / len(res.accepted_lengths), 4) for k, v in res.stage_s.items()}
             return {"stage_ms_per_step": stages, "tau": round(res.num_output_tokens / res.num_target_forwards, 3),
-                    "pass_device_ms_by_tokens": {k: [round(v["mean_s"] * 1e3, 4), v["count"]] for k, v in by.items()},
+                    "pass_device_ms_by_tokens": _by_tokens_ms(by),
                     "steps_run": {"target": e.runner.step_counts, "drafter": dict(runner.step_counts)}}
         return run
 
@@ -178,14 +183,14 @@ def real(drafter_dir: str, target_dir: str, smoke: bool) -> int:
         timer = ProposeTimer(drafter)
         res = e.generate(ids)
         n = max(len(res.accepted_lengths), 1)
+        timed = timer.per_step(n)  # (reads every CUDA event pair once)
         r.update(tau=round(res.tau, 3), tokens_per_s=round(res.tokens_per_s, 1),
                  stage_ms_per_step={k: round(v * 1e3 / n, 4) for k, v in res.stage_s.items()},
-                 propose_wall_ms=round(timer.per_step(n)["wall_s"] * 1e3, 4),
+                 propose_wall_ms=round(timed["wall_s"] * 1e3, 4),
                  # each of the drafter's passes between CUDA events (drafters/small_ar.py graph_events; CUDA only)
-                 pass_device_ms=None if (g := timer.per_step(n)["graph_device_s"]) is None else round(g * 1e3, 4),
+                 pass_device_ms=None if (g := timed["graph_device_s"]) is None else round(g * 1e3, 4),
                  # the same per kind of pass (tokens fed, "chain"): is the catch-up pass the slow one?
-                 pass_device_ms_by_tokens={k: [round(v["mean_s"] * 1e3, 4), v["count"]]
-                                           for k, v in timer.per_step(n)["by_pass"].items()},
+                 pass_device_ms_by_tokens=_by_tokens_ms(timed["by_pass"]),
                  steps_run={"target": dict(e.runner.step_counts), "drafter": dict(runner.step_counts)})
         # each bucket's step alone on an idle device (session 21: in the loop a 2-token catch-up pass took ~2 ms
         # against ~0.8 for a one-token pass, while gpu_step_timing.py's fused 0.5B step at 2 tokens took 1.05):

@@ -126,10 +126,9 @@ class EngineConfig:
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
     prefill_graphs: int = 2048  # CUDA graphs, padded shapes: a prompt's prefill of up to this many (padded) tokens
-    # replays one captured graph per padded length (16-256 with the runner, longer on first use;
-    # engine/prefill_graphs.py): the eager
-    # prefill was launch-bound, 16-18 ms for any prompt of 51-215 tokens on the H200 (session 21), and tokens/s
-    # count it. Same tokens (the same pass from the same buffers); 0 = always eager
+    # replays one captured graph per padded length (16-256 with the runner, longer on first use; engine/
+    # prefill_graphs.py): the eager prefill was launch-bound, 16-18 ms for any prompt of 51-215 tokens on the H200
+    # (session 21), and tokens/s count it. Same tokens (the same pass from the same buffers); 0 = always eager
     # speculative engines: each step either drafts or is a plain one-token step, whichever measured step costs and
     # recent acceptance say commits more tokens a second (engine/adaptive.py); lossless either way. Why: on the H200
     # a 16-token DFlash step cost 2.2-2.8 fused one-token steps (session 14), so low-acceptance stretches ran slower

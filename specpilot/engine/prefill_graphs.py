@@ -45,12 +45,12 @@ class PrefillGraphs:
         self.counts = {"graphed": 0, "static": 0}  # how prefills ran here (the rest ran eagerly in the runner)
 
     @torch.inference_mode()  # as the runner's own captures: no autograd state in a capture's warm-up or graph
-    def prepare(self, lengths, room: int) -> None:
-        """Build the entries of these padded lengths now (those within `max_len` and the pool's `room`): with the
-        decode buckets, when the runner is built, so that a prompt of a common length meets a captured graph and
-        no capture lands inside a timed generation."""
+    def prepare(self, room: int) -> None:
+        """Build the PREPARED lengths' entries now (those within `max_len` and the pool's `room`): with the decode
+        buckets, when the runner is built, so that a prompt of a common length meets a captured graph and no
+        capture lands inside a timed generation."""
         if self.enabled:
-            for n in lengths:
+            for n in PREPARED:
                 if n <= min(self.max_len, room) and n not in self.entries:
                     self._build(n)
 

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from specpilot.engine.graphs import capture
-from specpilot.engine.prefill_graphs import PREPARED, PrefillGraphs
+from specpilot.engine.prefill_graphs import PrefillGraphs
 from specpilot.models import DenseLM, KVCache
 from specpilot.verify import greedy_verdict_packed
 
@@ -77,7 +77,7 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(
             lambda ids, pos: self._run(ids, pos, kv_len=ids.shape[1], logits=False, is_causal=True), self.device,
             prefill_graphs if self.pad_shapes else 0, capture_graphs=graphs, static=static)
-        self.prefill_graphs.prepare(PREPARED, cache.max_seq_len)
+        self.prefill_graphs.prepare(cache.max_seq_len)
 
     def _run(self, ids, pos, kv_len=None, logits=True, is_causal=False):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)

@@ -145,15 +145,13 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
-        x2, hn = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
-        if side is not None:  # gate/up's GEMV after its warming
-            kernels_l2.join(side)
-        act = project(mlp.gate_up_proj, hn, None, post.eps, None, "silu_mul")  # [T, I]
+        x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
+        gate_norm = None  # (already normed)
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
-        if side is not None:  # gate/up's GEMV after its warming
-            kernels_l2.join(side)
-        act = project(mlp.gate_up_proj, x2, post.weight, post.eps, None, "silu_mul")  # [T, I]
+        gate_in, gate_norm = x2, post.weight
+    kernels_l2.join(side)  # gate/up's GEMV after its warming (nothing to wait for without one)
+    act = project(mlp.gate_up_proj, gate_in, gate_norm, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
         return x2.view(1, T, h)
