@@ -150,7 +150,8 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
         gate_in, gate_norm = x2, post.weight
-    kernels_l2.join(side)  # gate/up's GEMV after its warming (nothing to wait for without one)
+    if side is not None:  # gate/up's GEMV after its warming
+        kernels_l2.join(side)
     act = project(mlp.gate_up_proj, gate_in, gate_norm, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
