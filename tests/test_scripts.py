@@ -42,6 +42,22 @@ def test_dflash_step_diagnostic_runs_on_cpu():
     assert set(out["engine_stage_ms_per_step"]) >= {"draft", "verify", "accept"}
 
 
+def test_megakernel_script_checks_parity_on_cpu():
+    """gpu_megakernel.py's parity part (one-launch step vs the regular path, teacher-forced) on a tiny model on the
+    CPU, one program under the interpreter; a malformed --variants entry is a clear error, not a traceback."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_megakernel.py"), "--cpu-smoke"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])["shapes"]["tiny"]["parity"]
+    assert res["argmax_agree"] == res["steps"] == 3 and res["max_rel_logit_diff"] < 1e-4
+    assert res["barrier_count"] == res["expected_barriers"] == 10 and res["merge_counters_zero"]
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_megakernel.py"), "--variants=0:8:32768"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "P:W:TILE:CAP" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_model_draft_step_diagnostic_runs_on_cpu():
     """gpu_model_draft_step.py (a small AR drafter's step breakdown) runs at tiny shapes on the CPU; with every
     draft accepted (the drafter's own weights as target) tau is K + 1 and the drafter's steps are counted."""

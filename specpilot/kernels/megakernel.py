@@ -1,0 +1,332 @@
+"""A whole one-token decode step of a dense model (every layer, the final norm and the LM head) in ONE persistent
+Triton launch, its phases separated by grid-wide barriers: an experiment towards issue 3's AR-step bars.
+
+Why: the fused decode step (models/fused_decode.py, six launches a layer) sits at 1.97x the bytes/bandwidth floor at
+the Qwen2.5-1.5B shape and 1.27x at Qwen3-8B's on the H200 (session 21). Per launch it pays the graph's ~1.1 us
+kernel boundary, then a ramp (every program issues its first loads at once and waits a DRAM latency) and a tail
+(the last programs finish alone); the small launches (qkv 6 MB, o_proj 5 MB, attention, RoPE) are almost nothing
+else. Micro-fusions inside the six launches, PDL with a weight prefetch and L2 warming on a side stream all lost
+(BENCHMARKS.md sessions 13-21). Here the launch boundaries go: one program per SM stays resident for the whole
+step and walks the phases
+
+    per layer:  [input RMSNorm + qkv GEMV (+ bias)]
+                [q/k norm + RoPE + K/V write + attention slices; the last slice of a head merges]
+                [o_proj GEMV + residual]
+                [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
+                [down GEMV + residual]
+    then:       [final RMSNorm + LM head GEMV]
+
+with a barrier after each phase (an atomic count at gpu scope, then a spin on it: `_grid_sync`). Each GEMV phase
+gives every program one contiguous range of ceil(N / programs) output rows, so the work is balanced to a row
+whatever N is (a grid of BLOCK_N tiles leaves a partial last wave: gate/up's 560 tiles of 16 on 132 SMs are 4.24
+waves).
+
+Exactness: every phase reuses the six-launch path's own Triton helpers (`_norm_rstd`/`_norm_h`/`_epilogue` of
+kernels/gemv_fused.py, `_cos_sin_row`/`_norm_rope_rows` of kernels/rope.py, `_slice_partial`/`_store_partial`/
+`_merge_store` of kernels/decode_attention.py), so the eager modules' rounding points are the same; only the GEMVs'
+fp32 summation order may differ (as any GEMV's).
+
+Memory ordering: every intermediate (the residual stream after each layer, qkv, attention output, h, SiLU*up, the
+attention partials) has one buffer PER LAYER, so within a launch each address is written once and only read after
+the barrier that follows its write: no SM can hold a stale L1 line of it (L1 starts empty each launch). The
+barrier is the CTA-barrier-then-release / acquire pattern of the attention's one-launch merge; the spin reads the
+counter with volatile loads (L2), then one acquire atomic orders what follows.
+
+Co-residency: a grid barrier needs every program resident at once, so the grid is at most one program per SM
+(`DecodeMegakernel(programs=...)` defaults to the SM count) and nothing else may occupy the GPU's SMs meanwhile
+(inside the engine's CUDA graph nothing does). On the CPU interpreter (TRITON_INTERPRET=1), which runs programs one
+after another, only a grid of ONE program can pass a barrier: the tests run it so (every phase's code, the barrier
+included), and the GPU scripts check the 132-program grid against the six-launch step (scripts/gpu_megakernel.py).
+
+Status: an experiment (not an EngineConfig switch yet): it enters the engine only if the H200 says it is faster.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specpilot.kernels.decode_attention import _pow2
+
+try:
+    import triton
+    import triton.language as tl
+
+    from specpilot.kernels.decode_attention import _merge_store, _slice_partial, _store_partial
+    from specpilot.kernels.gemv_fused import _epilogue, _norm_h, _norm_rstd
+    from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows
+except ImportError:  # CPU-only installs
+    triton = None
+
+SPLIT_S, BLOCK_S = 128, 64  # attention key slice per task and its inner block (decode_attention's one-launch split)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grid_sync(bar_ptr, target):
+        """Wait until `target` arrivals are counted on bar_ptr (barrier k of a launch: k * programs), counting this
+        program in first. Every thread's earlier stores happen before the CTA barrier; thread 0's release atomic
+        publishes them at gpu scope; the spin's volatile loads read L2; the acquire atomic orders what follows."""
+        tl.debug_barrier()
+        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        seen = tl.load(bar_ptr, volatile=True)
+        while seen < target:
+            seen = tl.load(bar_ptr, volatile=True)
+        tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _gemv_range(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, eps, pid, programs,
+                    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+                    ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's rows [r0, r1) of y = epilogue(W @ norm(x)), r1 - r0 = ceil(N / programs): the one-row
+        loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over BLOCK_N-row chunks of the range (W [N, K]
+        row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n)."""
+        dt = y_ptr.dtype.element_ty
+        per = tl.cdiv(N, programs)
+        r0 = pid * per
+        r1 = tl.minimum(r0 + per, N)
+        if HAS_NORM:
+            rstd = _norm_rstd(x_ptr, K, eps, K_P2)
+        else:
+            rstd = 1.0
+        for n0 in range(r0, r1, BLOCK_N):
+            n_offs = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n_offs < r1
+            rows = n_offs.to(tl.int64)[:, None] * K
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_offs = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k_offs < K
+                h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+                if HAS_NORM:
+                    h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt,
+                                ON_GPU)
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
+                acc += w.to(tl.float32) * h[None, :]
+                if SILU_MUL:
+                    wu = tl.load(w_ptr + rows + N * K + k_offs[None, :], mask=w_mask, other=0.0)
+                    acc_up += wu.to(tl.float32) * h[None, :]
+            y = tl.sum(acc, axis=1)
+            u = tl.sum(acc_up, axis=1)
+            _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+
+    @triton.jit
+    def _attention_tasks(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, o_ptr, m_ptr, l_ptr, out_ptr,
+                         cnt_ptr, p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, scale, eps,
+                         H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, PREC: tl.constexpr,
+                         UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, Q_NORM: tl.constexpr,
+                         K_NORM: tl.constexpr):
+        """One layer's attention for the token at position p: tasks (kv head hk, key slice s) for the slices at or
+        below p, dealt round-robin to the programs; kernels/rope_attention.py's program body per task (q rotated
+        by every task, the new K/V in registers, slot p written once), the last slice of each head merging into
+        out [H_Q * D]."""
+        G: tl.constexpr = H_Q // H_KV
+        n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
+        r = tl.arange(0, BLOCK_R)
+        pos = tl.where(r < G, p, -1)
+        c, s_signed, cols, partner = _cos_sin_row(cos_ptr, sin_ptr, 0, 0, 0, 0, 0, 0, D)
+        for task in range(pid, H_KV * n_used, programs):
+            hk = task % H_KV
+            s = task // H_KV
+            q, q_valid = _norm_rope_rows(qkv_ptr + hk * G * D, qw_ptr, G, D, c, s_signed, cols, partner, eps, D,
+                                         BLOCK_R, Q_NORM)
+            if UPCAST:
+                q = q.to(tl.float32)
+            k_new, k_valid = _norm_rope_rows(qkv_ptr + (H_Q + hk) * D, kw_ptr, 1, D, c, s_signed, cols, partner,
+                                             eps, D, 1, K_NORM)
+            v_new = tl.load(qkv_ptr + (H_Q + H_KV + hk) * D + cols)[None, :]
+            slot = p.to(tl.int64)
+            if (slot < S) & (s == slot // SPLIT_S):  # the one writer of the new token's slot
+                tl.store(kc_ptr + hk * skc_h + slot * skc_s + cols[None, :], k_new)
+                tl.store(vc_ptr + hk * svc_h + slot * svc_s + cols[None, :], v_new)
+            m_i, l_i, acc = _slice_partial(q, pos, kc_ptr, vc_ptr, 0, hk, s * SPLIT_S, 0, skc_h, skc_s, 0, svc_h,
+                                           svc_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST, k_new, v_new,
+                                           slot, True)
+            _store_partial(o_ptr, m_ptr, l_ptr, (hk * NUM_SPLITS + s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + hk, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_used - 1:  # the head's last slice: merge its partials (read from L2: ".cg")
+                _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, 0, hk, 0, hk, n_used, 0, D, 0, 1, G, NUM_SPLITS, D,
+                             BLOCK_R, ".cg", SPLITS_P2)
+                tl.store(cnt_ptr + hk, 0)  # back to zero for the next launch
+
+    @triton.jit
+    def _decode_step_kernel(
+            tok_ptr, pos_ptr, emb_ptr, cos_ptr, sin_ptr,
+            n1_ptr, wqkv_ptr, bqkv_ptr, qn_ptr, kn_ptr, wo_ptr, n2_ptr, wgu_ptr, wd_ptr, fn_ptr, lm_ptr,
+            kc_ptr, vc_ptr, skc_l, skc_h, skc_s, svc_l, svc_h, svc_s, S,
+            xs_ptr, qkv_ptr, att_ptr, hs_ptr, act_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, bar_ptr, logits_ptr,
+            L, V, eps, scale,
+            HID: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, ON_GPU: tl.constexpr, UPCAST: tl.constexpr,
+            PREC: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, HID_P2: tl.constexpr, INTER_P2: tl.constexpr,
+            BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+            BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
+            BK_D: tl.constexpr, BK_LM: tl.constexpr):
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
+        NQ: tl.constexpr = H_Q * D
+        PART: tl.constexpr = H_KV * NUM_SPLITS * BLOCK_R  # one layer's partial rows
+        tok = tl.load(tok_ptr).to(tl.int64)
+        p = tl.load(pos_ptr).to(tl.int64)
+        cos_row = cos_ptr + p * D
+        sin_row = sin_ptr + p * D
+        barrier = 0
+        for layer in range(0, L):
+            if layer == 0:
+                x_in = emb_ptr + tok * HID
+            else:
+                x_in = xs_ptr + (layer - 1) * HID
+            qkv = qkv_ptr + layer * NQKV
+            att = att_ptr + layer * NQ
+            hs = hs_ptr + layer * HID
+            act = act_ptr + layer * INTER
+            # [input RMSNorm + qkv GEMV (+ bias)]
+            _gemv_range(x_in, n1_ptr + layer * HID, wqkv_ptr + layer * NQKV * HID, bqkv_ptr + layer * NQKV, x_in,
+                        qkv, NQKV, HID, eps, pid, programs, True, HAS_BIAS, False, False, ON_GPU, HID_P2, BN_QKV,
+                        BK_QKV)
+            barrier += 1
+            _grid_sync(bar_ptr, barrier * programs)
+            # [q/k norm + RoPE + K/V write + attention; the last slice of a head merges]
+            _attention_tasks(qkv, cos_row, sin_row, qn_ptr + layer * D, kn_ptr + layer * D, kc_ptr + layer * skc_l,
+                             vc_ptr + layer * svc_l, po_ptr + layer * PART * D, pm_ptr + layer * PART,
+                             pl_ptr + layer * PART, att, cnt_ptr + layer * H_KV, p, pid, programs, skc_h, skc_s,
+                             svc_h, svc_s, S, scale, eps, H_Q, H_KV, D, NUM_SPLITS, BLOCK_R, BLOCK_S, SPLIT_S,
+                             PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM)
+            barrier += 1
+            _grid_sync(bar_ptr, barrier * programs)
+            # [o_proj GEMV + residual]
+            _gemv_range(att, n1_ptr, wo_ptr + layer * HID * NQ, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs,
+                        False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O)
+            barrier += 1
+            _grid_sync(bar_ptr, barrier * programs)
+            # [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
+            _gemv_range(hs, n2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID, bqkv_ptr, hs, act, INTER, HID,
+                        eps, pid, programs, True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU)
+            barrier += 1
+            _grid_sync(bar_ptr, barrier * programs)
+            # [down GEMV + residual] -> the next layer's input
+            _gemv_range(act, n2_ptr, wd_ptr + layer * HID * INTER, bqkv_ptr, hs, xs_ptr + layer * HID, HID, INTER,
+                        eps, pid, programs, False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D)
+            barrier += 1
+            _grid_sync(bar_ptr, barrier * programs)
+        # [final RMSNorm + LM head]
+        _gemv_range(xs_ptr + (L - 1) * HID, fn_ptr, lm_ptr, bqkv_ptr, xs_ptr, logits_ptr, V, HID, eps, pid,
+                    programs, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM)
+
+
+def _blocks(n: int, k: int, programs: int, cap_n: int, tile_bytes: int, elt: int, paired: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a GEMV phase: BLOCK_N the power of two >= a program's rows (at most cap_n: then
+    several chunks), BLOCK_K as wide as puts ~tile_bytes of weights in flight per program and K step (gate and up
+    count twice). Why wide: one program per SM has only its own loads in flight (the six-launch path has several
+    CTAs per SM), and HBM needs ~4.2 TB/s x ~1.5 us / 132 SMs ~ 48 KB in flight per SM to stream at full rate."""
+    bn = max(16, min(cap_n, _pow2(-(-n // programs))))
+    bk = tile_bytes // (elt * bn * (2 if paired else 1))
+    bk = max(64, min(_pow2(k), 1 << max(0, bk.bit_length() - 1)))  # a power of two <= the byte budget
+    return bn, bk
+
+
+class DecodeMegakernel:
+    """The one-launch decode step of a DenseLM (models/dense.py; its projections fused) over its KVCache.
+
+    Holds the model's weights stacked per kind ([L, N, K]: copies, so ~2x the weights' memory while it exists; an
+    engine integration would make the modules' parameters views of these) and the per-layer scratch. `step(token,
+    position)` (one-element int64 device tensors: CUDA-graph safe, no host sync) writes the token's K/V into the
+    cache and returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
+
+    def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
+                 cap_n: int = 64):
+        if triton is None:
+            raise RuntimeError("DecodeMegakernel needs triton")
+        cfg = model.config
+        layers = model.model.layers
+        a0 = layers[0].self_attn
+        if not hasattr(a0, "qkv_proj") or not hasattr(layers[0].mlp, "gate_up_proj"):
+            raise ValueError("DecodeMegakernel needs fused projections (DenseLM.fuse_projections())")
+        if cache.batch_size != 1:
+            raise ValueError(f"DecodeMegakernel runs batch 1, the cache holds {cache.batch_size} rows")
+        dev = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.L, self.H, self.V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+        self.Hq, self.Hkv, self.D, self.I = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                             cfg.intermediate_size)
+        if self.Hq % self.Hkv or self.Hq // self.Hkv > 32 or self.D < 16 or self.D & (self.D - 1):
+            raise ValueError(f"DecodeMegakernel: heads {self.Hq}/{self.Hkv}, head_dim {self.D} not supported")
+        self.eps = layers[0].input_layernorm.eps
+        stack = lambda f: torch.stack([f(layer).detach() for layer in layers]).contiguous()  # noqa: E731
+        self.n1 = stack(lambda m: m.input_layernorm.weight)
+        self.wqkv = stack(lambda m: m.self_attn.qkv_proj.weight)
+        self.has_bias = a0.qkv_proj.bias is not None
+        self.bqkv = stack(lambda m: m.self_attn.qkv_proj.bias) if self.has_bias else self.n1
+        self.qk_norm = a0.q_norm is not None
+        self.qn = stack(lambda m: m.self_attn.q_norm.weight) if self.qk_norm else self.n1
+        self.kn = stack(lambda m: m.self_attn.k_norm.weight) if self.qk_norm else self.n1
+        self.wo = stack(lambda m: m.self_attn.o_proj.weight)
+        self.n2 = stack(lambda m: m.post_attention_layernorm.weight)
+        self.wgu = stack(lambda m: m.mlp.gate_up_proj.weight)
+        self.wd = stack(lambda m: m.mlp.down_proj.weight)
+        self.fn = model.model.norm.weight.detach()
+        self.lm = model.lm_head.weight.detach()
+        self.emb = model.model.embed_tokens.weight.detach()
+        self.cache = cache
+        S = cache.max_seq_len
+        inv = model.inv_freq.float()
+        freqs = torch.arange(S, device=dev, dtype=torch.float32)[:, None] * inv  # as DenseLM.forward, per position
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.dtype).contiguous(), emb.sin().to(self.dtype).contiguous()
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        programs = sms if programs is None else programs
+        if not 1 <= programs <= sms and dev.type == "cuda":  # more than one per SM could leave one unscheduled
+            raise ValueError(f"DecodeMegakernel: programs {programs} must be 1..{sms} (one per SM at most)")
+        self.programs, self.num_warps = programs, num_warps
+        self.splits = -(-S // SPLIT_S)
+        self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
+        L, H, D = self.L, self.H, self.D
+        f32 = dict(dtype=torch.float32, device=dev)
+        new = lambda *shape: torch.zeros(*shape, dtype=self.dtype, device=dev)  # noqa: E731
+        self.xs, self.qkv, self.att = new(L, H), new(L, (self.Hq + 2 * self.Hkv) * D), new(L, self.Hq * D)
+        self.hs, self.act, self.logits = new(L, H), new(L, self.I), new(self.V)
+        part = L * self.Hkv * self.splits * self.block_r
+        self.po, self.pm, self.pl = torch.zeros(part, D, **f32), torch.zeros(part, **f32), torch.zeros(part, **f32)
+        self.cnt = torch.zeros(L * self.Hkv, dtype=torch.int32, device=dev)
+        self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
+        P, elt = programs, self.wqkv.element_size()
+        self.blocks = {}
+        for tag, n, k, paired in (("QKV", (self.Hq + 2 * self.Hkv) * D, H, False), ("O", H, self.Hq * D, False),
+                                  ("GU", self.I, H, True), ("D", H, self.I, False), ("LM", self.V, H, False)):
+            self.blocks[f"BN_{tag}"], self.blocks[f"BK_{tag}"] = _blocks(n, k, P, cap_n, tile_bytes, elt, paired)
+        self.compiled = None  # the launched kernel (registers / spills: `compiled.n_regs`, on a GPU)
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """token, position: [1] int64 on the model's device -> logits [V] fp32 (the K/V of the token written)."""
+        if token.numel() != 1 or position.numel() != 1:
+            raise ValueError("DecodeMegakernel.step takes one token and its position")
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if interp and self.programs != 1:
+            raise ValueError("under TRITON_INTERPRET=1 programs run one after another: only programs=1 passes a "
+                             "grid barrier")
+        self.bar.zero_()
+        c = self.cache
+        k, v = c.k[:, 0], c.v[:, 0]  # [L, Hkv, S, D]
+        self.compiled = _decode_step_kernel[(self.programs,)](
+            token, position, self.emb, self.cos, self.sin,
+            self.n1, self.wqkv, self.bqkv, self.qn, self.kn, self.wo, self.n2, self.wgu, self.wd, self.fn, self.lm,
+            k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), c.max_seq_len,
+            self.xs, self.qkv, self.att, self.hs, self.act, self.po, self.pm, self.pl, self.cnt, self.bar,
+            self.logits, self.L, self.V, self.eps, self.D ** -0.5,
+            HID=self.H, H_Q=self.Hq, H_KV=self.Hkv, D=self.D, INTER=self.I, HAS_BIAS=self.has_bias,
+            QK_NORM=self.qk_norm, ON_GPU=not interp, UPCAST=interp,
+            PREC="ieee" if self.dtype == torch.float32 else "tf32", NUM_SPLITS=self.splits,
+            SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=SPLIT_S,
+            HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
+            **self.blocks,
+        )
+        return self.logits.float()

@@ -1,0 +1,94 @@
+"""The one-launch decode step (kernels/megakernel.py) against the model's regular path, on the CPU interpreter.
+
+TRITON_INTERPRET=1 (conftest) runs programs one after another, so only a grid of one program can pass the grid
+barriers: that program walks every phase's tasks (all GEMV rows, every attention slice and the merges), the
+barrier code included. The 132-program grid is checked on the GPU (scripts/gpu_megakernel.py).
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+
+
+def _regular(model, ids, start: int, steps: int, pool: int):
+    """Prefill ids[:start], then one-token steps on the regular path: -> (per-step fp32 logits, cache)."""
+    cache = model.new_cache(1, pool)
+    pos = torch.arange(ids.shape[1])[None]
+    out = []
+    with torch.no_grad():
+        model(ids[:, :start], pos[:, :start], cache, kv_len=start)
+        for t in range(start, start + steps):
+            out.append(model.logits(model(ids[:, t:t + 1], pos[:, t:t + 1], cache, kv_len=None))[0, 0])
+    return out, cache
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_megakernel_steps_match_the_regular_path(tiny_model_dir, family):
+    from specpilot.kernels.megakernel import DecodeMegakernel
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir(family)).fuse_projections()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pool = 160  # > SPLIT_S: the last steps' context stays in slice 0, the pool has two slices
+    ref, ref_cache = _regular(model, ids, 6, 4, pool)
+    cache = model.new_cache(1, pool)
+    with torch.no_grad():
+        model(ids[:, :6], torch.arange(6)[None], cache, kv_len=6)
+        mk = DecodeMegakernel(model, cache, programs=1)
+        got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in range(6, 10)]
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < 1e-4
+        assert a.argmax() == b.argmax()
+    assert (ref_cache.k - cache.k).abs().max().item() < 1e-5 and (ref_cache.v - cache.v).abs().max().item() < 1e-5
+    assert cache.k[:, :, :, 10:].abs().max().item() == 0  # nothing written past the last position
+    assert mk.bar.item() == 5 * model.config.num_hidden_layers  # every barrier counted once (one program)
+    assert mk.cnt.abs().sum().item() == 0  # the merge counters are back at zero for the next launch
+
+
+def test_megakernel_attends_across_slices(tiny_model_dir):
+    """A position past the first 128-key slice: two slices of a head, merged by the last."""
+    from specpilot.kernels import megakernel
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen2")).fuse_projections()
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 132))
+    ref, ref_cache = _regular(model, ids, 130, 2, 256)
+    cache = model.new_cache(1, 256)
+    with torch.no_grad():
+        model(ids[:, :130], torch.arange(130)[None], cache, kv_len=130)
+        mk = megakernel.DecodeMegakernel(model, cache, programs=1)
+        got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in (130, 131)]
+    assert mk.splits == 2
+    for a, b in zip(ref, got):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_megakernel_rejects_what_it_cannot_run(tiny_model_dir):
+    from specpilot.kernels.megakernel import DecodeMegakernel
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen2"))
+    with pytest.raises(ValueError, match="fused projections"):
+        DecodeMegakernel(model, model.new_cache(1, 16))
+    model.fuse_projections()
+    with pytest.raises(ValueError, match="batch 1"):
+        DecodeMegakernel(model, model.new_cache(2, 16))
+    mk = DecodeMegakernel(model, model.new_cache(1, 16), programs=2)
+    with pytest.raises(ValueError, match="one after another"):
+        mk.step(torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="one token"):
+        DecodeMegakernel(model, model.new_cache(1, 16), programs=1).step(torch.tensor([1, 2]), torch.tensor([0]))
+
+
+def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
+    """tests/megakernel_ptx.py compiles the step for sm_90 at the 1.5B shape (no GPU needed): the barrier's
+    release arrivals, volatile polling and acquire, and the merge's L2-only loads are in the PTX."""
+    r = sm90_report("megakernel_ptx.py")
+    assert "red.global.gpu.release.add.u32" in r["atomics"]  # the barrier's arrival (5 a layer, one site each)
+    assert "atom.global.gpu.acq_rel.add.u32" in r["atomics"]  # the attention merge's arrival
+    assert r["volatile_loads"] >= 5 and r["acquire_loads"] >= 5  # every barrier polls L2, then acquires
+    assert r["cg_loads"] > 0  # the merge reads the partials from L2
+    assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
