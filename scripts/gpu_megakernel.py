@@ -13,7 +13,8 @@ skipped. The grid barrier needs every program resident: run this under `timeout`
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
-       [--variants=P:W:TILE:CAP,...]   (P 0 = one per SM; default 0:8:32768:64,0:4:16384:64,0:8:65536:64,0:16:65536:128)
+       [--variants=P:W:TILE:CAP[:PF],...]   (P 0 = one per SM; PF: bytes of each program's gate rows and up rows
+       warmed in L2 with its o_proj rows during the attention phase, default -1 = none; default variants: below)
 (`--cpu-smoke`: the parity part only, on a tiny fp32 Qwen2-shaped model on the CPU, one program under
 TRITON_INTERPRET=1.) Last stdout line: one JSON object.
 """
@@ -36,7 +37,7 @@ from specpilot.models import random_model
 
 POOL, CONTEXT = 4096, 512
 DEV = "cuda"
-DEFAULT_VARIANTS = "0:8:32768:64,0:4:16384:64,0:8:65536:64,0:16:65536:128"
+DEFAULT_VARIANTS = "0:8:32768:64,0:4:16384:64,0:8:65536:64,0:16:65536:128,0:8:32768:64:131072"
 
 
 def _fused(model):
@@ -131,7 +132,8 @@ def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
         del runner
         torch.cuda.empty_cache()
         for i, v in enumerate(variants):
-            tag = f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}"
+            tag = f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}" + (
+                f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
             kw = {**v, "programs": v["programs"] or None}
             try:
                 if i == 0:
@@ -171,11 +173,15 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, list[dict]]:
     variants = []
     for item in spec.split(","):
         try:
-            p, w, t, c = (int(x) for x in item.split(":"))
+            vals = [int(x) for x in item.split(":")]
+            if len(vals) not in (4, 5):
+                raise ValueError
         except ValueError:
-            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP (four integers), got {item!r}", file=sys.stderr)
+            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF] (four or five integers), got {item!r}",
+                  file=sys.stderr)
             sys.exit(2)
-        variants.append({"programs": p, "num_warps": w, "tile_bytes": t, "cap_n": c})
+        p, w, t, c, pf = vals + [-1] * (5 - len(vals))
+        variants.append({"programs": p, "num_warps": w, "tile_bytes": t, "cap_n": c, "prefetch_gu": pf})
     return shapes or ["qwen2.5-1.5b", "qwen3-8b"], steps, variants
 
 

@@ -47,8 +47,9 @@ def test_megakernel_steps_match_the_regular_path(tiny_model_dir, family):
     assert mk.cnt.abs().sum().item() == 0  # the merge counters are back at zero for the next launch
 
 
-def test_megakernel_attends_across_slices(tiny_model_dir):
-    """A position past the first 128-key slice: two slices of a head, merged by the last."""
+@pytest.mark.parametrize("split_s, slices", [(128, 2), (64, 4)])
+def test_megakernel_attends_across_slices(tiny_model_dir, split_s, slices):
+    """A position past the first key slice: two or three slices of a head, merged by the last."""
     from specpilot.kernels import megakernel
     from specpilot.models import load_model
 
@@ -59,9 +60,9 @@ def test_megakernel_attends_across_slices(tiny_model_dir):
     cache = model.new_cache(1, 256)
     with torch.no_grad():
         model(ids[:, :130], torch.arange(130)[None], cache, kv_len=130)
-        mk = megakernel.DecodeMegakernel(model, cache, programs=1)
+        mk = megakernel.DecodeMegakernel(model, cache, programs=1, split_s=split_s)
         got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in (130, 131)]
-    assert mk.splits == 2
+    assert mk.splits == slices
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() < 1e-4
 
@@ -79,6 +80,8 @@ def test_megakernel_rejects_what_it_cannot_run(tiny_model_dir):
     mk = DecodeMegakernel(model, model.new_cache(1, 16), programs=2)
     with pytest.raises(ValueError, match="one after another"):
         mk.step(torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="multiple of"):
+        DecodeMegakernel(model, model.new_cache(1, 16), programs=1, split_s=96)
     with pytest.raises(ValueError, match="one token"):
         DecodeMegakernel(model, model.new_cache(1, 16), programs=1).step(torch.tensor([1, 2]), torch.tensor([0]))
 
@@ -92,3 +95,4 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["volatile_loads"] >= 5 and r["acquire_loads"] >= 5  # every barrier polls L2, then acquires
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
+    assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked

@@ -32,6 +32,13 @@ the barrier that follows its write: no SM can hold a stale L1 line of it (L1 sta
 barrier is the CTA-barrier-then-release / acquire pattern of the attention's one-launch merge; the spin reads the
 counter with volatile loads (L2), then one acquire atomic orders what follows.
 
+L2 warming (`prefetch_gu` >= 0, off by default): the attention phase keeps only H_kv x slices programs busy (8 of
+132 at the 1.5B shape and a 512-token context) and HBM idles; with it every program first issues L2 prefetches
+(`prefetch.global.L2::evict_last` per 128-byte line, as kernels/l2_prefetch.py "prefetch") for the o_proj rows it
+will compute next and the first `prefetch_gu` bytes of its gate rows and of its up rows, so those loads hit L2.
+(As a side stream, l2_prefetch lost: it competed with the layer's own launches for SMs; here it runs on programs
+that would otherwise wait at the barrier.)
+
 Co-residency: a grid barrier needs every program resident at once, so the grid is at most one program per SM
 (`DecodeMegakernel(programs=...)` defaults to the SM count) and nothing else may occupy the GPU's SMs meanwhile
 (inside the engine's CUDA graph nothing does). On the CPU interpreter (TRITON_INTERPRET=1), which runs programs one
@@ -76,6 +83,38 @@ if triton is not None:
             seen = tl.load(bar_ptr, volatile=True)
         tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
+
+    _PREFETCH_PTX = tl.constexpr("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
+
+    @triton.jit
+    def _prefetch_l2(b_ptr, nbytes, LINES: tl.constexpr):
+        """One `prefetch.global.L2::evict_last` per 128-byte line of bytes [0, nbytes) from byte pointer b_ptr (no
+        data comes back: the next phase's loads of these weights then hit L2). -> a dummy sum (keeps the asm)."""
+        done = tl.zeros((LINES,), dtype=tl.int32)
+        for i in range(0, nbytes, LINES * 128):
+            offs = i + tl.arange(0, LINES) * 128
+            ptrs = b_ptr + tl.where(offs < nbytes, offs, 0).to(tl.int64)
+            done += tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+        return tl.sum(done, axis=0)
+
+    @triton.jit
+    def _prefetch_next(wo_ptr, wgu_ptr, pid, programs, HID: tl.constexpr, NQ: tl.constexpr, INTER: tl.constexpr,
+                       ELT: tl.constexpr, GU_BYTES: tl.constexpr, LINES: tl.constexpr):
+        """While the attention phase runs (a few programs busy, HBM idle): this program's o_proj rows and the first
+        GU_BYTES of its gate rows and of its up rows into L2 (the ranges `_gemv_range` gives it next)."""
+        per_o = tl.cdiv(HID, programs)
+        o0 = tl.minimum(pid * per_o, HID)
+        o1 = tl.minimum(o0 + per_o, HID)
+        wo_b = wo_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        done = _prefetch_l2(wo_b + o0.to(tl.int64) * NQ * ELT, (o1 - o0) * NQ * ELT, LINES)
+        per_g = tl.cdiv(INTER, programs)
+        g0 = tl.minimum(pid * per_g, INTER)
+        g1 = tl.minimum(g0 + per_g, INTER)
+        gbytes = tl.minimum((g1 - g0) * HID * ELT, GU_BYTES)
+        wgu_b = wgu_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        done += _prefetch_l2(wgu_b + g0.to(tl.int64) * HID * ELT, gbytes, LINES)
+        done += _prefetch_l2(wgu_b + (INTER + g0).to(tl.int64) * HID * ELT, gbytes, LINES)
+        return done
 
     @triton.jit
     def _gemv_range(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, eps, pid, programs,
@@ -169,7 +208,7 @@ if triton is not None:
             BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, HID_P2: tl.constexpr, INTER_P2: tl.constexpr,
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
-            BK_D: tl.constexpr, BK_LM: tl.constexpr):
+            BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
@@ -196,6 +235,9 @@ if triton is not None:
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             # [q/k norm + RoPE + K/V write + attention; the last slice of a head merges]
+            if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention
+                _prefetch_next(wo_ptr + layer * HID * NQ, wgu_ptr + layer * 2 * INTER * HID, pid, programs, HID, NQ,
+                               INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8, PF_GU, 256)
             _attention_tasks(qkv, cos_row, sin_row, qn_ptr + layer * D, kn_ptr + layer * D, kc_ptr + layer * skc_l,
                              vc_ptr + layer * svc_l, po_ptr + layer * PART * D, pm_ptr + layer * PART,
                              pl_ptr + layer * PART, att, cnt_ptr + layer * H_KV, p, pid, programs, skc_h, skc_s,
@@ -243,7 +285,7 @@ class DecodeMegakernel:
     cache and returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
-                 cap_n: int = 64):
+                 cap_n: int = 64, prefetch_gu: int = -1, split_s: int = SPLIT_S):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -287,7 +329,13 @@ class DecodeMegakernel:
         if not 1 <= programs <= sms and dev.type == "cuda":  # more than one per SM could leave one unscheduled
             raise ValueError(f"DecodeMegakernel: programs {programs} must be 1..{sms} (one per SM at most)")
         self.programs, self.num_warps = programs, num_warps
-        self.splits = -(-S // SPLIT_S)
+        if split_s % BLOCK_S or split_s < BLOCK_S:
+            raise ValueError(f"DecodeMegakernel: split_s {split_s} must be a multiple of {BLOCK_S}")
+        self.split_s = split_s
+        self.splits = -(-S // split_s)
+        # prefetch_gu: bytes of each program's gate rows (and as many of its up rows) warmed in L2 during the
+        # attention phase, with all its o_proj rows; -1 = no warming (the interpreter cannot run the asm)
+        self.prefetch_gu = prefetch_gu
         self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
         L, H, D = self.L, self.H, self.D
         f32 = dict(dtype=torch.float32, device=dev)
@@ -325,7 +373,8 @@ class DecodeMegakernel:
             HID=self.H, H_Q=self.Hq, H_KV=self.Hkv, D=self.D, INTER=self.I, HAS_BIAS=self.has_bias,
             QK_NORM=self.qk_norm, ON_GPU=not interp, UPCAST=interp,
             PREC="ieee" if self.dtype == torch.float32 else "tf32", NUM_SPLITS=self.splits,
-            SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=SPLIT_S,
+            SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=self.split_s,
+            PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
