@@ -8,7 +8,8 @@ norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, 
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
-graph, prefill_graphs: a prompt's prefill from its padded length's graph, dflash, early_draft: the next
+graph, prefill_graphs: a prompt's prefill from its padded length's graph, megakernel: every one-token step as one
+persistent launch, dflash, early_draft: the next
 DFlash block launched before the host reads the verdict, batch, lossless12).
 `--only=pdl,fused_decode` runs just those sections (after the eager AR reference; the base variants are skipped);
 `--help`: this text. Last stdout line: one JSON object.
@@ -30,7 +31,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "dflash", "early_draft",
+            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash",
+            "early_draft",
             "adaptive", "batch", "lossless12")
 
 
@@ -323,6 +325,25 @@ def main(only: tuple[str, ...] = ()) -> int:
             if runs != len(prompts):
                 problems.append(f"{name}_prefill_graphs: {runs} graphed prefills of {len(prompts)}")
 
+    def megakernel():
+        # every one-token step of one row through one persistent launch (EngineConfig.megakernel,
+        # kernels/megakernel.py): AR, and a small model drafter whose target and drafter runners both take it,
+        # against the same engines with it off (graphed: the 132-program grid inside the bucket's graph)
+        for name, c, d in (("ar", base, None), ("spec_other", base.with_(drafter_kind="model"), other)):
+            on_cfg = c.with_(megakernel=True)
+            t_on = copy.deepcopy(target).fuse_projections()  # (it reads the fused qkv / gate+up weights)
+            d_on = copy.deepcopy(d).fuse_projections() if d is not None else None
+            eng = Engine(t_on, on_cfg, build_drafter(on_cfg, d_on, t_on))
+            on = [eng.generate(p) for p in prompts]
+            off = [Engine(target, c, build_drafter(c, d, target)).generate(p) for p in prompts]
+            equals_off(f"{name}_megakernel_equals_off", on, off)
+            taken = [eng.runner.megakernel is not None]
+            if d_on is not None:  # the small drafter's own runner too
+                taken.append(getattr(getattr(eng.drafter, "inner", eng.drafter), "runner").megakernel is not None)
+            print(f"{name}_megakernel_taken", taken, flush=True)
+            if not all(taken):
+                problems.append(f"{name}_megakernel: taken {taken} (target, drafter)")
+
     def dflash_net():
         from specpilot.models.dflash import DFlashDrafter
         from specpilot.train.dflash_init import new_drafter_config
@@ -396,7 +417,8 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "l2_prefetch": l2_prefetch,
-              "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "dflash": dflash,
+              "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
+              "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
     for name in SECTIONS:
         if not only or name in only:

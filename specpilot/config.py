@@ -122,6 +122,12 @@ class EngineConfig:
     # attention, o_proj: HBM mostly idle) run, so the gate/up GEMV (the layer's largest read) finds it there
     # (kernels/l2_prefetch.py). Same numbers; 0 = off. Off: slower in all three of its modes on the H200 (session
     # 21: 1.5B step 1.458 -> 1.718-4.213 ms, Qwen3-8B 4.613 -> 4.885-5.620)
+    megakernel: bool = False  # CUDA, fused projections, one row: every one-token step (AR decode, a small drafter's
+    # passes; not a DFlash target's, which must hand the drafter its layer features) as ONE persistent launch of one
+    # program per SM walking all layers, phases separated by grid barriers (kernels/megakernel.py): no launch
+    # boundaries, ramps or tails between the ~170 kernels of a fused step, the o_proj / gate-up GEMVs over balanced
+    # row ranges. Same numbers as the fused step up to GEMV summation order. Off: not yet measured on a GPU (session
+    # 22: CPU parity only; scripts/gpu_megakernel.py times it against the fused step)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU
@@ -184,6 +190,8 @@ class EngineConfig:
             raise ConfigError(f"early_draft must be true or false, got {self.early_draft!r}")
         if not isinstance(self.rope_in_attention, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"rope_in_attention must be true or false, got {self.rope_in_attention!r}")
+        if not isinstance(self.megakernel, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"megakernel must be true or false, got {self.megakernel!r}")
         if not isinstance(self.draft_chain_graph, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"draft_chain_graph must be true or false, got {self.draft_chain_graph!r}")
         if isinstance(self.prefill_graphs, bool) or not isinstance(self.prefill_graphs, int) or self.prefill_graphs < 0:

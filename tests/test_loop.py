@@ -115,12 +115,14 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "norm_epilogue", "rope_in_attention", "draft_chain_graph",
-                                                             "l2_prefetch", "pad_shapes", "prefill_graphs", "adaptive",
-                                                             "compile"]
+                                                             "norm_epilogue", "rope_in_attention", "megakernel",
+                                                             "draft_chain_graph", "l2_prefetch", "pad_shapes",
+                                                             "prefill_graphs", "adaptive", "compile"]
     assert REGISTRY["prefill_graphs"].candidates(gpu.config, gpu) == [{"prefill_graphs": 512}, {"prefill_graphs": 0}]
     assert "prefill_graphs" not in [m.name for m in applicable(gpu, gpu.config.with_(pad_shapes=False))]
     assert REGISTRY["draft_chain_graph"].candidates(gpu.config, gpu) == [{"draft_chain_graph": True}]
+    assert REGISTRY["megakernel"].candidates(gpu.config, gpu) == [{"megakernel": True}]
+    assert "megakernel" not in [m.name for m in applicable(gpu, gpu.config.with_(compile=True))]
     assert "draft_chain_graph" not in [m.name for m in applicable(gpu, gpu.config.with_(drafter_kind="ngram"))]
     assert REGISTRY["l2_prefetch"].candidates(gpu.config, gpu) == [{"l2_prefetch": 0.5}, {"l2_prefetch": 1.0}]
     assert "l2_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False,

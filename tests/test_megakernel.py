@@ -96,3 +96,50 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
     assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked
+
+
+def test_runner_one_token_steps_through_the_megakernel(tiny_model_dir):
+    """ModelRunner(megakernel=True) (EngineConfig.megakernel): its one-token steps (static bucket and unbucketed)
+    give the regular runner's logits, the layers' weights become views of the stacks (held once), and multi-token
+    steps and the prefill keep the regular path over those same weights."""
+    import copy
+
+    from specpilot.engine.runner import ModelRunner
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen3")).fuse_projections()
+    ref_model = copy.deepcopy(model)
+    fast = ModelRunner(model, model.new_cache(1, 64), buckets=(1, 3), static=True, megakernel=True)
+    ref = ModelRunner(ref_model, ref_model.new_cache(1, 64), buckets=(1, 3), static=True)
+    mk = fast.megakernel
+    assert mk is not None and mk.programs == 1
+    layer = model.model.layers[1]
+    assert layer.self_attn.qkv_proj.weight.data_ptr() == mk.wqkv[1].data_ptr()
+    assert layer.mlp.down_proj.weight.data_ptr() == mk.wd[1].data_ptr()
+    assert layer.self_attn.q_norm.weight.data_ptr() == mk.qn[1].data_ptr()
+    ids = torch.tensor([3, 9, 27, 4, 11, 5, 8, 2, 6, 7, 1, 12])
+    with torch.no_grad():
+        for r in (fast, ref):
+            r.prefill(ids[:5], 0)
+        for t in range(5, 8):  # one-token steps: the megakernel's
+            mk.bar.fill_(-1)
+            a, b = fast.step(ids[t:t + 1], t), ref.step(ids[t:t + 1], t)
+            assert (a - b).abs().max().item() < 1e-4
+            assert mk.bar.item() == 5 * model.config.num_hidden_layers  # the step ran the megakernel
+        mk.bar.fill_(-1)
+        a, b = fast.step(ids[8:11], 8), ref.step(ids[8:11], 8)  # a 3-token step: the regular path, shared weights
+        assert (a - b).abs().max().item() < 1e-4 and mk.bar.item() == -1
+    assert (fast.cache.k[:, :, :, :11] - ref.cache.k[:, :, :, :11]).abs().max().item() < 1e-5
+
+
+def test_megakernel_config_and_engine_switch(tiny_model_dir):
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _megakernel
+    from specpilot.errors import ConfigError
+    from specpilot.models import load_model
+
+    with pytest.raises(ConfigError, match="megakernel"):
+        EngineConfig(megakernel="false")
+    model = load_model(tiny_model_dir("qwen2"))
+    assert not _megakernel(EngineConfig(megakernel=True), model)  # CPU: the kernels stay off, as every kernel
+    assert not _megakernel(EngineConfig(), model)

@@ -59,6 +59,19 @@ def _head_dim_fits(model: DenseLM, field: str) -> bool:
     return False
 
 
+def _megakernel(config: EngineConfig, model: DenseLM) -> bool:
+    """Whether a runner's one-token steps go through the one-launch step (EngineConfig.megakernel): asked for, on a
+    GPU with Triton, over fused projections (it reads the fused qkv / gate+up weights), without compile (one opaque
+    launch; torch.compile would trace around it)."""
+    if not _kernel_on(config, "megakernel"):
+        return False
+    if not (config.fused_projections and hasattr(model.model.layers[0].self_attn, "qkv_proj")) or config.compile:
+        warnings.warn("megakernel needs fused_projections and no compile: one-token steps keep their path",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
 def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     """Run-time layout choices that keep the numbers: fused projections, the Triton GEMV and attention kernels."""
     if config.fused_projections:
@@ -188,7 +201,7 @@ def _build_drafter(config: EngineConfig, drafter_model, target: DenseLM) -> Draf
     buckets = tuple(sorted({1, 2, config.num_draft_tokens + 1, long + 1}))
     runner = ModelRunner(drafter_model, drafter_model.new_cache(1, config.max_seq_len), buckets=buckets,
                          cuda_graphs=config.cuda_graphs, compile=config.compile, pad_shapes=_pads(config),
-                         prefill_graphs=config.prefill_graphs)
+                         prefill_graphs=config.prefill_graphs, megakernel=_megakernel(config, drafter_model))
     chain = config.num_draft_tokens - 1 if config.draft_chain_graph and config.cuda_graphs else 0
     return SmallARDrafter(runner, config.sampling, gen, chain=chain)
 
@@ -204,7 +217,8 @@ class Engine:
                                   capture_layers=getattr(drafter, "target_layers", None),
                                   feature_fn=getattr(drafter, "features", None),
                                   greedy_verdict=drafter is not None and config.sampling.greedy and config.fused_accept,
-                                  pad_shapes=_pads(config), prefill_graphs=config.prefill_graphs)
+                                  pad_shapes=_pads(config), prefill_graphs=config.prefill_graphs,
+                                  megakernel=_megakernel(config, target))
         eos = () if config.ignore_eos else tuple(target.config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None and not config.ignore_eos:
             eos = (tokenizer.eos_token_id,)

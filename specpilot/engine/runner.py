@@ -45,8 +45,18 @@ class ModelRunner:
     def __init__(self, model: DenseLM, cache: KVCache, *, buckets: tuple[int, ...] = (), cuda_graphs: bool = False,
                  compile: bool = False, capture_layers: tuple[int, ...] | None = None, feature_fn=None,
                  greedy_verdict: bool = False, static: bool = False, pad_shapes: bool | None = None,
-                 prefill_graphs: int = 0):
+                 prefill_graphs: int = 0, megakernel: bool = False):
         self.model, self.cache = model, cache
+        # one-token steps of one row through ONE persistent launch (kernels/megakernel.py, EngineConfig.megakernel):
+        # only where no layer features are wanted (it returns logits), the model's weights then shared with it
+        self.megakernel = None
+        if megakernel and capture_layers is None and cache.batch_size == 1:
+            from specpilot.kernels.megakernel import DecodeMegakernel
+
+            try:
+                self.megakernel = DecodeMegakernel(model, cache, share_weights=True)
+            except ValueError as e:  # a shape it does not cover (head_dim, GQA group): the regular one-token path
+                warnings.warn(f"megakernel: {e}; one-token steps keep the fused path", RuntimeWarning, stacklevel=2)
         # with capture_layers (even empty), features of every processed token are kept after each call in
         # `last_hidden` [T, F]: `feature_fn(final_hidden, layer_outputs)` or, by default, the layer outputs
         # concatenated. A drafter conditioned on the target (DFlash) reads them.
@@ -81,6 +91,8 @@ class ModelRunner:
 
     def _run(self, ids, pos, kv_len=None, logits=True, is_causal=False):
         # -> (logits [T, V] or None, captured hidden [T, F] or None)
+        if self.megakernel is not None and logits and ids.shape == (1, 1):  # attends up to its position itself
+            return self.megakernel.step(ids[0], pos[0])[None], None
         out = self.model(ids, pos, self.cache, kv_len=kv_len, return_layers=self.capture_layers or (),
                          is_causal=is_causal)
         hidden, layers = out if self.capture_layers else (out, [])

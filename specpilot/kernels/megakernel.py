@@ -279,13 +279,15 @@ def _blocks(n: int, k: int, programs: int, cap_n: int, tile_bytes: int, elt: int
 class DecodeMegakernel:
     """The one-launch decode step of a DenseLM (models/dense.py; its projections fused) over its KVCache.
 
-    Holds the model's weights stacked per kind ([L, N, K]: copies, so ~2x the weights' memory while it exists; an
-    engine integration would make the modules' parameters views of these) and the per-layer scratch. `step(token,
-    position)` (one-element int64 device tensors: CUDA-graph safe, no host sync) writes the token's K/V into the
-    cache and returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
+    Holds the model's weights stacked per kind ([L, N, K]) and the per-layer scratch. With share_weights (the
+    engine's runner, EngineConfig.megakernel) the layers' parameters become views of the stacked tensors, so the
+    weights are held once and every other pass (prefill, verify blocks) reads the same memory; without it the
+    stacks are copies (~2x the layers' weights while it exists: the GPU script's A/B). `step(token, position)`
+    (one-element int64 device tensors: CUDA-graph safe, no host sync) writes the token's K/V into the cache and
+    returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
-                 cap_n: int = 64, prefetch_gu: int = -1, split_s: int = SPLIT_S):
+                 cap_n: int = 64, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -315,6 +317,17 @@ class DecodeMegakernel:
         self.n2 = stack(lambda m: m.post_attention_layernorm.weight)
         self.wgu = stack(lambda m: m.mlp.gate_up_proj.weight)
         self.wd = stack(lambda m: m.mlp.down_proj.weight)
+        if share_weights:  # each layer's parameter now a view of its stack: one copy of the weights
+            with torch.no_grad():
+                for i, layer in enumerate(layers):
+                    a, m = layer.self_attn, layer.mlp
+                    pairs = [(layer.input_layernorm.weight, self.n1), (a.qkv_proj.weight, self.wqkv),
+                             (a.o_proj.weight, self.wo), (layer.post_attention_layernorm.weight, self.n2),
+                             (m.gate_up_proj.weight, self.wgu), (m.down_proj.weight, self.wd)]
+                    pairs += [(a.qkv_proj.bias, self.bqkv)] if self.has_bias else []
+                    pairs += [(a.q_norm.weight, self.qn), (a.k_norm.weight, self.kn)] if self.qk_norm else []
+                    for param, stacked in pairs:
+                        param.data = stacked[i]
         self.fn = model.model.norm.weight.detach()
         self.lm = model.lm_head.weight.detach()
         self.emb = model.model.embed_tokens.weight.detach()

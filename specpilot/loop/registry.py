@@ -232,6 +232,11 @@ register(Mechanism(
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
+    "megakernel", ("draft", "other"), {"megakernel": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_projections and not cfg.compile,
+    "every one-token step (a small drafter's passes, AR decode) as one persistent launch walking all layers, its "
+    "phases separated by grid barriers: no launch boundaries, ramps or tails between a step's ~170 kernels"))
+register(Mechanism(
     "draft_chain_graph", ("draft",), {"draft_chain_graph": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.drafter_kind == "model" and cfg.cuda_graphs and cfg.sampling.greedy
     and cfg.num_draft_tokens > 1,
