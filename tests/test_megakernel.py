@@ -143,3 +143,23 @@ def test_megakernel_config_and_engine_switch(tiny_model_dir):
     model = load_model(tiny_model_dir("qwen2"))
     assert not _megakernel(EngineConfig(megakernel=True), model)  # CPU: the kernels stay off, as every kernel
     assert not _megakernel(EngineConfig(), model)
+
+
+@pytest.mark.parametrize("cap_n, tile_bytes", [(16, 1024), (64, 4096)])
+def test_megakernel_row_chunks_and_tiles(tiny_model_dir, cap_n, tile_bytes):
+    """Programs whose rows take several chunks (equal ones: 96 rows at cap 64 are two of 48, masked in a 64-row
+    tile) and narrow K tiles (several double-buffered K steps): the same logits."""
+    from specpilot.kernels.megakernel import DecodeMegakernel
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen2")).fuse_projections()
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2]])
+    ref, _ = _regular(model, ids, 6, 2, 32)
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        model(ids[:, :6], torch.arange(6)[None], cache, kv_len=6)
+        mk = DecodeMegakernel(model, cache, programs=1, cap_n=cap_n, tile_bytes=tile_bytes)
+        got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in (6, 7)]
+    assert mk.blocks["BN_LM"] == min(cap_n, 128) and mk.blocks["BK_D"] < model.config.intermediate_size
+    for a, b in zip(ref, got):
+        assert (a - b).abs().max().item() < 1e-4

@@ -121,7 +121,7 @@ if triton is not None:
                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
                     ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """This program's rows [r0, r1) of y = epilogue(W @ norm(x)), r1 - r0 = ceil(N / programs): the one-row
-        loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over BLOCK_N-row chunks of the range (W [N, K]
+        loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over equal chunks of <= BLOCK_N rows (W [N, K]
         row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n)."""
         dt = y_ptr.dtype.element_ty
         per = tl.cdiv(N, programs)
@@ -131,25 +131,42 @@ if triton is not None:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         else:
             rstd = 1.0
-        for n0 in range(r0, r1, BLOCK_N):
+        # equal chunks of at most BLOCK_N rows (68 rows in tiles of 64: two of 34, not 64 + 4, whose K loop would
+        # stream a tile of 4 rows per DRAM round trip)
+        chunk = tl.cdiv(per, tl.cdiv(per, BLOCK_N))
+        for n0 in range(r0, r1, chunk):
             n_offs = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n_offs < r1
+            n_mask = n_offs < tl.minimum(n0 + chunk, r1)
             rows = n_offs.to(tl.int64)[:, None] * K
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            # register double buffering: the next K block's weight tile is loaded before this one is used, so two
+            # tiles are in flight per program (one program per SM has no other CTA's loads to overlap with: a plain
+            # loop would wait one DRAM latency per K block)
+            kk = tl.arange(0, BLOCK_K)
+            w_mask = n_mask[:, None] & (kk < K)[None, :]
+            w = tl.load(w_ptr + rows + kk[None, :], mask=w_mask, other=0.0)
+            wu = w
+            if SILU_MUL:
+                wu = tl.load(w_ptr + rows + N * K + kk[None, :], mask=w_mask, other=0.0)
             for k0 in range(0, K, BLOCK_K):
-                k_offs = k0 + tl.arange(0, BLOCK_K)
+                k_offs = k0 + kk
                 k_mask = k_offs < K
+                nxt = k_offs + BLOCK_K
+                nxt_mask = n_mask[:, None] & (nxt < K)[None, :]
+                w_next = tl.load(w_ptr + rows + nxt[None, :], mask=nxt_mask, other=0.0)
+                wu_next = w_next
+                if SILU_MUL:
+                    wu_next = tl.load(w_ptr + rows + N * K + nxt[None, :], mask=nxt_mask, other=0.0)
                 h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
                 if HAS_NORM:
                     h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt,
                                 ON_GPU)
-                w_mask = n_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
                 acc += w.to(tl.float32) * h[None, :]
                 if SILU_MUL:
-                    wu = tl.load(w_ptr + rows + N * K + k_offs[None, :], mask=w_mask, other=0.0)
                     acc_up += wu.to(tl.float32) * h[None, :]
+                w = w_next
+                wu = wu_next
             y = tl.sum(acc, axis=1)
             u = tl.sum(acc_up, axis=1)
             _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
@@ -287,7 +304,7 @@ class DecodeMegakernel:
     returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
-                 cap_n: int = 64, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False):
+                 cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
