@@ -9,7 +9,8 @@ logits max |diff| (relative to the logits' max), argmax agreement, and the two c
 step time, median of 100 replays after warm-up: the fused path as scripts/gpu_step_timing.py times it
 (ModelRunner.step, the engine's graph), the same step as a bare graph replay, and each megakernel variant (programs x warps x tile bytes x cap on the rows
 of a chunk) as one graph of the counter reset + the launch. A variant whose compile or launch fails is reported and
-skipped. The grid barrier needs every program resident: run this under `timeout` (a grid that could not be
+skipped. Each variant also reports `phase_us`: program 0's global timer after each barrier in one step, the median
+layer's qkv / attention / o_proj / gate_up / down phases and the LM head, in us. The grid barrier needs every program resident: run this under `timeout` (a grid that could not be
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
@@ -117,7 +118,13 @@ def time_variant(model, cfg, variant: dict) -> dict:
         with torch.cuda.graph(graph):
             mk.step(tok, pos)
         ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
-    out = {"ms": round(ms, 4), "setup_s": round(setup, 1), "blocks": mk.blocks, "programs": mk.programs}
+        # where the step goes: program 0's timer after each barrier (one eager step; the median layer's phases)
+        times = torch.zeros(5 * cfg.num_hidden_layers + 2, dtype=torch.int64, device=DEV)
+        mk.step(tok, pos, times=times)
+        torch.cuda.synchronize()
+        phases = mk.phase_times_us(times)
+    out = {"ms": round(ms, 4), "setup_s": round(setup, 1), "blocks": mk.blocks, "programs": mk.programs,
+           "phase_us": phases}
     if mk.compiled is not None:
         out.update(n_regs=getattr(mk.compiled, "n_regs", None), n_spills=getattr(mk.compiled, "n_spills", None))
     del mk, graph, cache

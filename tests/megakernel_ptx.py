@@ -30,7 +30,8 @@ def report() -> dict:
     consts = dict(HID=1536, H_Q=12, H_KV=2, D=128, INTER=8960, HAS_BIAS=True, QK_NORM=False, ON_GPU=True,
                   UPCAST=False, PREC="tf32", NUM_SPLITS=32, SPLITS_P2=32, BLOCK_R=16, BLOCK_S=mk.BLOCK_S,
                   SPLIT_S=mk.SPLIT_S, HID_P2=2048, INTER_P2=16384, BN_QKV=16, BN_O=16, BN_GU=64, BN_D=16,
-                  BN_LM=64, BK_QKV=1024, BK_O=1024, BK_GU=128, BK_D=1024, BK_LM=256, PREFETCH=False, PF_GU=0)
+                  BN_LM=64, BK_QKV=1024, BK_O=1024, BK_GU=128, BK_D=1024, BK_LM=256, PREFETCH=False, PF_GU=0,
+                  TIMING=False, times_ptr=None)
     sig = {n: "constexpr" if n in consts else ptr.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n in ("eps", "scale") else "i32" for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
@@ -38,7 +39,14 @@ def report() -> dict:
     # with the L2 warming during the attention phase (DecodeMegakernel(prefetch_gu=...)): its prefetches compile
     pf = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PREFETCH": True, "PF_GU": 65536}),
                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    # the per-phase timing stamps (DecodeMegakernel.step(times=...), a GPU diagnostic): the global timer is read
+    sig_t = {**sig, "times_ptr": "*i64"}
+    consts_t = {k: v for k, v in consts.items() if k != "times_ptr"} | {"TIMING": True}
+    timed = triton.compile(ASTSource(fn=fn, signature=sig_t, constexprs=consts_t),
+                           target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     return {
+        "timer_reads_off": len(re.findall(r"%globaltimer", ptx)),
+        "timer_reads_on": len(re.findall(r"%globaltimer", timed)),
         "prefetches_off": len(re.findall(r"prefetch\.global\.L2", ptx)),
         "prefetches_on": len(re.findall(r"prefetch\.global\.L2", pf)),
         # (an atomic whose result is unused compiles to `red`; an acquire add of 0 to an acquire load)

@@ -96,6 +96,7 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
     assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked
+    assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 7  # start, 5 barriers a layer (one site each), end
 
 
 def test_runner_one_token_steps_through_the_megakernel(tiny_model_dir):
@@ -163,3 +164,17 @@ def test_megakernel_row_chunks_and_tiles(tiny_model_dir, cap_n, tile_bytes):
     assert mk.blocks["BN_LM"] == min(cap_n, 128) and mk.blocks["BK_D"] < model.config.intermediate_size
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_phase_times_from_the_stamps(tiny_model_dir):
+    """`phase_times_us` turns program 0's stamps (start, after each barrier, the LM head's end) into the median
+    layer's phase times and the step's."""
+    from specpilot.kernels.megakernel import DecodeMegakernel
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen2")).fuse_projections()  # 2 layers: 12 stamps
+    mk = DecodeMegakernel(model, model.new_cache(1, 16), programs=1)
+    gaps_us = [1, 4, 2, 10, 5] * 2 + [30]  # qkv, attention, o_proj, gate_up, down per layer, then the LM head
+    stamps = torch.tensor([0] + gaps_us).cumsum(0) * 1000  # ns
+    assert mk.phase_times_us(stamps) == {"qkv": 1.0, "attention": 4.0, "o_proj": 2.0, "gate_up": 10.0,
+                                         "down": 5.0, "lm_head": 30.0, "step": 74.0}

@@ -84,6 +84,15 @@ if triton is not None:
         tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
+    @triton.jit
+    def _stamp(times_ptr, idx, pid, TIMING: tl.constexpr):
+        """TIMING (GPU only: inline asm): program 0 writes the global timer (ns) to times[idx] after a barrier."""
+        if TIMING:
+            if pid == 0:
+                t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                              pack=1)
+                tl.store(times_ptr + idx, t)
+
     _PREFETCH_PTX = tl.constexpr("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
 
     @triton.jit
@@ -225,12 +234,14 @@ if triton is not None:
             BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, HID_P2: tl.constexpr, INTER_P2: tl.constexpr,
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
-            BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0):
+            BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0,
+            times_ptr=None, TIMING: tl.constexpr = False):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
         NQ: tl.constexpr = H_Q * D
         PART: tl.constexpr = H_KV * NUM_SPLITS * BLOCK_R  # one layer's partial rows
+        _stamp(times_ptr, 0, pid, TIMING)  # (TIMING: times[k] after barrier k, times[0] at the start)
         tok = tl.load(tok_ptr).to(tl.int64)
         p = tl.load(pos_ptr).to(tl.int64)
         cos_row = cos_ptr + p * D
@@ -251,6 +262,7 @@ if triton is not None:
                         BK_QKV)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
+            _stamp(times_ptr, barrier, pid, TIMING)
             # [q/k norm + RoPE + K/V write + attention; the last slice of a head merges]
             if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention
                 _prefetch_next(wo_ptr + layer * HID * NQ, wgu_ptr + layer * 2 * INTER * HID, pid, programs, HID, NQ,
@@ -262,24 +274,30 @@ if triton is not None:
                              PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
+            _stamp(times_ptr, barrier, pid, TIMING)
             # [o_proj GEMV + residual]
             _gemv_range(att, n1_ptr, wo_ptr + layer * HID * NQ, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs,
                         False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
+            _stamp(times_ptr, barrier, pid, TIMING)
             # [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
             _gemv_range(hs, n2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID, bqkv_ptr, hs, act, INTER, HID,
                         eps, pid, programs, True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
+            _stamp(times_ptr, barrier, pid, TIMING)
             # [down GEMV + residual] -> the next layer's input
             _gemv_range(act, n2_ptr, wd_ptr + layer * HID * INTER, bqkv_ptr, hs, xs_ptr + layer * HID, HID, INTER,
                         eps, pid, programs, False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
+            _stamp(times_ptr, barrier, pid, TIMING)
         # [final RMSNorm + LM head]
         _gemv_range(xs_ptr + (L - 1) * HID, fn_ptr, lm_ptr, bqkv_ptr, xs_ptr, logits_ptr, V, HID, eps, pid,
                     programs, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM)
+        if TIMING:  # the LM head's end as program 0 sees it (its own range done; others may still run)
+            _stamp(times_ptr, barrier + 1, pid, TIMING)
 
 
 def _blocks(n: int, k: int, programs: int, cap_n: int, tile_bytes: int, elt: int, paired: bool) -> tuple[int, int]:
@@ -383,8 +401,10 @@ class DecodeMegakernel:
             self.blocks[f"BN_{tag}"], self.blocks[f"BK_{tag}"] = _blocks(n, k, P, cap_n, tile_bytes, elt, paired)
         self.compiled = None  # the launched kernel (registers / spills: `compiled.n_regs`, on a GPU)
 
-    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token, position: [1] int64 on the model's device -> logits [V] fp32 (the K/V of the token written)."""
+    def step(self, token: torch.Tensor, position: torch.Tensor, times: torch.Tensor | None = None) -> torch.Tensor:
+        """token, position: [1] int64 on the model's device -> logits [V] fp32 (the K/V of the token written).
+        times (a GPU diagnostic, int64 [5 L + 2]): program 0's global timer at the start and after each barrier,
+        ns (`phase_times_us` reads it per phase)."""
         if token.numel() != 1 or position.numel() != 1:
             raise ValueError("DecodeMegakernel.step takes one token and its position")
         interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -405,7 +425,20 @@ class DecodeMegakernel:
             PREC="ieee" if self.dtype == torch.float32 else "tf32", NUM_SPLITS=self.splits,
             SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=self.split_s,
             PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
+            times_ptr=times, TIMING=times is not None and not interp,
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
         return self.logits.float()
+
+    def phase_times_us(self, times: torch.Tensor) -> dict:
+        """`step(..., times=t)`'s stamps -> the median us per phase over the layers (qkv, attention, o_proj,
+        gate_up, down), the LM head (as program 0 saw it) and the whole step."""
+        t = times.double().cpu() / 1e3
+        d = (t[1:] - t[:-1])
+        layers = d[: 5 * self.L].view(self.L, 5)
+        out = {name: round(layers[:, i].median().item(), 2)
+               for i, name in enumerate(("qkv", "attention", "o_proj", "gate_up", "down"))}
+        out["lm_head"] = round(d[5 * self.L].item(), 2)
+        out["step"] = round((t[-1] - t[0]).item(), 2)
+        return out
