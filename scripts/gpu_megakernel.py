@@ -48,13 +48,23 @@ def _fused(model):
     return model
 
 
+@torch.no_grad()
+def prefilled(model, prompt):
+    """A fresh POOL-slot cache holding the prompt [1, CONTEXT] (the regular path's prefill)."""
+    cache = model.new_cache(1, POOL)
+    model(prompt, torch.arange(CONTEXT, device=DEV)[None], cache, kv_len=CONTEXT)
+    return cache
+
+
+def _prompt(cfg):
+    return torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=DEV)
+
+
 def parity(model, cfg, steps: int, variant: dict) -> dict:
     """Teacher-forced steps through both paths from the same prefilled state -> the worst differences."""
-    prompt = torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=DEV)
-    caches = [model.new_cache(1, POOL) for _ in range(2)]
+    prompt = _prompt(cfg)
+    caches = [prefilled(model, prompt) for _ in range(2)]
     with torch.no_grad():
-        for c in caches:
-            model(prompt, torch.arange(CONTEXT, device=DEV)[None], c, kv_len=CONTEXT)
         mk = DecodeMegakernel(model, caches[1], **variant)
         tok = torch.randint(0, cfg.vocab_size, (1,), device=DEV)
         worst, agree = 0.0, 0
@@ -79,10 +89,8 @@ def parity(model, cfg, steps: int, variant: dict) -> dict:
 
 def fused_graph_ms(model, cfg) -> float:
     """The fused one-token step + LM head captured in one CUDA graph, median replay ms (static token/position)."""
-    cache = model.new_cache(1, POOL)
+    cache = prefilled(model, _prompt(cfg))
     with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=DEV),
-              torch.arange(CONTEXT, device=DEV)[None], cache, kv_len=CONTEXT)
         tok = torch.randint(0, cfg.vocab_size, (1, 1), device=DEV)
         pos = torch.tensor([[CONTEXT]], device=DEV)
         step = lambda: model.logits(model(tok, pos, cache, kv_len=None))  # noqa: E731
@@ -102,10 +110,8 @@ def fused_graph_ms(model, cfg) -> float:
 
 
 def time_variant(model, cfg, variant: dict) -> dict:
-    cache = model.new_cache(1, POOL)
+    cache = prefilled(model, _prompt(cfg))
     with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=DEV),
-              torch.arange(CONTEXT, device=DEV)[None], cache, kv_len=CONTEXT)
         t0 = time.time()
         mk = DecodeMegakernel(model, cache, **variant)
         tok = torch.randint(0, cfg.vocab_size, (1,), device=DEV)

@@ -55,6 +55,7 @@ import os
 import torch
 
 from specpilot.kernels.decode_attention import _pow2
+from specpilot.models.dense import rope_cos_sin
 
 try:
     import triton
@@ -85,6 +86,14 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
+    def _row_range(N, pid, programs):
+        """-> (rows per program, this program's first row, its end): ceil(N / programs) rows each, the last ones
+        fewer (or none: end <= first)."""
+        per = tl.cdiv(N, programs)
+        r0 = pid * per
+        return per, r0, tl.minimum(r0 + per, N)
+
+    @triton.jit
     def _stamp(times_ptr, idx, pid, TIMING: tl.constexpr):
         """TIMING (GPU only: inline asm): program 0 writes the global timer (ns) to times[idx] after a barrier."""
         if TIMING:
@@ -111,15 +120,11 @@ if triton is not None:
                        ELT: tl.constexpr, GU_BYTES: tl.constexpr, LINES: tl.constexpr):
         """While the attention phase runs (a few programs busy, HBM idle): this program's o_proj rows and the first
         GU_BYTES of its gate rows and of its up rows into L2 (the ranges `_gemv_range` gives it next)."""
-        per_o = tl.cdiv(HID, programs)
-        o0 = tl.minimum(pid * per_o, HID)
-        o1 = tl.minimum(o0 + per_o, HID)
+        _, o0, o1 = _row_range(HID, pid, programs)
         wo_b = wo_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-        done = _prefetch_l2(wo_b + o0.to(tl.int64) * NQ * ELT, (o1 - o0) * NQ * ELT, LINES)
-        per_g = tl.cdiv(INTER, programs)
-        g0 = tl.minimum(pid * per_g, INTER)
-        g1 = tl.minimum(g0 + per_g, INTER)
-        gbytes = tl.minimum((g1 - g0) * HID * ELT, GU_BYTES)
+        done = _prefetch_l2(wo_b + o0.to(tl.int64) * NQ * ELT, tl.maximum(o1 - o0, 0) * NQ * ELT, LINES)
+        _, g0, g1 = _row_range(INTER, pid, programs)
+        gbytes = tl.minimum(tl.maximum(g1 - g0, 0) * HID * ELT, GU_BYTES)
         wgu_b = wgu_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
         done += _prefetch_l2(wgu_b + g0.to(tl.int64) * HID * ELT, gbytes, LINES)
         done += _prefetch_l2(wgu_b + (INTER + g0).to(tl.int64) * HID * ELT, gbytes, LINES)
@@ -133,9 +138,7 @@ if triton is not None:
         loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over equal chunks of <= BLOCK_N rows (W [N, K]
         row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n)."""
         dt = y_ptr.dtype.element_ty
-        per = tl.cdiv(N, programs)
-        r0 = pid * per
-        r1 = tl.minimum(r0 + per, N)
+        per, r0, r1 = _row_range(N, pid, programs)
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         else:
@@ -340,43 +343,39 @@ class DecodeMegakernel:
         if self.Hq % self.Hkv or self.Hq // self.Hkv > 32 or self.D < 16 or self.D & (self.D - 1):
             raise ValueError(f"DecodeMegakernel: heads {self.Hq}/{self.Hkv}, head_dim {self.D} not supported")
         self.eps = layers[0].input_layernorm.eps
-        stack = lambda f: torch.stack([f(layer).detach() for layer in layers]).contiguous()  # noqa: E731
-        self.n1 = stack(lambda m: m.input_layernorm.weight)
-        self.wqkv = stack(lambda m: m.self_attn.qkv_proj.weight)
         self.has_bias = a0.qkv_proj.bias is not None
-        self.bqkv = stack(lambda m: m.self_attn.qkv_proj.bias) if self.has_bias else self.n1
         self.qk_norm = a0.q_norm is not None
-        self.qn = stack(lambda m: m.self_attn.q_norm.weight) if self.qk_norm else self.n1
-        self.kn = stack(lambda m: m.self_attn.k_norm.weight) if self.qk_norm else self.n1
-        self.wo = stack(lambda m: m.self_attn.o_proj.weight)
-        self.n2 = stack(lambda m: m.post_attention_layernorm.weight)
-        self.wgu = stack(lambda m: m.mlp.gate_up_proj.weight)
-        self.wd = stack(lambda m: m.mlp.down_proj.weight)
-        if share_weights:  # each layer's parameter now a view of its stack: one copy of the weights
-            with torch.no_grad():
-                for i, layer in enumerate(layers):
-                    a, m = layer.self_attn, layer.mlp
-                    pairs = [(layer.input_layernorm.weight, self.n1), (a.qkv_proj.weight, self.wqkv),
-                             (a.o_proj.weight, self.wo), (layer.post_attention_layernorm.weight, self.n2),
-                             (m.gate_up_proj.weight, self.wgu), (m.down_proj.weight, self.wd)]
-                    pairs += [(a.qkv_proj.bias, self.bqkv)] if self.has_bias else []
-                    pairs += [(a.q_norm.weight, self.qn), (a.k_norm.weight, self.kn)] if self.qk_norm else []
-                    for param, stacked in pairs:
-                        param.data = stacked[i]
+        # each stacked kind and where a layer holds it (the optional ones only where the model has them)
+        fields = {"n1": lambda m: m.input_layernorm.weight, "wqkv": lambda m: m.self_attn.qkv_proj.weight,
+                  "wo": lambda m: m.self_attn.o_proj.weight, "n2": lambda m: m.post_attention_layernorm.weight,
+                  "wgu": lambda m: m.mlp.gate_up_proj.weight, "wd": lambda m: m.mlp.down_proj.weight}
+        if self.has_bias:
+            fields["bqkv"] = lambda m: m.self_attn.qkv_proj.bias
+        if self.qk_norm:
+            fields.update(qn=lambda m: m.self_attn.q_norm.weight, kn=lambda m: m.self_attn.k_norm.weight)
+        with torch.no_grad():
+            for name, get in fields.items():
+                stacked = torch.stack([get(layer).detach() for layer in layers]).contiguous()
+                setattr(self, name, stacked)
+                if share_weights:  # each layer's parameter now a view of its stack: one copy of the weights
+                    for i, layer in enumerate(layers):
+                        get(layer).data = stacked[i]
+        for name in ("bqkv", "qn", "kn"):  # absent: any tensor as the pointer (never read: HAS_BIAS, QK_NORM)
+            if name not in fields:
+                setattr(self, name, self.n1)
         self.fn = model.model.norm.weight.detach()
         self.lm = model.lm_head.weight.detach()
         self.emb = model.model.embed_tokens.weight.detach()
         self.cache = cache
         S = cache.max_seq_len
-        inv = model.inv_freq.float()
-        freqs = torch.arange(S, device=dev, dtype=torch.float32)[:, None] * inv  # as DenseLM.forward, per position
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype).contiguous(), emb.sin().to(self.dtype).contiguous()
+        # every slot's cos / sin row, as DenseLM.forward computes them per step
+        self.cos, self.sin = rope_cos_sin(torch.arange(S, device=dev), model.inv_freq, self.dtype)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         programs = sms if programs is None else programs
         if not 1 <= programs <= sms and dev.type == "cuda":  # more than one per SM could leave one unscheduled
             raise ValueError(f"DecodeMegakernel: programs {programs} must be 1..{sms} (one per SM at most)")
         self.programs, self.num_warps = programs, num_warps
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         if split_s % BLOCK_S or split_s < BLOCK_S:
             raise ValueError(f"DecodeMegakernel: split_s {split_s} must be a multiple of {BLOCK_S}")
         self.split_s = split_s
@@ -407,7 +406,7 @@ class DecodeMegakernel:
         ns (`phase_times_us` reads it per phase)."""
         if token.numel() != 1 or position.numel() != 1:
             raise ValueError("DecodeMegakernel.step takes one token and its position")
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        interp = self.interpret
         if interp and self.programs != 1:
             raise ValueError("under TRITON_INTERPRET=1 programs run one after another: only programs=1 passes a "
                              "grid barrier")

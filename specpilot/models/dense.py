@@ -95,6 +95,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ModelFormatError(f"unsupported rope_scaling type {kind!r}")
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (any shape, integer) -> cos, sin [*positions.shape, D] in dtype (rotate-half layout: the D/2
+    frequencies twice). long * fp32 promotes to fp32 inside the multiply: positions.float() * inv_freq's numbers,
+    one launch fewer. One definition for the model's passes, the DFlash drafter's and the one-launch step's table."""
+    freqs = positions[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [B, H, T, D]; cos, sin [B, 1, T, D]; rotate-half convention (HF layout)
     half = x.shape[-1] // 2
@@ -464,9 +473,7 @@ class DenseLM(nn.Module):
         if is_causal and (attn_mask is not None or kv_len != T):
             raise ConfigError(f"is_causal needs kv_len == T ({T}) and no attn_mask, got kv_len {kv_len}")
         x = self.model.embed_tokens(input_ids)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))  # [B, 1, T, D]
         S = cache.max_seq_len if kv_len is None else kv_len
         # one token (fused_decode) or 2-16 (fused_verify) in one row: six or nine launches a layer
         fused = fused_decode.applies(self, input_ids, attn_mask, is_causal)

@@ -62,8 +62,8 @@ from torch import nn
 
 from specpilot.errors import ModelFormatError
 from specpilot.models.cache import KVCache
-from specpilot.models.dense import (MLP, RMSNorm, apply_rope, fused_linear, kernel_op, require_kernel, rope_inv_freq,
-                                    split_linear)
+from specpilot.models.dense import (MLP, RMSNorm, apply_rope, fused_linear, kernel_op, require_kernel, rope_cos_sin,
+                                    rope_inv_freq, split_linear)
 from specpilot.models.dense import use_norm_kernel as _use_norm_kernel
 
 from specpilot.models.dflash_config import ARCHITECTURE, DFlashConfig, build_target_layer_ids  # noqa: F401
@@ -355,10 +355,8 @@ class DFlashDrafter(nn.Module):
         return logits
 
     def _rope(self, positions: torch.Tensor, dtype):
-        # long * fp32 promotes to fp32 inside the multiply: positions.float() * inv_freq's numbers, one launch fewer
-        freqs = positions[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
+        return cos[:, None], sin[:, None]  # [B, 1, T, D]
 
     def _rope_tables(self, positions_blk: torch.Tensor, positions_ctx: torch.Tensor | None, dtype):
         """(cos, sin) of the block and of the context (None without context rows), [B, 1, S|C, D] each: one table
