@@ -14,8 +14,10 @@ layer's qkv / attention / o_proj / gate_up / down phases and the LM head, in us.
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
-       [--variants=P:W:TILE:CAP[:PF],...]   (P 0 = one per SM; PF: bytes of each program's gate rows and up rows
-       warmed in L2 with its o_proj rows during the attention phase, default -1 = none; default variants: below)
+       [--variants=P:W:TILE:CAP[:PF[:PT[:SPLIT[:KV]]]],...]   (P 0 = one per SM; PF: bytes of each program's
+       gate rows and up rows warmed in L2 with its o_proj rows during the attention phase, default -1 = none; PT:
+       GEMV tiles L2-prefetched ahead, default 0; SPLIT: the attention's key slice, default 128; KV 1: the
+       attention slices L2-prefetched before their barrier; default variants: below)
 (`--cpu-smoke`: the parity part only, on a tiny fp32 Qwen2-shaped model on the CPU, one program under
 TRITON_INTERPRET=1.) Last stdout line: one JSON object.
 """
@@ -38,7 +40,9 @@ from specpilot.models import random_model
 
 POOL, CONTEXT = 4096, 512
 DEV = "cuda"
-DEFAULT_VARIANTS = "0:8:32768:128,0:8:32768:64,0:4:16384:128,0:8:65536:128,0:16:65536:256,0:8:32768:128:131072"
+DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:4,0:8:32768:128:-1:4:128:1,0:8:32768:128:-1:8:128:1,"
+                    "0:8:16384:64:-1:8:128:1,0:8:32768:128:-1:4:64:1")
+FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "prefetch_tiles", "split_s", "prefetch_kv")
 
 
 def _fused(model):
@@ -174,8 +178,10 @@ def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
         print(name, "fuseddecode_graph", res["fuseddecode_graph"], flush=True)
         torch.cuda.empty_cache()
         for i, v in enumerate(variants):
-            tag = f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}" + (
-                f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
+            tag = (f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}"
+                   + (f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
+                   + (f"_pt{v['prefetch_tiles']}" if v["prefetch_tiles"] else "")
+                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else "") + ("_kv" if v["prefetch_kv"] else ""))
             kw = {**v, "programs": v["programs"] or None}
             try:
                 if i == 0:
@@ -217,14 +223,15 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, list[dict]]:
     for item in spec.split(","):
         try:
             vals = [int(x) for x in item.split(":")]
-            if len(vals) not in (4, 5):
+            if not 4 <= len(vals) <= len(FIELDS):
                 raise ValueError
         except ValueError:
-            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF] (four or five integers), got {item!r}",
-                  file=sys.stderr)
+            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PT[:SPLIT[:KV]]]] (4 to 8 integers), got "
+                  f"{item!r}", file=sys.stderr)
             sys.exit(2)
-        p, w, t, c, pf = vals + [-1] * (5 - len(vals))
-        variants.append({"programs": p, "num_warps": w, "tile_bytes": t, "cap_n": c, "prefetch_gu": pf})
+        v = dict(zip(FIELDS, vals + [-1, 0, 128, 0][len(vals) - 4:]))
+        v["prefetch_kv"] = bool(v["prefetch_kv"])
+        variants.append(v)
     return shapes or ["qwen2.5-1.5b", "qwen3-8b"], steps, variants
 
 

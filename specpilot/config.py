@@ -126,8 +126,8 @@ class EngineConfig:
     # passes; not a DFlash target's, which must hand the drafter its layer features) as ONE persistent launch of one
     # program per SM walking all layers, phases separated by grid barriers (kernels/megakernel.py): no launch
     # boundaries, ramps or tails between the ~170 kernels of a fused step, the o_proj / gate-up GEMVs over balanced
-    # row ranges. Same numbers as the fused step up to GEMV summation order. Off: not yet measured on a GPU (session
-    # 22: CPU parity only; scripts/gpu_megakernel.py times it against the fused step)
+    # row ranges. Same numbers as the fused step up to GEMV summation order. Off: exact but slower on the H200
+    # (session 23, scripts/gpu_megakernel.py: 1.5B step 1.45 -> 1.75 ms, Qwen3-8B 4.66 -> 7.15 ms)
     pad_shapes: bool = True  # CUDA: eager passes (the prompt's prefill, DFlash's first pass, a step no graph bucket
     # fits) padded to a few lengths (engine/runner.py `padded_length`): each new prompt length cost 35-135 ms
     # outside the decode steps on the H200 (session 14; per-shape library planning); same tokens, ignored on CPU

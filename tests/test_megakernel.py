@@ -96,6 +96,8 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
     assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked
+    # streamed tiles: 5 GEMV loops + 5 heads before barriers + the K and V slices, each at least one site
+    assert r["prefetches_streamed"] >= 12
     assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 7  # start, 5 barriers a layer (one site each), end
 
 

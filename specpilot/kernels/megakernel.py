@@ -45,7 +45,17 @@ Co-residency: a grid barrier needs every program resident at once, so the grid i
 after another, only a grid of ONE program can pass a barrier: the tests run it so (every phase's code, the barrier
 included), and the GPU scripts check the 132-program grid against the six-launch step (scripts/gpu_megakernel.py).
 
-Status: an experiment (not an EngineConfig switch yet): it enters the engine only if the H200 says it is faster.
+Streamed L2 prefetch (`prefetch_tiles` > 0, `prefetch_kv`, off): GEMV tiles prefetched into L2 a distance ahead
+of the registers' two, each phase's first tiles before the barrier that opens it, and the attention slices before
+theirs. It lost (below).
+
+Status, measured on the H200 (session 23, BENCHMARKS.md): exact (argmax 8/8, barriers all counted) and SLOWER than
+the six-launch step, so `EngineConfig.megakernel` stays off: 1.75 ms vs 1.45 ms a step at the 1.5B shape (2.37x the
+floor vs 1.97x), 7.15 ms vs 4.66 ms at Qwen3-8B's. Per phase (1.5B): qkv 5.75 us for 1.3 us of weights (a grid
+barrier plus a ramp costs ~4 us, a graphed kernel boundary ~1.1 us), gate/up 25.75 us for 11.5 (one program per SM
+holding two register tiles waits a DRAM latency per K step), attention 10.75. The streamed prefetch made every phase
+slower (2.08-2.92 ms; more distance, slower). What it would take: weights staged through shared memory
+(cp.async / TMA, several stages per SM) and barriers overlapped with the next phase's weight loads.
 """
 
 from __future__ import annotations
@@ -131,21 +141,86 @@ if triton is not None:
         return done
 
     @triton.jit
+    def _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """L2-prefetch tile j of a program's walk through its rows [r0, r1) of W [N, K] (chunk after chunk of
+        `chunk` rows, BLOCK_K columns at a time: the order `_gemv_range` loads them in), one prefetch per 128-byte
+        line; with SILU_MUL the up rows N + n too. A tile past the walk's end is skipped."""
+        T = tl.cdiv(K, BLOCK_K)
+        c = j // T
+        n0 = r0 + c * chunk
+        if n0 < r1:
+            ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            STEP: tl.constexpr = 128 // ELT
+            LPR: tl.constexpr = BLOCK_K // STEP if BLOCK_K >= STEP else 1
+            n_offs = n0 + tl.arange(0, BLOCK_N)
+            cols = (j - c * T) * BLOCK_K + tl.arange(0, LPR) * STEP
+            ok = (n_offs < tl.minimum(n0 + chunk, r1))[:, None] & (cols < K)[None, :]
+            offs = tl.where(ok, n_offs.to(tl.int64)[:, None] * K + cols[None, :], 0)
+            done = tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [w_ptr + offs], dtype=tl.int32,
+                                             is_pure=False, pack=1)
+            if SILU_MUL:
+                done += tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [w_ptr + N * K + offs], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _chunk_rows(N, pid, programs, BLOCK_N: tl.constexpr):
+        """-> (first row, end, chunk): a program's rows in equal chunks of at most BLOCK_N (68 rows in tiles of
+        64: two of 34, not 64 + 4, whose K loop would stream a tile of 4 rows per DRAM round trip)."""
+        per, r0, r1 = _row_range(N, pid, programs)
+        return r0, r1, tl.cdiv(per, tl.cdiv(per, BLOCK_N))
+
+    @triton.jit
+    def _prefetch_head(w_ptr, N, K, pid, programs, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PF_TILES: tl.constexpr):
+        """The first PF_TILES tiles of this program's next GEMV phase into L2, issued before the barrier that
+        opens it: weights do not depend on the activations the barrier waits for."""
+        if PF_TILES > 0:
+            r0, r1, chunk = _chunk_rows(N, pid, programs, BLOCK_N)
+            for j in tl.static_range(PF_TILES):
+                _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _prefetch_kv(kc_ptr, vc_ptr, p, pid, programs, skc_h, skc_s, svc_h, svc_s, H_KV: tl.constexpr,
+                     D: tl.constexpr, SPLIT_S: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """The cached keys and values of this program's attention tasks (`_attention_tasks` deals them the same
+        way) into L2, issued before the barrier that opens the attention phase (slots below p: already written)."""
+        ELT: tl.constexpr = kc_ptr.dtype.element_ty.primitive_bitwidth // 8
+        STEP: tl.constexpr = 128 // ELT
+        LPK: tl.constexpr = D // STEP if D >= STEP else 1
+        n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
+        keys = tl.arange(0, SPLIT_S)
+        cols = tl.arange(0, LPK) * STEP
+        for task in range(pid, H_KV * n_used, programs):
+            hk = task % H_KV
+            key = (task // H_KV) * SPLIT_S + keys
+            ok = (key < p)[:, None] & (cols < D)[None, :]
+            kp = kc_ptr + hk * skc_h + tl.where(ok, key.to(tl.int64)[:, None] * skc_s + cols[None, :], 0)
+            vp = vc_ptr + hk * svc_h + tl.where(ok, key.to(tl.int64)[:, None] * svc_s + cols[None, :], 0)
+            done = tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [kp], dtype=tl.int32, is_pure=False, pack=1)
+            done += tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [vp], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _gemv_range(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, eps, pid, programs,
                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                    ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PF_TILES: tl.constexpr = 0):
         """This program's rows [r0, r1) of y = epilogue(W @ norm(x)), r1 - r0 = ceil(N / programs): the one-row
         loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over equal chunks of <= BLOCK_N rows (W [N, K]
-        row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n)."""
+        row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n).
+        PF_TILES > 0 (GPU): tile j + 1 + PF_TILES of the walk is L2-prefetched while tile j is used, so PF_TILES
+        tiles stream from HBM beyond the two in registers (the registers alone hold ~32 KB per SM in flight: the
+        loop then waits a DRAM latency per K step; the first tiles come from `_prefetch_head`)."""
         dt = y_ptr.dtype.element_ty
-        per, r0, r1 = _row_range(N, pid, programs)
+        r0, r1, chunk = _chunk_rows(N, pid, programs, BLOCK_N)
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         else:
             rstd = 1.0
-        # equal chunks of at most BLOCK_N rows (68 rows in tiles of 64: two of 34, not 64 + 4, whose K loop would
-        # stream a tile of 4 rows per DRAM round trip)
-        chunk = tl.cdiv(per, tl.cdiv(per, BLOCK_N))
+        T = tl.cdiv(K, BLOCK_K)
+        if PF_TILES > 0:
+            for j in tl.static_range(PF_TILES + 1):
+                _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL, BLOCK_N, BLOCK_K)
         for n0 in range(r0, r1, chunk):
             n_offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = n_offs < tl.minimum(n0 + chunk, r1)
@@ -162,6 +237,9 @@ if triton is not None:
             if SILU_MUL:
                 wu = tl.load(w_ptr + rows + N * K + kk[None, :], mask=w_mask, other=0.0)
             for k0 in range(0, K, BLOCK_K):
+                if PF_TILES > 0:
+                    _prefetch_tile(w_ptr, ((n0 - r0) // chunk) * T + k0 // BLOCK_K + 1 + PF_TILES, r0, r1, chunk,
+                                   N, K, SILU_MUL, BLOCK_N, BLOCK_K)
                 k_offs = k0 + kk
                 k_mask = k_offs < K
                 nxt = k_offs + BLOCK_K
@@ -238,7 +316,7 @@ if triton is not None:
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
             BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0,
-            times_ptr=None, TIMING: tl.constexpr = False):
+            times_ptr=None, TIMING: tl.constexpr = False, PF_TILES: tl.constexpr = 0, PF_KV: tl.constexpr = False):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
@@ -251,54 +329,70 @@ if triton is not None:
         sin_row = sin_ptr + p * D
         barrier = 0
         for layer in range(0, L):
+            li = tl.full([], 0, tl.int64) + layer  # 64-bit layer offsets: Qwen3-8B's gate/up stack is 3.6 G elements
             if layer == 0:
                 x_in = emb_ptr + tok * HID
             else:
-                x_in = xs_ptr + (layer - 1) * HID
-            qkv = qkv_ptr + layer * NQKV
-            att = att_ptr + layer * NQ
-            hs = hs_ptr + layer * HID
-            act = act_ptr + layer * INTER
+                x_in = xs_ptr + (li - 1) * HID
+            qkv = qkv_ptr + li * NQKV
+            att = att_ptr + li * NQ
+            hs = hs_ptr + li * HID
+            act = act_ptr + li * INTER
+            wo = wo_ptr + li * HID * NQ
+            wgu = wgu_ptr + li * 2 * INTER * HID
+            wd = wd_ptr + li * HID * INTER
+            kc = kc_ptr + li * skc_l
+            vc = vc_ptr + li * svc_l
             # [input RMSNorm + qkv GEMV (+ bias)]
-            _gemv_range(x_in, n1_ptr + layer * HID, wqkv_ptr + layer * NQKV * HID, bqkv_ptr + layer * NQKV, x_in,
+            _gemv_range(x_in, n1_ptr + li * HID, wqkv_ptr + li * NQKV * HID, bqkv_ptr + li * NQKV, x_in,
                         qkv, NQKV, HID, eps, pid, programs, True, HAS_BIAS, False, False, ON_GPU, HID_P2, BN_QKV,
-                        BK_QKV)
+                        BK_QKV, PF_TILES)
+            if PF_KV:  # this program's attention slices, then the head of its o_proj rows
+                _prefetch_kv(kc, vc, p, pid, programs, skc_h, skc_s, svc_h, svc_s, H_KV, D, SPLIT_S, NUM_SPLITS)
+            _prefetch_head(wo, HID, NQ, pid, programs, False, BN_O, BK_O, PF_TILES)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [q/k norm + RoPE + K/V write + attention; the last slice of a head merges]
-            if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention
-                _prefetch_next(wo_ptr + layer * HID * NQ, wgu_ptr + layer * 2 * INTER * HID, pid, programs, HID, NQ,
-                               INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8, PF_GU, 256)
-            _attention_tasks(qkv, cos_row, sin_row, qn_ptr + layer * D, kn_ptr + layer * D, kc_ptr + layer * skc_l,
-                             vc_ptr + layer * svc_l, po_ptr + layer * PART * D, pm_ptr + layer * PART,
-                             pl_ptr + layer * PART, att, cnt_ptr + layer * H_KV, p, pid, programs, skc_h, skc_s,
-                             svc_h, svc_s, S, scale, eps, H_Q, H_KV, D, NUM_SPLITS, BLOCK_R, BLOCK_S, SPLIT_S,
-                             PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM)
+            _attention_tasks(qkv, cos_row, sin_row, qn_ptr + li * D, kn_ptr + li * D, kc, vc,
+                             po_ptr + li * PART * D, pm_ptr + li * PART, pl_ptr + li * PART, att, cnt_ptr + li * H_KV,
+                             p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, scale, eps, H_Q, H_KV, D, NUM_SPLITS,
+                             BLOCK_R, BLOCK_S, SPLIT_S, PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM)
+            if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention (after
+                # this program's own tasks: those with none start at once, those with some are not delayed)
+                _prefetch_next(wo, wgu, pid, programs, HID, NQ, INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8,
+                               PF_GU, 256)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [o_proj GEMV + residual]
-            _gemv_range(att, n1_ptr, wo_ptr + layer * HID * NQ, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs,
-                        False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O)
+            _gemv_range(att, n1_ptr, wo, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs,
+                        False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O, PF_TILES)
+            _prefetch_head(wgu, INTER, HID, pid, programs, True, BN_GU, BK_GU, PF_TILES)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
-            _gemv_range(hs, n2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID, bqkv_ptr, hs, act, INTER, HID,
-                        eps, pid, programs, True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU)
+            _gemv_range(hs, n2_ptr + li * HID, wgu, bqkv_ptr, hs, act, INTER, HID,
+                        eps, pid, programs, True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU, PF_TILES)
+            _prefetch_head(wd, HID, INTER, pid, programs, False, BN_D, BK_D, PF_TILES)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [down GEMV + residual] -> the next layer's input
-            _gemv_range(act, n2_ptr, wd_ptr + layer * HID * INTER, bqkv_ptr, hs, xs_ptr + layer * HID, HID, INTER,
-                        eps, pid, programs, False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D)
+            _gemv_range(act, n2_ptr, wd, bqkv_ptr, hs, xs_ptr + li * HID, HID, INTER,
+                        eps, pid, programs, False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D, PF_TILES)
+            if layer + 1 < L:
+                _prefetch_head(wqkv_ptr + (li + 1) * NQKV * HID, NQKV, HID, pid, programs, False, BN_QKV, BK_QKV,
+                               PF_TILES)
+            else:
+                _prefetch_head(lm_ptr, V, HID, pid, programs, False, BN_LM, BK_LM, PF_TILES)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
         # [final RMSNorm + LM head]
         _gemv_range(xs_ptr + (L - 1) * HID, fn_ptr, lm_ptr, bqkv_ptr, xs_ptr, logits_ptr, V, HID, eps, pid,
-                    programs, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM)
+                    programs, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM, PF_TILES)
         if TIMING:  # the LM head's end as program 0 sees it (its own range done; others may still run)
             _stamp(times_ptr, barrier + 1, pid, TIMING)
 
@@ -325,7 +419,8 @@ class DecodeMegakernel:
     returns its logits [V] in fp32, as `model.logits(model(token, position, cache))` would."""
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
-                 cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False):
+                 cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False,
+                 prefetch_tiles: int = 0, prefetch_kv: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -383,6 +478,11 @@ class DecodeMegakernel:
         # prefetch_gu: bytes of each program's gate rows (and as many of its up rows) warmed in L2 during the
         # attention phase, with all its o_proj rows; -1 = no warming (the interpreter cannot run the asm)
         self.prefetch_gu = prefetch_gu
+        # prefetch_tiles: GEMV weight tiles streamed into L2 ahead of the registers' two (and the next phase's first
+        # ones before each barrier); prefetch_kv: a program's attention slices into L2 before the attention barrier
+        if prefetch_tiles < 0:
+            raise ValueError(f"DecodeMegakernel: prefetch_tiles {prefetch_tiles} must be >= 0")
+        self.prefetch_tiles, self.prefetch_kv = prefetch_tiles, prefetch_kv
         self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
         L, H, D = self.L, self.H, self.D
         f32 = dict(dtype=torch.float32, device=dev)
@@ -425,6 +525,7 @@ class DecodeMegakernel:
             SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=self.split_s,
             PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
             times_ptr=times, TIMING=times is not None and not interp,
+            PF_TILES=0 if interp else self.prefetch_tiles, PF_KV=self.prefetch_kv and not interp,
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
