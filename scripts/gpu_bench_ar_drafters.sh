@@ -3,7 +3,8 @@
 # transformers' AR (static cache) and the stock systems (assisted generation / prompt lookup), 20 prompts each of
 # HumanEval, MT-Bench and GSM8K, 256 new tokens, greedy, bs 1, with token forcing; then the cost model's profile.
 # Usage: scripts/gpu_bench_ar_drafters.sh model|ngram|profile-model|profile-ngram|profile-dflash [num_prompts]
-# (BENCHMARKS / SYSTEMS: other lists, e.g. BENCHMARKS=gsm8k for the rows a time limit cut)
+# (BENCHMARKS / SYSTEMS: other lists, e.g. BENCHMARKS=gsm8k for the rows a time limit cut; BUDGET=S: start no
+#  prompt after S seconds and write the JSON after every prompt, so a call's limit never loses the whole run)
 set -u
 source scripts/gpu_env.sh || exit 1
 kind=${1#profile-}
@@ -20,5 +21,5 @@ else
   # the slow peers (transformers' AR and stock: 14-45 tok/s) on the first BASE prompts of each benchmark (vs stock
   # is then taken on those same prompts): 20 prompts x 3 benchmarks of them alone would take ~15 min
   python3 -m specpilot.cli bench $common --systems ${SYSTEMS:-ar,hf-ar,stock,specpilot} --benchmarks ${BENCHMARKS:-humaneval,mt_bench,gsm8k} \
-    --num-prompts ${2:-20} --baseline-prompts ${BASE:-3} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
+    --num-prompts ${2:-20} --baseline-prompts ${BASE:-3} ${BUDGET:+--time-budget $BUDGET} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
 fi

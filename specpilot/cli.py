@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list from ar, hf-ar (transformers generate), stock (released spec system), specpilot")
     bench.add_argument("--baseline-prompts", type=int, default=0,
                        help="run hf-ar/stock on only the first N prompts of each benchmark (0 = all)")
+    bench.add_argument("--time-budget", type=float, default=None, metavar="S",
+                       help="start no prompt after S seconds of the run (each benchmark begun keeps its first "
+                            "prompt; later benchmarks are skipped); the JSON says where it stopped")
     bench.add_argument("--out", default="results/bench.json")
     add_engine_flags(bench)
 

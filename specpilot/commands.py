@@ -150,6 +150,9 @@ def cmd_bench(args) -> int:
         raise ConfigError("bench compares AR with a speculative system: choose --drafter-kind model or ngram")
     if args.num_prompts is not None and args.num_prompts <= 0:
         raise ConfigError("--num-prompts must be > 0")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise ConfigError("--time-budget must be > 0 seconds")
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     if args.prompts:
         sets = {Path(args.prompts).stem: datasets.load_prompt_file(args.prompts, args.field, num_prompts=args.num_prompts)}
     else:
@@ -166,23 +169,37 @@ def cmd_bench(args) -> int:
     if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
         noise, tol = _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol)
     limits = {s: args.baseline_prompts for s in ("hf-ar", "stock") if args.baseline_prompts}
-    reports, records = [], {}
+    reports, records, skipped = [], {}, []
+
+    def checkpoint(name, rep, recs):  # after every prompt: a run killed later keeps what it measured
+        write_results(Path(args.out), summarize(reports + [rep], _bench_meta(args, cfg, t0, partial=True)),
+                      {**records, name: recs})
+
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("decoding", total=sum(len(p) for p in sets.values()))
         for name, prompts in sets.items():
+            if deadline is not None and reports and time.monotonic() >= deadline:
+                skipped.append(name)
+                continue
             bar.update(task, description=name)
             rep, recs = run_benchmark(name, prompts, lambda p: tok.encode_chat(p.messages), systems, scorer,
                                       tolerance=tol, limits=limits, progress=lambda: bar.advance(task),
-                                      max_prompt_tokens=cfg.max_seq_len - cfg.num_draft_tokens - 2)
+                                      max_prompt_tokens=cfg.max_seq_len - cfg.num_draft_tokens - 2,
+                                      deadline=deadline, checkpoint=lambda r, rs, n=name: checkpoint(n, r, rs))
             if rep["skipped_long_prompts"]:
                 err.print(f"[yellow]{name}: {rep['skipped_long_prompts']} prompts longer than the KV pool "
                           f"(--max-seq-len {cfg.max_seq_len}) left out")
+            if rep.get("stopped_by_time_budget"):
+                err.print(f"[yellow]{name}: --time-budget reached after {rep['num_prompts']} of {len(prompts)} prompts")
             reports.append(rep)
             records[name] = recs
-            if len(reports) < len(sets):  # a run killed later keeps the benchmarks already done
-                write_results(Path(args.out), summarize(reports, _bench_meta(args, cfg, t0, partial=True)), records)
-    summary = summarize(reports, {**_bench_meta(args, cfg, t0), "forcing_tolerance": round(tol, 5),
-                                  "scorer_noise": None if noise is None else round(noise, 5)})
+    if skipped:
+        err.print(f"[yellow]--time-budget reached: {', '.join(skipped)} not run")
+    meta = {**_bench_meta(args, cfg, t0), "forcing_tolerance": round(tol, 5),
+            "scorer_noise": None if noise is None else round(noise, 5)}
+    if args.time_budget is not None:
+        meta.update(time_budget_s=args.time_budget, benchmarks_not_run=skipped)
+    summary = summarize(reports, meta)
     write_results(Path(args.out), summary, records)
     drafter_desc = summary["drafter"]
     table = Table("benchmark", "system", "prompts", "tok/s", "vs our AR", "tau", "accept by position", "forcing",

@@ -182,3 +182,37 @@ def test_bench_rotates_which_system_meets_a_prompt_first():
                   {"ar": make("ar"), "stock": make("stock"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
     # the warm-up prompt (x/3) went to ar; the other five lengths are met first in rotation
     assert firsts == {"ar": 2, "stock": 2, "specpilot": 2}, firsts
+
+
+def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
+    """A time budget starts no prompt after the deadline (the first always runs) and says so; every prompt's
+    checkpoint carries the report so far, so a run killed later keeps what it measured."""
+    import time
+
+    from specpilot.engine.result import GenerationResult
+    from specpilot.evaluator.bench import run_benchmark
+    from specpilot.evaluator.datasets import Prompt
+
+    prompts = [Prompt(f"x/{n}", "x", "x", ({"role": "user", "content": "a" * n},)) for n in range(3, 8)]
+    calls = []
+
+    def gen(ids):
+        calls.append(len(ids))
+        return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
+
+    def scorer(ids):
+        logits = torch.zeros(len(ids), 4)
+        for i, t in enumerate(ids[1:] + [2]):
+            logits[i, t if t in (1, 2) else 1] = 5.0
+        return logits
+
+    encode = lambda p: [7] * len(p.messages[0]["content"])  # noqa: E731
+    seen = []
+    rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
+                              checkpoint=lambda r, rs: seen.append((r["num_prompts"], len(rs))))
+    assert seen == [(n, n) for n in range(1, 6)] and "stopped_by_time_budget" not in rep
+    calls.clear()
+    rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
+                              deadline=time.monotonic() - 1)  # already past: the first prompt only
+    assert rep["stopped_by_time_budget"] and rep["num_prompts"] == 1 and [r["id"] for r in recs] == ["x/3"]
+    assert rep["systems"]["ar"]["prompts"] == 1 and calls == [3] * 4  # warm-up + one prompt, two systems

@@ -71,6 +71,20 @@ def test_cli_bench_last_line_is_json(smollm, tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["tau"] == result["tau"]
 
 
+def test_cli_bench_time_budget_keeps_what_it_measured(smollm, tmp_path, capsys):
+    """--time-budget already spent once the models are loaded: the first benchmark keeps its first prompt, the
+    second is not run, and the JSON says both."""
+    code = main(["bench", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--benchmarks", "humaneval,mbpp",
+                 "--num-prompts", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "r.json"),
+                 "--max-seq-len", "512", "--time-budget", "0.001"])
+    assert code == 0
+    summary = json.loads((tmp_path / "r.json").read_text())["summary"]
+    he = summary["benchmarks"]["humaneval"]
+    assert he["num_prompts"] == 1 and he["stopped_by_time_budget"] and list(summary["benchmarks"]) == ["humaneval"]
+    assert summary["benchmarks_not_run"] == ["mbpp"] and summary["time_budget_s"] == 0.001
+    assert "time-budget reached" in capsys.readouterr().err
+
+
 def test_cli_generate_streams(smollm, capsys):
     code = main(["generate", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--chat", "What is 2+2?",
                  "--max-new-tokens", "8", "--max-seq-len", "256"])
@@ -86,6 +100,7 @@ def test_cli_generate_streams(smollm, capsys):
         (["generate", "--target", "smollm2-135m", "--chat", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
         (["bench", "--target", "smollm2-135m", "--benchmarks", "nope"], "nope"),
         (["bench", "--target", "smollm2-135m", "--num-prompts", "0"], "num-prompts"),
+        (["bench", "--target", "smollm2-135m", "--time-budget", "-5"], "time-budget"),
         (["generate", "--target", "smollm2-135m", "--chat", "hi", "--temperature", "-1"], "temperature"),
     ],
 )

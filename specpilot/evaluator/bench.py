@@ -56,7 +56,13 @@ def run_benchmark(
     limits: dict[str, int] | None = None,
     progress=None,
     max_prompt_tokens: int | None = None,
+    deadline: float | None = None,
+    checkpoint: Callable[[dict, list[dict]], None] | None = None,
 ) -> tuple[dict, list[dict]]:
+    """Every system on every prompt (rotating which meets a prompt first), each output token-forced against the
+    scorer -> (the benchmark's report, one record per prompt). deadline (a time.monotonic() value): no prompt
+    starts after it, the first always runs, and the report then says `stopped_by_time_budget` and counts only the
+    prompts run. checkpoint(report, records) after each prompt: a run killed later keeps what it measured."""
     limits = limits or {}
     encoded = [encode(p) for p in prompts]
     skipped = 0
@@ -77,7 +83,11 @@ def run_benchmark(
     verdicts = {s: [] for s in systems}
     records = []
     names = list(systems)
+    stopped = False
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
+        if deadline is not None and i > 0 and time.monotonic() >= deadline:
+            stopped = True
+            break
         rec = {"id": p.id, "category": p.category, "prompt_tokens": len(ids)}
         # the order rotates by prompt: the first system to meet a new prompt length pays its new prefill shapes
         # (kernel choices, attention plans) for every system sharing the target model (ours share it)
@@ -99,8 +109,19 @@ def run_benchmark(
         records.append(rec)
         if progress:
             progress()
+        if checkpoint:
+            checkpoint(_report(name, len(records), skipped, results, verdicts), records)
+    report = _report(name, len(records), skipped, results, verdicts)
+    if stopped:
+        report["stopped_by_time_budget"] = True
+    return report, records
+
+
+def _report(name: str, num_prompts: int, skipped: int, results: dict, verdicts: dict) -> dict:
+    """One benchmark's figures from the outputs so far: per system tokens/s, speedup over our AR on the same
+    prompts, forcing verdicts, where the time went; tau and speedup over stock for the speculative ones."""
     ar_out = [r.output_ids for r in results["ar"]]
-    report = {"benchmark": name, "num_prompts": len(prompts), "skipped_long_prompts": skipped, "systems": {}}
+    report = {"benchmark": name, "num_prompts": num_prompts, "skipped_long_prompts": skipped, "systems": {}}
     for s, rs in results.items():
         n = len(rs)
         entry = {
@@ -141,7 +162,7 @@ def run_benchmark(
     if "stock" in results and results["stock"]:
         n = len(results["stock"])
         report["speedup_vs_stock"] = round(_tps(results["specpilot"][:n]) / _tps(results["stock"]), 4)
-    return report, records
+    return report
 
 
 def summarize(reports: list[dict], meta: dict) -> dict:
