@@ -241,3 +241,39 @@ def test_prefill_timing_script_runs_on_cpu():
     r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_prefill_timing.py"), "--lengths=1,x"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 2 and "--lengths" in r.stderr
+
+
+def test_step_kernels_finds_the_layer_and_prices_each_launch():
+    """gpu_step_kernels.py's analysis (the profiling needs CUDA): a step's kernels = what precedes the layers, a
+    per-layer repeat, what follows; per position in the layer its median time, its gap to the next kernel and its
+    time over the bytes floor; the step's kernel time and gaps add up to its span."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_step_kernels", SCRIPTS / "gpu_step_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    layers = 3
+    seq = ["embed"] + ["gemv", "rope", "attn", "gemv", "gemv", "gemv"] * layers + ["gemv_lm"]
+    times = {"gemv": 4.0, "rope": 1.0, "attn": 3.0, "embed": 0.5, "gemv_lm": 10.0}
+
+    def replay(t0):
+        out, t = [], t0
+        for name in seq:
+            out.append((name, t, t + times[name]))
+            t += times[name] + 1.5  # every boundary 1.5 us
+        return out
+
+    r = mod.summarize([replay(0.0), replay(500.0)], layers, {"qkv": 8e6, "gate_up": 16e6}, 4e12)
+    assert (r["offset"], r["period"], r["kernels_per_step"]) == (1, 6, 20)
+    assert list(r["per_layer"]) == list(mod.LAYER_NAMES)
+    qkv = r["per_layer"]["qkv"]
+    assert qkv["us"] == 4.0 and qkv["gap_us"] == 1.5 and qkv["floor_us"] == 2.0 and qkv["over_floor"] == 2.0
+    assert "floor_us" not in r["per_layer"]["rope_write"]  # no bytes given: no floor
+    assert r["layer_us"] == pytest.approx(6 * 1.5 + 4 * 4 + 1 + 3)
+    assert r["kernel_us"] + r["gaps_us"] == pytest.approx(r["span_us"]) and r["gaps_us"] == pytest.approx(19 * 1.5)
+    assert list(r["outside_layers"]) == ["0:embed", "19:gemv_lm"]
+    with pytest.raises(ValueError, match="per-layer repeat"):
+        mod.layer_pattern(["a", "b", "c", "d"], layers=3, max_period=1)
+    bad = replay(0.0)
+    with pytest.raises(ValueError, match="different kernel sequences"):
+        mod.summarize([replay(0.0), bad[:-1] + [("other", 0.0, 1.0)]], layers)

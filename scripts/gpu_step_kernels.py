@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Where a graphed one-token decode step's time goes, kernel by kernel, against each kernel's bytes floor (issue 3's
+AR-step bars: <= 1.5x the floor at the 1.5B shape, <= 1.15x at Qwen3-8B's; random bf16 weights, real shapes).
+
+Per shape: the engine's fused one-token step (EngineConfig defaults on CUDA: six launches a layer) + the LM head,
+captured in one CUDA graph after a 512-token prefill; its replay time (median of 100, CUDA events); then REPLAYS
+replays under torch.profiler (CUDA activity, graph kernels included). The kernels of one replay repeat with the
+layer: the script finds that period and reports, per position in the layer (qkv, RoPE + K/V write, attention,
+o_proj, gate/up, down for the fused layer), the median kernel time over layers and replays, the median gap to the
+next kernel's start (the graph's kernel boundary), the weight bytes it reads and its floor at the measured HBM
+rate; the same for what precedes and follows the layers (embedding, LM head). What the sums say: kernel time +
+gaps = the step; a kernel far over its floor is where the bar is lost.
+
+Run: python3 scripts/gpu_step_kernels.py [qwen2.5-1.5b qwen3-8b ...] [--replays=20]
+Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+LAYER_NAMES = ("qkv", "rope_write", "attention", "o_proj", "gate_up", "down")  # the fused layer's six launches
+POOL, CONTEXT = 4096, 512
+
+
+def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[int, int]:
+    """-> (offset, period): the kernel sequence of one step is `offset` kernels, then `layers` repeats of `period`
+    kernels with the same names, then the rest. The longest period that fits (a short one can repeat inside a
+    layer: three GEMVs in a row), then the smallest offset; ValueError if none does (no per-layer repeat)."""
+    for period in range(min(max_period, len(names) // max(layers, 1)), 0, -1):
+        for offset in range(0, min(8, len(names))):
+            end = offset + layers * period
+            if end > len(names):
+                break
+            block = names[offset:offset + period]
+            if all(names[offset + i * period:offset + (i + 1) * period] == block for i in range(layers)):
+                return offset, period
+    raise ValueError(f"no per-layer repeat of <= {max_period} kernels over {layers} layers in {len(names)} kernels")
+
+
+def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_bytes: dict | None = None,
+              bytes_per_s: float | None = None) -> dict:
+    """steps: per replay, its kernels in start order as (name, start_us, end_us) -> per layer position and for the
+    kernels outside the layers: median duration and median gap to the next kernel (us), the name; with the weight
+    bytes of a position, its floor and kernel/floor; and the totals of one step."""
+    names = [k[0] for k in steps[0]]
+    offset, period = layer_pattern(names, layers)
+    if any([k[0] for k in s] != names for s in steps):
+        raise ValueError("replays launched different kernel sequences")
+    dur = [[e - s for _, s, e in step] for step in steps]
+    gap = [[step[i + 1][1] - step[i][2] for i in range(len(step) - 1)] + [0.0] for step in steps]
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    labels = LAYER_NAMES if period == len(LAYER_NAMES) else tuple(f"k{j}" for j in range(period))
+    per_layer = {}
+    for j in range(period):
+        idx = [offset + i * period + j for i in range(layers)]
+        row = {"kernel": names[offset + j][:60], "us": med([d[i] for d in dur for i in idx]),
+               "gap_us": med([g[i] for g in gap for i in idx])}
+        b = (layer_bytes or {}).get(labels[j])
+        if b and bytes_per_s:
+            row["bytes"] = b
+            row["floor_us"] = round(b / bytes_per_s * 1e6, 3)
+            row["over_floor"] = round(row["us"] / row["floor_us"], 3)
+        per_layer[labels[j]] = row
+    outside = {}
+    for i in list(range(offset)) + list(range(offset + layers * period, len(names))):
+        outside[f"{i}:{names[i][:50]}"] = {"us": med([d[i] for d in dur]), "gap_us": med([g[i] for g in gap])}
+    kernel_us = statistics.median(sum(d) for d in dur)
+    span_us = statistics.median(s[-1][2] - s[0][1] for s in steps)
+    return {"kernels_per_step": len(names), "offset": offset, "period": period, "per_layer": per_layer,
+            "outside_layers": outside, "kernel_us": round(kernel_us, 2), "span_us": round(span_us, 2),
+            "gaps_us": round(span_us - kernel_us, 2),
+            "layer_us": round(sum(r["us"] + r["gap_us"] for r in per_layer.values()), 3)}
+
+
+def _layer_bytes(cfg, elt: int = 2) -> dict:
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return {"qkv": (nq + 2 * nkv) * h * elt, "o_proj": nq * h * elt,
+            "gate_up": 2 * cfg.intermediate_size * h * elt, "down": cfg.intermediate_size * h * elt,
+            "attention": 2 * nkv * CONTEXT * elt}
+
+
+def measure(name: str, replays: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
+    from specpilot.costmodel.hardware import time_median_s
+    from specpilot.models import random_model
+
+    dev = "cuda"
+    hw = load_or_measure(dev)
+    cfg = synthetic_config(name)
+    model = random_model(cfg).fuse_projections().eval()
+    model.use_attention_kernel(True).use_norm_kernel(True).use_rope_kernel(True)
+    model.use_act_kernel(True).use_add_norm_kernel(True).use_fused_decode(True)
+    with torch.no_grad():
+        cache = model.new_cache(1, POOL)
+        prompt = torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=dev)
+        model(prompt, torch.arange(CONTEXT, device=dev)[None], cache, kv_len=CONTEXT)
+        tok = torch.randint(0, cfg.vocab_size, (1, 1), device=dev)
+        pos = torch.tensor([[CONTEXT]], device=dev)
+        step = lambda: model.logits(model(tok, pos, cache, kv_len=None))  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                      and "memset" not in e.name.lower()), key=lambda k: k[1])
+    if not kernels or len(kernels) % replays:
+        return {"error": f"{len(kernels)} kernels over {replays} replays"}
+    n = len(kernels) // replays
+    steps = [kernels[i * n:(i + 1) * n] for i in range(replays)]
+    floor_ms = pass_floor_s(forward_cost(cfg, 1, CONTEXT), hw) * 1e3
+    out = {"step_ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "over_floor": round(ms / floor_ms, 3),
+           "hbm_tb_s": round(hw.hbm_bytes_per_s / 1e12, 3)}
+    try:
+        out.update(summarize(steps, cfg.num_hidden_layers, _layer_bytes(cfg), hw.hbm_bytes_per_s))
+    except ValueError as e:
+        out["error"] = str(e)
+        out["names"] = [k[0][:40] for k in steps[0][:40]]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        return 0
+    shapes, replays = [], 20
+    for a in argv:
+        if a.startswith("--replays="):
+            replays = int(a.split("=", 1)[1])
+        elif a.startswith("--"):
+            print(f"gpu_step_kernels.py: unexpected argument {a!r} (see --help)", file=sys.stderr)
+            return 2
+        else:
+            shapes.append(a)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_step_kernels.py needs CUDA", file=sys.stderr)
+        return 2
+    res = {}
+    for name in shapes or ["qwen2.5-1.5b", "qwen3-8b"]:
+        res[name] = measure(name, replays)
+        r = res[name]
+        print(name, {k: r.get(k) for k in ("step_ms", "over_floor", "kernel_us", "gaps_us", "error")}, flush=True)
+        for label, row in r.get("per_layer", {}).items():
+            print(f"  {label:11s} {row}", flush=True)
+        for label, row in r.get("outside_layers", {}).items():
+            print(f"  {label[:40]:40s} {row}", flush=True)
+        torch.cuda.empty_cache()
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
