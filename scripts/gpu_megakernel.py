@@ -14,10 +14,10 @@ layer's qkv / attention / o_proj / gate_up / down phases and the LM head, in us.
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
-       [--variants=P:W:TILE:CAP[:PF[:PT[:SPLIT[:KV]]]],...]   (P 0 = one per SM; PF: bytes of each program's
-       gate rows and up rows warmed in L2 with its o_proj rows during the attention phase, default -1 = none; PT:
-       GEMV tiles L2-prefetched ahead, default 0; SPLIT: the attention's key slice, default 128; KV 1: the
-       attention slices L2-prefetched before their barrier; default variants: below)
+       [--variants=P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT]]]],...]   (P 0 = one per SM; PF: bytes of each
+       program's gate rows and up rows warmed in L2 with its o_proj rows during the attention phase, default -1 =
+       none; PRE 1: each GEMV phase's first tile loaded before its barrier; ACC1D 1: one-dimensional GEMV sums (room
+       for wider tiles); SPLIT: the attention's key slice, default 128; default variants: below)
 (`--cpu-smoke`: the parity part only, on a tiny fp32 Qwen2-shaped model on the CPU, one program under
 TRITON_INTERPRET=1.) Last stdout line: one JSON object.
 """
@@ -40,9 +40,9 @@ from specpilot.models import random_model
 
 POOL, CONTEXT = 4096, 512
 DEV = "cuda"
-DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:4,0:8:32768:128:-1:4:128:1,0:8:32768:128:-1:8:128:1,"
-                    "0:8:16384:64:-1:8:128:1,0:8:32768:128:-1:4:64:1")
-FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "prefetch_tiles", "split_s", "prefetch_kv")
+DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:1,0:8:32768:128:-1:1:1,0:8:65536:128:-1:1:1,"
+                    "0:8:98304:128:-1:1:1,0:16:65536:128:-1:1:1,0:8:65536:128:-1:0:1")
+FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "preload", "acc_1d", "split_s")
 
 
 def _fused(model):
@@ -150,10 +150,15 @@ def cpu_smoke(steps: int) -> int:
     cfg = dataclasses.replace(synthetic_config("qwen2.5-0.5b"), vocab_size=128, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = random_model(cfg, dtype=torch.float32, device="cpu").fuse_projections().eval()
-    res = parity(model, cfg, steps, {"programs": 1, "num_warps": 4, "tile_bytes": 4096, "cap_n": 16})
-    print("tiny parity", res, flush=True)
-    print(json.dumps({"shapes": {"tiny": {"parity": res}}}))
-    return 0 if res["argmax_agree"] == steps and res["max_rel_logit_diff"] < 1e-4 else 1
+    out, ok = {}, True
+    for pre in (False, True):  # the plain GEMVs, then preloaded tiles with one-dimensional sums
+        res = parity(model, cfg, steps, {"programs": 1, "num_warps": 4, "tile_bytes": 4096, "cap_n": 16,
+                                         "preload": pre, "acc_1d": pre})
+        print("tiny parity" + (" preload acc_1d" if pre else ""), res, flush=True)
+        out["parity_preload_acc1d" if pre else "parity"] = res
+        ok = ok and res["argmax_agree"] == steps and res["max_rel_logit_diff"] < 1e-4
+    print(json.dumps({"shapes": {"tiny": out}}))
+    return 0 if ok else 1
 
 
 def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
@@ -177,14 +182,16 @@ def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
         res["fuseddecode_graph"]["over_floor"] = round(res["fuseddecode_graph"]["ms"] / floor, 3)
         print(name, "fuseddecode_graph", res["fuseddecode_graph"], flush=True)
         torch.cuda.empty_cache()
-        for i, v in enumerate(variants):
+        checked = set()
+        for v in variants:
             tag = (f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}"
                    + (f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
-                   + (f"_pt{v['prefetch_tiles']}" if v["prefetch_tiles"] else "")
-                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else "") + ("_kv" if v["prefetch_kv"] else ""))
+                   + ("_pre" if v["preload"] else "") + ("_acc1d" if v["acc_1d"] else "")
+                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else ""))
             kw = {**v, "programs": v["programs"] or None}
             try:
-                if i == 0:
+                if (v["preload"], v["acc_1d"]) not in checked:  # each code path's parity once per shape
+                    checked.add((v["preload"], v["acc_1d"]))
                     res[f"{tag}_parity"] = parity(model, cfg, steps, kw)
                     print(name, f"{tag}_parity", res[f"{tag}_parity"], flush=True)
                 r = time_variant(model, cfg, kw)
@@ -226,11 +233,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, list[dict]]:
             if not 4 <= len(vals) <= len(FIELDS):
                 raise ValueError
         except ValueError:
-            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PT[:SPLIT[:KV]]]] (4 to 8 integers), got "
-                  f"{item!r}", file=sys.stderr)
+            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT]]]] (4 to 8 integers), "
+                  f"got {item!r}", file=sys.stderr)
             sys.exit(2)
-        v = dict(zip(FIELDS, vals + [-1, 0, 128, 0][len(vals) - 4:]))
-        v["prefetch_kv"] = bool(v["prefetch_kv"])
+        v = dict(zip(FIELDS, vals + [-1, 0, 0, 128][len(vals) - 4:]))
+        v["preload"], v["acc_1d"] = bool(v["preload"]), bool(v["acc_1d"])
         variants.append(v)
     return shapes or ["qwen2.5-1.5b", "qwen3-8b"], steps, variants
 

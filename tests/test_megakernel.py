@@ -96,8 +96,8 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
     assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked
-    # streamed tiles: 5 GEMV loops + 5 heads before barriers + the K and V slices, each at least one site
-    assert r["prefetches_streamed"] >= 12
+    # preloaded tiles and one-dimensional sums: the same grid barrier (5 release arrivals and polls a layer)
+    assert r["preload_acc1d_releases"] == 5 and r["preload_acc1d_volatile_loads"] == r["volatile_loads"]
     assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 7  # start, 5 barriers a layer (one site each), end
 
 
@@ -148,10 +148,14 @@ def test_megakernel_config_and_engine_switch(tiny_model_dir):
     assert not _megakernel(EngineConfig(), model)
 
 
-@pytest.mark.parametrize("cap_n, tile_bytes", [(16, 1024), (64, 4096)])
-def test_megakernel_row_chunks_and_tiles(tiny_model_dir, cap_n, tile_bytes):
+@pytest.mark.parametrize("cap_n, tile_bytes, preload, acc_1d", [(16, 1024, False, False), (64, 4096, False, False),
+                                                              (16, 1024, True, True), (64, 4096, True, False),
+                                                              (16, 1024, False, True)])
+def test_megakernel_row_chunks_and_tiles(tiny_model_dir, cap_n, tile_bytes, preload, acc_1d):
     """Programs whose rows take several chunks (equal ones: 96 rows at cap 64 are two of 48, masked in a 64-row
-    tile) and narrow K tiles (several double-buffered K steps): the same logits."""
+    tile) and narrow K tiles (several double-buffered K steps): the same logits; also with each phase's first tile
+    preloaded before its barrier (the first chunk starts from it, later chunks load their own) and with the K steps
+    summed into one-dimensional accumulators."""
     from specpilot.kernels.megakernel import DecodeMegakernel
     from specpilot.models import load_model
 
@@ -161,7 +165,8 @@ def test_megakernel_row_chunks_and_tiles(tiny_model_dir, cap_n, tile_bytes):
     cache = model.new_cache(1, 32)
     with torch.no_grad():
         model(ids[:, :6], torch.arange(6)[None], cache, kv_len=6)
-        mk = DecodeMegakernel(model, cache, programs=1, cap_n=cap_n, tile_bytes=tile_bytes)
+        mk = DecodeMegakernel(model, cache, programs=1, cap_n=cap_n, tile_bytes=tile_bytes, preload=preload,
+                              acc_1d=acc_1d)
         got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in (6, 7)]
     assert mk.blocks["BN_LM"] == min(cap_n, 128) and mk.blocks["BK_D"] < model.config.intermediate_size
     for a, b in zip(ref, got):

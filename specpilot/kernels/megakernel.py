@@ -45,9 +45,14 @@ Co-residency: a grid barrier needs every program resident at once, so the grid i
 after another, only a grid of ONE program can pass a barrier: the tests run it so (every phase's code, the barrier
 included), and the GPU scripts check the 132-program grid against the six-launch step (scripts/gpu_megakernel.py).
 
-Streamed L2 prefetch (`prefetch_tiles` > 0, `prefetch_kv`, off): GEMV tiles prefetched into L2 a distance ahead
-of the registers' two, each phase's first tiles before the barrier that opens it, and the attention slices before
-theirs. It lost (below).
+Register preload and a one-dimensional accumulator (`preload`, `acc_1d`, off; after session 23's measurements):
+each GEMV phase's first weight tile is loaded into registers BEFORE the barrier that opens the phase (weights do not
+depend on what the barrier waits for), so its DRAM latency overlaps the barrier and, where a program's rows fit one
+tile (qkv, o_proj at the 1.5B shape), the whole phase's weights are there when it opens; and a GEMV can sum each K
+step's products at once into [BLOCK_N] fp32 instead of a [BLOCK_N, BLOCK_K] fp32 tile (which holds twice the
+weight tile's registers), leaving room for wider tiles, i.e. more bytes in flight per SM. (Session 23 also tried
+L2 prefetch instructions a few tiles ahead of the loads, the next phase's first tiles before each barrier, and the
+attention slices: every phase got slower, more distance slower still; removed.)
 
 Status, measured on the H200 (session 23, BENCHMARKS.md): exact (argmax 8/8, barriers all counted) and SLOWER than
 the six-launch step, so `EngineConfig.megakernel` stays off: 1.75 ms vs 1.45 ms a step at the 1.5B shape (2.37x the
@@ -141,29 +146,6 @@ if triton is not None:
         return done
 
     @triton.jit
-    def _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """L2-prefetch tile j of a program's walk through its rows [r0, r1) of W [N, K] (chunk after chunk of
-        `chunk` rows, BLOCK_K columns at a time: the order `_gemv_range` loads them in), one prefetch per 128-byte
-        line; with SILU_MUL the up rows N + n too. A tile past the walk's end is skipped."""
-        T = tl.cdiv(K, BLOCK_K)
-        c = j // T
-        n0 = r0 + c * chunk
-        if n0 < r1:
-            ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            STEP: tl.constexpr = 128 // ELT
-            LPR: tl.constexpr = BLOCK_K // STEP if BLOCK_K >= STEP else 1
-            n_offs = n0 + tl.arange(0, BLOCK_N)
-            cols = (j - c * T) * BLOCK_K + tl.arange(0, LPR) * STEP
-            ok = (n_offs < tl.minimum(n0 + chunk, r1))[:, None] & (cols < K)[None, :]
-            offs = tl.where(ok, n_offs.to(tl.int64)[:, None] * K + cols[None, :], 0)
-            done = tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [w_ptr + offs], dtype=tl.int32,
-                                             is_pure=False, pack=1)
-            if SILU_MUL:
-                done += tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [w_ptr + N * K + offs], dtype=tl.int32,
-                                                  is_pure=False, pack=1)
-
-    @triton.jit
     def _chunk_rows(N, pid, programs, BLOCK_N: tl.constexpr):
         """-> (first row, end, chunk): a program's rows in equal chunks of at most BLOCK_N (68 rows in tiles of
         64: two of 34, not 64 + 4, whose K loop would stream a tile of 4 rows per DRAM round trip)."""
@@ -171,95 +153,95 @@ if triton is not None:
         return r0, r1, tl.cdiv(per, tl.cdiv(per, BLOCK_N))
 
     @triton.jit
-    def _prefetch_head(w_ptr, N, K, pid, programs, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PF_TILES: tl.constexpr):
-        """The first PF_TILES tiles of this program's next GEMV phase into L2, issued before the barrier that
-        opens it: weights do not depend on the activations the barrier waits for."""
-        if PF_TILES > 0:
+    def _tile(w_ptr, n0, r1, chunk, N, K, k0, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The weight tile of rows [n0, min(n0 + chunk, r1)) and columns [k0, k0 + BLOCK_K) (zeros outside W),
+        and with SILU_MUL the same rows of the up half (N + n); else the gate tile twice."""
+        n_offs = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < tl.minimum(n0 + chunk, r1)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + n_offs.to(tl.int64)[:, None] * K + cols[None, :]
+        mask = n_mask[:, None] & (cols < K)[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0)
+        wu = w
+        if SILU_MUL:
+            wu = tl.load(ptrs + N * K, mask=mask, other=0.0)
+        return w, wu
+
+    @triton.jit
+    def _first_tile(w_ptr, N, K, pid, programs, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
+        """PRELOAD: this program's first tile of a GEMV phase, loaded BEFORE the barrier that opens the phase
+        (weights do not depend on the activations the barrier waits for): its DRAM latency overlaps the barrier,
+        and where a program's rows fit one tile (qkv, o_proj) the whole phase's weights are in registers when it
+        opens. Else a [1, 1] placeholder (nothing loaded)."""
+        if PRELOAD:
             r0, r1, chunk = _chunk_rows(N, pid, programs, BLOCK_N)
-            for j in tl.static_range(PF_TILES):
-                _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL, BLOCK_N, BLOCK_K)
+            return _tile(w_ptr, r0, r1, chunk, N, K, 0, SILU_MUL, BLOCK_N, BLOCK_K)
+        else:
+            z = tl.zeros((1, 1), dtype=w_ptr.dtype.element_ty)
+            return z, z
 
     @triton.jit
-    def _prefetch_kv(kc_ptr, vc_ptr, p, pid, programs, skc_h, skc_s, svc_h, svc_s, H_KV: tl.constexpr,
-                     D: tl.constexpr, SPLIT_S: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """The cached keys and values of this program's attention tasks (`_attention_tasks` deals them the same
-        way) into L2, issued before the barrier that opens the attention phase (slots below p: already written)."""
-        ELT: tl.constexpr = kc_ptr.dtype.element_ty.primitive_bitwidth // 8
-        STEP: tl.constexpr = 128 // ELT
-        LPK: tl.constexpr = D // STEP if D >= STEP else 1
-        n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
-        keys = tl.arange(0, SPLIT_S)
-        cols = tl.arange(0, LPK) * STEP
-        for task in range(pid, H_KV * n_used, programs):
-            hk = task % H_KV
-            key = (task // H_KV) * SPLIT_S + keys
-            ok = (key < p)[:, None] & (cols < D)[None, :]
-            kp = kc_ptr + hk * skc_h + tl.where(ok, key.to(tl.int64)[:, None] * skc_s + cols[None, :], 0)
-            vp = vc_ptr + hk * svc_h + tl.where(ok, key.to(tl.int64)[:, None] * svc_s + cols[None, :], 0)
-            done = tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [kp], dtype=tl.int32, is_pure=False, pack=1)
-            done += tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [vp], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _gemv_range(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, eps, pid, programs,
+    def _gemv_range(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, eps, pid, programs, w0, wu0,
                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
                     ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PF_TILES: tl.constexpr = 0):
+                    PRELOADED: tl.constexpr, ACC_1D: tl.constexpr):
         """This program's rows [r0, r1) of y = epilogue(W @ norm(x)), r1 - r0 = ceil(N / programs): the one-row
         loop of kernels/gemv_fused.py's `_gemv_fused_kernel` over equal chunks of <= BLOCK_N rows (W [N, K]
         row-major; with SILU_MUL the fused [2N, K] gate/up weight, gate row n and up row N + n).
-        PF_TILES > 0 (GPU): tile j + 1 + PF_TILES of the walk is L2-prefetched while tile j is used, so PF_TILES
-        tiles stream from HBM beyond the two in registers (the registers alone hold ~32 KB per SM in flight: the
-        loop then waits a DRAM latency per K step; the first tiles come from `_prefetch_head`)."""
+        Register double buffering: the next K block's tile is loaded before this one is used (one program per SM has
+        no other CTA's loads to overlap with). PRELOADED: the first chunk's first tile is (w0, wu0), loaded by
+        `_first_tile` before the phase's barrier. ACC_1D: each K step's products are summed over K at once into
+        [BLOCK_N] fp32 instead of kept as a [BLOCK_N, BLOCK_K] fp32 tile (twice the weight tile's registers): room
+        for wider tiles, i.e. more bytes in flight per SM."""
         dt = y_ptr.dtype.element_ty
         r0, r1, chunk = _chunk_rows(N, pid, programs, BLOCK_N)
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         else:
             rstd = 1.0
-        T = tl.cdiv(K, BLOCK_K)
-        if PF_TILES > 0:
-            for j in tl.static_range(PF_TILES + 1):
-                _prefetch_tile(w_ptr, j, r0, r1, chunk, N, K, SILU_MUL, BLOCK_N, BLOCK_K)
+        kk = tl.arange(0, BLOCK_K)
         for n0 in range(r0, r1, chunk):
-            n_offs = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n_offs < tl.minimum(n0 + chunk, r1)
-            rows = n_offs.to(tl.int64)[:, None] * K
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            # register double buffering: the next K block's weight tile is loaded before this one is used, so two
-            # tiles are in flight per program (one program per SM has no other CTA's loads to overlap with: a plain
-            # loop would wait one DRAM latency per K block)
-            kk = tl.arange(0, BLOCK_K)
-            w_mask = n_mask[:, None] & (kk < K)[None, :]
-            w = tl.load(w_ptr + rows + kk[None, :], mask=w_mask, other=0.0)
-            wu = w
-            if SILU_MUL:
-                wu = tl.load(w_ptr + rows + N * K + kk[None, :], mask=w_mask, other=0.0)
+            if PRELOADED:
+                if n0 == r0:
+                    w, wu = w0, wu0
+                else:
+                    w, wu = _tile(w_ptr, n0, r1, chunk, N, K, 0, SILU_MUL, BLOCK_N, BLOCK_K)
+            else:
+                w, wu = _tile(w_ptr, n0, r1, chunk, N, K, 0, SILU_MUL, BLOCK_N, BLOCK_K)
+            if ACC_1D:
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                if PF_TILES > 0:
-                    _prefetch_tile(w_ptr, ((n0 - r0) // chunk) * T + k0 // BLOCK_K + 1 + PF_TILES, r0, r1, chunk,
-                                   N, K, SILU_MUL, BLOCK_N, BLOCK_K)
+                w_next, wu_next = _tile(w_ptr, n0, r1, chunk, N, K, k0 + BLOCK_K, SILU_MUL, BLOCK_N, BLOCK_K)
                 k_offs = k0 + kk
                 k_mask = k_offs < K
-                nxt = k_offs + BLOCK_K
-                nxt_mask = n_mask[:, None] & (nxt < K)[None, :]
-                w_next = tl.load(w_ptr + rows + nxt[None, :], mask=nxt_mask, other=0.0)
-                wu_next = w_next
-                if SILU_MUL:
-                    wu_next = tl.load(w_ptr + rows + N * K + nxt[None, :], mask=nxt_mask, other=0.0)
                 h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
                 if HAS_NORM:
                     h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt,
                                 ON_GPU)
-                acc += w.to(tl.float32) * h[None, :]
-                if SILU_MUL:
-                    acc_up += wu.to(tl.float32) * h[None, :]
+                if ACC_1D:
+                    acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+                    if SILU_MUL:
+                        acc_up += tl.sum(wu.to(tl.float32) * h[None, :], axis=1)
+                else:
+                    acc += w.to(tl.float32) * h[None, :]
+                    if SILU_MUL:
+                        acc_up += wu.to(tl.float32) * h[None, :]
                 w = w_next
                 wu = wu_next
-            y = tl.sum(acc, axis=1)
-            u = tl.sum(acc_up, axis=1)
-            _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+            if ACC_1D:
+                y = acc
+                u = acc_up
+            else:
+                y = tl.sum(acc, axis=1)
+                u = tl.sum(acc_up, axis=1)
+            n_offs = n0 + tl.arange(0, BLOCK_N)
+            _epilogue(y, u, n_offs, n_offs < tl.minimum(n0 + chunk, r1), N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES,
+                      SILU_MUL, ON_GPU)
 
     @triton.jit
     def _attention_tasks(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, o_ptr, m_ptr, l_ptr, out_ptr,
@@ -316,7 +298,8 @@ if triton is not None:
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
             BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0,
-            times_ptr=None, TIMING: tl.constexpr = False, PF_TILES: tl.constexpr = 0, PF_KV: tl.constexpr = False):
+            times_ptr=None, TIMING: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+            ACC_1D: tl.constexpr = False):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
@@ -328,6 +311,9 @@ if triton is not None:
         cos_row = cos_ptr + p * D
         sin_row = sin_ptr + p * D
         barrier = 0
+        # PRELOAD: each GEMV phase's first tile is loaded before the barrier that opens it (`_first_tile`); the
+        # qkv tile is carried from one layer's end to the next layer's start
+        q_w, q_wu = _first_tile(wqkv_ptr, NQKV, HID, pid, programs, False, BN_QKV, BK_QKV, PRELOAD)
         for layer in range(0, L):
             li = tl.full([], 0, tl.int64) + layer  # 64-bit layer offsets: Qwen3-8B's gate/up stack is 3.6 G elements
             if layer == 0:
@@ -345,11 +331,8 @@ if triton is not None:
             vc = vc_ptr + li * svc_l
             # [input RMSNorm + qkv GEMV (+ bias)]
             _gemv_range(x_in, n1_ptr + li * HID, wqkv_ptr + li * NQKV * HID, bqkv_ptr + li * NQKV, x_in,
-                        qkv, NQKV, HID, eps, pid, programs, True, HAS_BIAS, False, False, ON_GPU, HID_P2, BN_QKV,
-                        BK_QKV, PF_TILES)
-            if PF_KV:  # this program's attention slices, then the head of its o_proj rows
-                _prefetch_kv(kc, vc, p, pid, programs, skc_h, skc_s, svc_h, svc_s, H_KV, D, SPLIT_S, NUM_SPLITS)
-            _prefetch_head(wo, HID, NQ, pid, programs, False, BN_O, BK_O, PF_TILES)
+                        qkv, NQKV, HID, eps, pid, programs, q_w, q_wu, True, HAS_BIAS, False, False, ON_GPU, HID_P2,
+                        BN_QKV, BK_QKV, PRELOAD, ACC_1D)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
@@ -362,37 +345,36 @@ if triton is not None:
                 # this program's own tasks: those with none start at once, those with some are not delayed)
                 _prefetch_next(wo, wgu, pid, programs, HID, NQ, INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8,
                                PF_GU, 256)
+            o_w, o_wu = _first_tile(wo, HID, NQ, pid, programs, False, BN_O, BK_O, PRELOAD)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [o_proj GEMV + residual]
-            _gemv_range(att, n1_ptr, wo, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs,
-                        False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O, PF_TILES)
-            _prefetch_head(wgu, INTER, HID, pid, programs, True, BN_GU, BK_GU, PF_TILES)
+            _gemv_range(att, n1_ptr, wo, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs, o_w, o_wu,
+                        False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O, PRELOAD, ACC_1D)
+            g_w, g_wu = _first_tile(wgu, INTER, HID, pid, programs, True, BN_GU, BK_GU, PRELOAD)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
-            _gemv_range(hs, n2_ptr + li * HID, wgu, bqkv_ptr, hs, act, INTER, HID,
-                        eps, pid, programs, True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU, PF_TILES)
-            _prefetch_head(wd, HID, INTER, pid, programs, False, BN_D, BK_D, PF_TILES)
+            _gemv_range(hs, n2_ptr + li * HID, wgu, bqkv_ptr, hs, act, INTER, HID, eps, pid, programs, g_w, g_wu,
+                        True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU, PRELOAD, ACC_1D)
+            d_w, d_wu = _first_tile(wd, HID, INTER, pid, programs, False, BN_D, BK_D, PRELOAD)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [down GEMV + residual] -> the next layer's input
-            _gemv_range(act, n2_ptr, wd, bqkv_ptr, hs, xs_ptr + li * HID, HID, INTER,
-                        eps, pid, programs, False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D, PF_TILES)
-            if layer + 1 < L:
-                _prefetch_head(wqkv_ptr + (li + 1) * NQKV * HID, NQKV, HID, pid, programs, False, BN_QKV, BK_QKV,
-                               PF_TILES)
-            else:
-                _prefetch_head(lm_ptr, V, HID, pid, programs, False, BN_LM, BK_LM, PF_TILES)
+            _gemv_range(act, n2_ptr, wd, bqkv_ptr, hs, xs_ptr + li * HID, HID, INTER, eps, pid, programs, d_w, d_wu,
+                        False, False, True, False, ON_GPU, INTER_P2, BN_D, BK_D, PRELOAD, ACC_1D)
+            # the next layer's qkv tile (after the last layer: layer 0's again, unused; the LM head loads its own)
+            q_w, q_wu = _first_tile(wqkv_ptr + ((li + 1) % L) * NQKV * HID, NQKV, HID, pid, programs, False,
+                                    BN_QKV, BK_QKV, PRELOAD)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs)
             _stamp(times_ptr, barrier, pid, TIMING)
         # [final RMSNorm + LM head]
         _gemv_range(xs_ptr + (L - 1) * HID, fn_ptr, lm_ptr, bqkv_ptr, xs_ptr, logits_ptr, V, HID, eps, pid,
-                    programs, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM, PF_TILES)
+                    programs, q_w, q_wu, True, False, False, False, ON_GPU, HID_P2, BN_LM, BK_LM, False, ACC_1D)
         if TIMING:  # the LM head's end as program 0 sees it (its own range done; others may still run)
             _stamp(times_ptr, barrier + 1, pid, TIMING)
 
@@ -420,7 +402,7 @@ class DecodeMegakernel:
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
                  cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False,
-                 prefetch_tiles: int = 0, prefetch_kv: bool = False):
+                 preload: bool = False, acc_1d: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -478,11 +460,9 @@ class DecodeMegakernel:
         # prefetch_gu: bytes of each program's gate rows (and as many of its up rows) warmed in L2 during the
         # attention phase, with all its o_proj rows; -1 = no warming (the interpreter cannot run the asm)
         self.prefetch_gu = prefetch_gu
-        # prefetch_tiles: GEMV weight tiles streamed into L2 ahead of the registers' two (and the next phase's first
-        # ones before each barrier); prefetch_kv: a program's attention slices into L2 before the attention barrier
-        if prefetch_tiles < 0:
-            raise ValueError(f"DecodeMegakernel: prefetch_tiles {prefetch_tiles} must be >= 0")
-        self.prefetch_tiles, self.prefetch_kv = prefetch_tiles, prefetch_kv
+        # preload: each GEMV phase's first weight tile loaded before the barrier that opens it; acc_1d: GEMV sums
+        # per K step into [BLOCK_N] fp32 (room for wider tiles: tile_bytes)
+        self.preload, self.acc_1d = preload, acc_1d
         self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
         L, H, D = self.L, self.H, self.D
         f32 = dict(dtype=torch.float32, device=dev)
@@ -525,7 +505,7 @@ class DecodeMegakernel:
             SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=self.split_s,
             PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
             times_ptr=times, TIMING=times is not None and not interp,
-            PF_TILES=0 if interp else self.prefetch_tiles, PF_KV=self.prefetch_kv and not interp,
+            PRELOAD=self.preload, ACC_1D=self.acc_1d,
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
