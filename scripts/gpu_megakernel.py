@@ -14,10 +14,11 @@ layer's qkv / attention / o_proj / gate_up / down phases and the LM head, in us.
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
-       [--variants=P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT]]]],...]   (P 0 = one per SM; PF: bytes of each
+       [--variants=P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ]]]]],...]   (P 0 = one per SM; PF: bytes of each
        program's gate rows and up rows warmed in L2 with its o_proj rows during the attention phase, default -1 =
        none; PRE 1: each GEMV phase's first tile loaded before its barrier; ACC1D 1: one-dimensional GEMV sums (room
-       for wider tiles); SPLIT: the attention's key slice, default 128; default variants: below)
+       for wider tiles); SPLIT: the attention's key slice, default 128; ACQ 1: barriers polled with acquire loads;
+       default variants: below)
 (`--cpu-smoke`: the parity part only, on a tiny fp32 Qwen2-shaped model on the CPU, one program under
 TRITON_INTERPRET=1.) Last stdout line: one JSON object.
 """
@@ -41,8 +42,9 @@ from specpilot.models import random_model
 POOL, CONTEXT = 4096, 512
 DEV = "cuda"
 DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:1,0:8:32768:128:-1:1:1,0:8:65536:128:-1:1:1,"
-                    "0:8:98304:128:-1:1:1,0:16:65536:128:-1:1:1,0:8:65536:128:-1:0:1")
-FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "preload", "acc_1d", "split_s")
+                    "0:8:65536:128:-1:1:1:128:1,0:8:98304:128:-1:1:1:128:1,0:16:65536:128:-1:1:1:128:1")
+FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "preload", "acc_1d", "split_s",
+          "acquire_poll")
 
 
 def _fused(model):
@@ -129,7 +131,7 @@ def time_variant(model, cfg, variant: dict) -> dict:
             mk.step(tok, pos)
         ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
         # where the step goes: program 0's timer after each barrier (one eager step; the median layer's phases)
-        times = torch.zeros(5 * cfg.num_hidden_layers + 2, dtype=torch.int64, device=DEV)
+        times = torch.zeros(7 * cfg.num_hidden_layers + 2, dtype=torch.int64, device=DEV)
         mk.step(tok, pos, times=times)
         torch.cuda.synchronize()
         phases = mk.phase_times_us(times)
@@ -187,11 +189,12 @@ def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
             tag = (f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}"
                    + (f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
                    + ("_pre" if v["preload"] else "") + ("_acc1d" if v["acc_1d"] else "")
-                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else ""))
+                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else "") + ("_acq" if v["acquire_poll"] else ""))
             kw = {**v, "programs": v["programs"] or None}
             try:
-                if (v["preload"], v["acc_1d"]) not in checked:  # each code path's parity once per shape
-                    checked.add((v["preload"], v["acc_1d"]))
+                path = (v["preload"], v["acc_1d"], v["acquire_poll"])
+                if path not in checked:  # each code path's parity once per shape
+                    checked.add(path)
                     res[f"{tag}_parity"] = parity(model, cfg, steps, kw)
                     print(name, f"{tag}_parity", res[f"{tag}_parity"], flush=True)
                 r = time_variant(model, cfg, kw)
@@ -233,11 +236,12 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, list[dict]]:
             if not 4 <= len(vals) <= len(FIELDS):
                 raise ValueError
         except ValueError:
-            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT]]]] (4 to 8 integers), "
-                  f"got {item!r}", file=sys.stderr)
+            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ]]]]] (4 to 9 "
+                  f"integers), got {item!r}", file=sys.stderr)
             sys.exit(2)
-        v = dict(zip(FIELDS, vals + [-1, 0, 0, 128][len(vals) - 4:]))
-        v["preload"], v["acc_1d"] = bool(v["preload"]), bool(v["acc_1d"])
+        v = dict(zip(FIELDS, vals + [-1, 0, 0, 128, 0][len(vals) - 4:]))
+        for flag in ("preload", "acc_1d", "acquire_poll"):
+            v[flag] = bool(v[flag])
         variants.append(v)
     return shapes or ["qwen2.5-1.5b", "qwen3-8b"], steps, variants
 

@@ -4,7 +4,7 @@ AR-step bars: <= 1.5x the floor at the 1.5B shape, <= 1.15x at Qwen3-8B's; rando
 
 Per shape: the engine's fused one-token step (EngineConfig defaults on CUDA: six launches a layer) + the LM head,
 captured in one CUDA graph after a 512-token prefill; its replay time (median of 100, CUDA events); then REPLAYS
-replays under torch.profiler (CUDA activity, graph kernels included). The kernels of one replay repeat with the
+replays under torch.profiler (graph kernels included). The kernels of one replay repeat with the
 layer: the script finds that period and reports, per position in the layer (qkv, RoPE + K/V write, attention,
 o_proj, gate/up, down for the fused layer), the median kernel time over layers and replays, the median gap to the
 next kernel's start (the graph's kernel boundary), the weight bytes it reads and its floor at the measured HBM
@@ -115,7 +115,7 @@ def measure(name: str, replays: int) -> dict:
             step()
         ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()

@@ -31,7 +31,7 @@ def report() -> dict:
                   UPCAST=False, PREC="tf32", NUM_SPLITS=32, SPLITS_P2=32, BLOCK_R=16, BLOCK_S=mk.BLOCK_S,
                   SPLIT_S=mk.SPLIT_S, HID_P2=2048, INTER_P2=16384, BN_QKV=16, BN_O=16, BN_GU=64, BN_D=16,
                   BN_LM=64, BK_QKV=1024, BK_O=1024, BK_GU=128, BK_D=1024, BK_LM=256, PREFETCH=False, PF_GU=0,
-                  TIMING=False, times_ptr=None, PRELOAD=False, ACC_1D=False)
+                  TIMING=False, times_ptr=None, PRELOAD=False, ACC_1D=False, ACQ_POLL=False)
     sig = {n: "constexpr" if n in consts else ptr.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n in ("eps", "scale") else "i32" for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
@@ -39,9 +39,10 @@ def report() -> dict:
     # with the L2 warming during the attention phase (DecodeMegakernel(prefetch_gu=...)): its prefetches compile
     pf = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PREFETCH": True, "PF_GU": 65536}),
                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    # each GEMV phase's first tile loaded before its barrier, K steps summed into [BLOCK_N] (DecodeMegakernel(
-    # preload=True, acc_1d=True)): compiles, with the same barrier instructions
-    pre = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PRELOAD": True, "ACC_1D": True}),
+    # each GEMV phase's first tile loaded before its barrier, K steps summed into [BLOCK_N], barriers polled with
+    # acquire loads (DecodeMegakernel(preload=True, acc_1d=True, acquire_poll=True)): compiles, same arrivals
+    pre = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PRELOAD": True, "ACC_1D": True,
+                                                                     "ACQ_POLL": True}),
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     # the per-phase timing stamps (DecodeMegakernel.step(times=...), a GPU diagnostic): the global timer is read
     sig_t = {**sig, "times_ptr": "*i64"}
@@ -53,8 +54,10 @@ def report() -> dict:
         "timer_reads_on": len(re.findall(r"%globaltimer", timed)),
         "prefetches_off": len(re.findall(r"prefetch\.global\.L2", ptx)),
         "prefetches_on": len(re.findall(r"prefetch\.global\.L2", pf)),
-        "preload_acc1d_volatile_loads": len(re.findall(r"\bld\.volatile\.global", pre)),
-        "preload_acc1d_releases": len(re.findall(r"red\.global\.gpu\.release", pre)),
+        "fast_volatile_loads": len(re.findall(r"\bld\.volatile\.global", pre)),
+        "fast_releases": len(re.findall(r"red\.global\.gpu\.release", pre)),
+        "fast_acquire_polls": len(re.findall(r"\bld\.acquire\.gpu\.global", pre)),
+        "fast_acquire_loads": len(re.findall(r"\bld\.global\.gpu\.acquire\b", pre)),
         # (an atomic whose result is unused compiles to `red`; an acquire add of 0 to an acquire load)
         "atomics": sorted({m.group(0) for m in re.finditer(r"\b(atom|red)\.global[\w.]+", ptx)}),
         "acquire_loads": len(re.findall(r"\bld\.global\.gpu\.acquire\b", ptx)),

@@ -96,9 +96,12 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     assert r["cg_loads"] > 0  # the merge reads the partials from L2
     assert r["shared_bytes"] <= 100 * 1024  # one program per SM must fit (228 KB on an H100/H200)
     assert r["prefetches_off"] == 0 and r["prefetches_on"] >= 3  # o_proj, gate and up warmed only when asked
-    # preloaded tiles and one-dimensional sums: the same grid barrier (5 release arrivals and polls a layer)
-    assert r["preload_acc1d_releases"] == 5 and r["preload_acc1d_volatile_loads"] == r["volatile_loads"]
-    assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 7  # start, 5 barriers a layer (one site each), end
+    # preloaded tiles, one-dimensional sums and acquire polling: the same 5 release arrivals a layer, each barrier
+    # polled by acquire loads (a first one and the loop's) instead of volatile loads and a separate acquire
+    assert r["fast_releases"] == 5 and r["fast_acquire_polls"] >= 10
+    assert r["fast_volatile_loads"] == 0 and r["fast_acquire_loads"] == 0
+    # start, 5 barriers a layer (one site each), 2 inside the attention phase, end
+    assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 9
 
 
 def test_runner_one_token_steps_through_the_megakernel(tiny_model_dir):
@@ -185,3 +188,8 @@ def test_phase_times_from_the_stamps(tiny_model_dir):
     stamps = torch.tensor([0] + gaps_us).cumsum(0) * 1000  # ns
     assert mk.phase_times_us(stamps) == {"qkv": 1.0, "attention": 4.0, "o_proj": 2.0, "gate_up": 10.0,
                                          "down": 5.0, "lm_head": 30.0, "step": 74.0}
+    # with the attention phase's two stamps a layer (program 0's stored partial, its publish/merge): the split
+    att = torch.tensor([1 + 2.5, 1 + 3.5, 23 + 2.5, 23 + 3.5]) * 1000  # layer starts of attention: 1 and 23 us
+    split = mk.phase_times_us(torch.cat([stamps, att.long()]))
+    assert split["att_slice"] == 2.5 and split["att_merge"] == 1.0 and split["att_wait"] == 0.5
+    assert split["attention"] == 4.0 and split["step"] == 74.0

@@ -45,14 +45,16 @@ Co-residency: a grid barrier needs every program resident at once, so the grid i
 after another, only a grid of ONE program can pass a barrier: the tests run it so (every phase's code, the barrier
 included), and the GPU scripts check the 132-program grid against the six-launch step (scripts/gpu_megakernel.py).
 
-Register preload and a one-dimensional accumulator (`preload`, `acc_1d`, off; after session 23's measurements):
-each GEMV phase's first weight tile is loaded into registers BEFORE the barrier that opens the phase (weights do not
-depend on what the barrier waits for), so its DRAM latency overlaps the barrier and, where a program's rows fit one
-tile (qkv, o_proj at the 1.5B shape), the whole phase's weights are there when it opens; and a GEMV can sum each K
-step's products at once into [BLOCK_N] fp32 instead of a [BLOCK_N, BLOCK_K] fp32 tile (which holds twice the
-weight tile's registers), leaving room for wider tiles, i.e. more bytes in flight per SM. (Session 23 also tried
-L2 prefetch instructions a few tiles ahead of the loads, the next phase's first tiles before each barrier, and the
-attention slices: every phase got slower, more distance slower still; removed.)
+Register preload, a one-dimensional accumulator, acquire polling (`preload`, `acc_1d`, `acquire_poll`; off, after
+session 23's measurements, until the H200 times them): each GEMV phase's first weight tile is loaded into registers
+BEFORE the barrier that opens the phase (weights do not depend on what the barrier waits for), so its DRAM latency
+overlaps the barrier and, where a program's rows fit one tile (qkv, o_proj at the 1.5B shape), the whole phase's
+weights are there when it opens; a GEMV can sum each K step's products at once into [BLOCK_N] fp32 instead of a
+[BLOCK_N, BLOCK_K] fp32 tile (twice the weight tile's registers), leaving room for wider tiles, i.e. more bytes in
+flight per SM; and the barrier's spin can poll with acquire loads, so the separate acquire round trip after it goes
+(~0.7 us of the ~2.5 a barrier costs; 140 barriers a 1.5B step). Session 23 also tried L2 prefetch instructions a
+few tiles ahead of the loads, the next phase's first tiles before each barrier and the attention slices: every
+phase got slower, more distance slower still (removed).
 
 Status, measured on the H200 (session 23, BENCHMARKS.md): exact (argmax 8/8, barriers all counted) and SLOWER than
 the six-launch step, so `EngineConfig.megakernel` stays off: 1.75 ms vs 1.45 ms a step at the 1.5B shape (2.37x the
@@ -87,17 +89,28 @@ SPLIT_S, BLOCK_S = 128, 64  # attention key slice per task and its inner block (
 
 if triton is not None:
 
+    _LD_ACQUIRE_PTX = tl.constexpr("ld.acquire.gpu.global.u32 $0, [$1];")
+
     @triton.jit
-    def _grid_sync(bar_ptr, target):
+    def _grid_sync(bar_ptr, target, ACQ_POLL: tl.constexpr = False):
         """Wait until `target` arrivals are counted on bar_ptr (barrier k of a launch: k * programs), counting this
         program in first. Every thread's earlier stores happen before the CTA barrier; thread 0's release atomic
-        publishes them at gpu scope; the spin's volatile loads read L2; the acquire atomic orders what follows."""
+        publishes them at gpu scope; the spin's volatile loads read L2; the acquire atomic orders what follows.
+        ACQ_POLL (GPU): the spin's loads are themselves acquire loads (`ld.acquire.gpu`), so the last one orders
+        what follows and the separate acquire round trip to L2 (~0.7 us a barrier) goes."""
         tl.debug_barrier()
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-        seen = tl.load(bar_ptr, volatile=True)
-        while seen < target:
+        if ACQ_POLL:
+            seen = tl.inline_asm_elementwise(_LD_ACQUIRE_PTX, "=r,l", [bar_ptr], dtype=tl.int32, is_pure=False,
+                                             pack=1)
+            while seen < target:
+                seen = tl.inline_asm_elementwise(_LD_ACQUIRE_PTX, "=r,l", [bar_ptr], dtype=tl.int32,
+                                                 is_pure=False, pack=1)
+        else:
             seen = tl.load(bar_ptr, volatile=True)
-        tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+            while seen < target:
+                seen = tl.load(bar_ptr, volatile=True)
+            tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
     @triton.jit
@@ -249,11 +262,12 @@ if triton is not None:
                          H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, PREC: tl.constexpr,
                          UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, Q_NORM: tl.constexpr,
-                         K_NORM: tl.constexpr):
+                         K_NORM: tl.constexpr, times_ptr, t_idx, TIMING: tl.constexpr):
         """One layer's attention for the token at position p: tasks (kv head hk, key slice s) for the slices at or
         below p, dealt round-robin to the programs; kernels/rope_attention.py's program body per task (q rotated
         by every task, the new K/V in registers, slot p written once), the last slice of each head merging into
-        out [H_Q * D]."""
+        out [H_Q * D]. TIMING: program 0 stamps times[t_idx] once its slice's partial is stored and
+        times[t_idx + 1] once it has published it (and merged, where it was the head's last)."""
         G: tl.constexpr = H_Q // H_KV
         n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
         r = tl.arange(0, BLOCK_R)
@@ -278,11 +292,13 @@ if triton is not None:
                                            slot, True)
             _store_partial(o_ptr, m_ptr, l_ptr, (hk * NUM_SPLITS + s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
             tl.debug_barrier()
+            _stamp(times_ptr, t_idx, pid, TIMING)
             arrived = tl.atomic_add(cnt_ptr + hk, 1, sem="acq_rel", scope="gpu")
             if arrived == n_used - 1:  # the head's last slice: merge its partials (read from L2: ".cg")
                 _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, 0, hk, 0, hk, n_used, 0, D, 0, 1, G, NUM_SPLITS, D,
                              BLOCK_R, ".cg", SPLITS_P2)
                 tl.store(cnt_ptr + hk, 0)  # back to zero for the next launch
+            _stamp(times_ptr, t_idx + 1, pid, TIMING)
 
     @triton.jit
     def _decode_step_kernel(
@@ -299,7 +315,7 @@ if triton is not None:
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
             BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0,
             times_ptr=None, TIMING: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-            ACC_1D: tl.constexpr = False):
+            ACC_1D: tl.constexpr = False, ACQ_POLL: tl.constexpr = False):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
@@ -334,34 +350,35 @@ if triton is not None:
                         qkv, NQKV, HID, eps, pid, programs, q_w, q_wu, True, HAS_BIAS, False, False, ON_GPU, HID_P2,
                         BN_QKV, BK_QKV, PRELOAD, ACC_1D)
             barrier += 1
-            _grid_sync(bar_ptr, barrier * programs)
+            _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [q/k norm + RoPE + K/V write + attention; the last slice of a head merges]
             _attention_tasks(qkv, cos_row, sin_row, qn_ptr + li * D, kn_ptr + li * D, kc, vc,
                              po_ptr + li * PART * D, pm_ptr + li * PART, pl_ptr + li * PART, att, cnt_ptr + li * H_KV,
                              p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, scale, eps, H_Q, H_KV, D, NUM_SPLITS,
-                             BLOCK_R, BLOCK_S, SPLIT_S, PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM)
+                             BLOCK_R, BLOCK_S, SPLIT_S, PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM,
+                             times_ptr, 5 * L + 2 + 2 * li, TIMING)
             if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention (after
                 # this program's own tasks: those with none start at once, those with some are not delayed)
                 _prefetch_next(wo, wgu, pid, programs, HID, NQ, INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8,
                                PF_GU, 256)
             o_w, o_wu = _first_tile(wo, HID, NQ, pid, programs, False, BN_O, BK_O, PRELOAD)
             barrier += 1
-            _grid_sync(bar_ptr, barrier * programs)
+            _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [o_proj GEMV + residual]
             _gemv_range(att, n1_ptr, wo, bqkv_ptr, x_in, hs, HID, NQ, eps, pid, programs, o_w, o_wu,
                         False, False, True, False, ON_GPU, HID_P2, BN_O, BK_O, PRELOAD, ACC_1D)
             g_w, g_wu = _first_tile(wgu, INTER, HID, pid, programs, True, BN_GU, BK_GU, PRELOAD)
             barrier += 1
-            _grid_sync(bar_ptr, barrier * programs)
+            _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [post-attention RMSNorm + gate/up GEMV + SiLU(gate) * up]
             _gemv_range(hs, n2_ptr + li * HID, wgu, bqkv_ptr, hs, act, INTER, HID, eps, pid, programs, g_w, g_wu,
                         True, False, False, True, ON_GPU, HID_P2, BN_GU, BK_GU, PRELOAD, ACC_1D)
             d_w, d_wu = _first_tile(wd, HID, INTER, pid, programs, False, BN_D, BK_D, PRELOAD)
             barrier += 1
-            _grid_sync(bar_ptr, barrier * programs)
+            _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
             # [down GEMV + residual] -> the next layer's input
             _gemv_range(act, n2_ptr, wd, bqkv_ptr, hs, xs_ptr + li * HID, HID, INTER, eps, pid, programs, d_w, d_wu,
@@ -370,7 +387,7 @@ if triton is not None:
             q_w, q_wu = _first_tile(wqkv_ptr + ((li + 1) % L) * NQKV * HID, NQKV, HID, pid, programs, False,
                                     BN_QKV, BK_QKV, PRELOAD)
             barrier += 1
-            _grid_sync(bar_ptr, barrier * programs)
+            _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
         # [final RMSNorm + LM head]
         _gemv_range(xs_ptr + (L - 1) * HID, fn_ptr, lm_ptr, bqkv_ptr, xs_ptr, logits_ptr, V, HID, eps, pid,
@@ -402,7 +419,7 @@ class DecodeMegakernel:
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
                  cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False,
-                 preload: bool = False, acc_1d: bool = False):
+                 preload: bool = False, acc_1d: bool = False, acquire_poll: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -463,6 +480,7 @@ class DecodeMegakernel:
         # preload: each GEMV phase's first weight tile loaded before the barrier that opens it; acc_1d: GEMV sums
         # per K step into [BLOCK_N] fp32 (room for wider tiles: tile_bytes)
         self.preload, self.acc_1d = preload, acc_1d
+        self.acquire_poll = acquire_poll  # barriers poll with acquire loads (GPU; the interpreter has no asm)
         self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
         L, H, D = self.L, self.H, self.D
         f32 = dict(dtype=torch.float32, device=dev)
@@ -482,8 +500,8 @@ class DecodeMegakernel:
 
     def step(self, token: torch.Tensor, position: torch.Tensor, times: torch.Tensor | None = None) -> torch.Tensor:
         """token, position: [1] int64 on the model's device -> logits [V] fp32 (the K/V of the token written).
-        times (a GPU diagnostic, int64 [5 L + 2]): program 0's global timer at the start and after each barrier,
-        ns (`phase_times_us` reads it per phase)."""
+        times (a GPU diagnostic, int64 [7 L + 2]): program 0's global timer at the start and after each barrier
+        (5 L + 2), then per layer inside its attention phase (2 L), ns (`phase_times_us` reads it per phase)."""
         if token.numel() != 1 or position.numel() != 1:
             raise ValueError("DecodeMegakernel.step takes one token and its position")
         interp = self.interpret
@@ -505,7 +523,7 @@ class DecodeMegakernel:
             SPLITS_P2=_pow2(self.splits), BLOCK_R=self.block_r, BLOCK_S=BLOCK_S, SPLIT_S=self.split_s,
             PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
             times_ptr=times, TIMING=times is not None and not interp,
-            PRELOAD=self.preload, ACC_1D=self.acc_1d,
+            PRELOAD=self.preload, ACC_1D=self.acc_1d, ACQ_POLL=self.acquire_poll and not interp,
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
@@ -513,12 +531,21 @@ class DecodeMegakernel:
 
     def phase_times_us(self, times: torch.Tensor) -> dict:
         """`step(..., times=t)`'s stamps -> the median us per phase over the layers (qkv, attention, o_proj,
-        gate_up, down), the LM head (as program 0 saw it) and the whole step."""
+        gate_up, down), the LM head (as program 0 saw it) and the whole step; the attention phase also split as
+        program 0 saw it: its slice up to the stored partial (`att_slice`), publishing it and any merge
+        (`att_merge`), and waiting at the barrier (`att_wait`)."""
+        L = self.L
         t = times.double().cpu() / 1e3
-        d = (t[1:] - t[:-1])
-        layers = d[: 5 * self.L].view(self.L, 5)
+        d = (t[1:5 * L + 2] - t[:5 * L + 1])
+        layers = d[: 5 * L].view(L, 5)
         out = {name: round(layers[:, i].median().item(), 2)
                for i, name in enumerate(("qkv", "attention", "o_proj", "gate_up", "down"))}
-        out["lm_head"] = round(d[5 * self.L].item(), 2)
-        out["step"] = round((t[-1] - t[0]).item(), 2)
+        out["lm_head"] = round(d[5 * L].item(), 2)
+        out["step"] = round((t[5 * L + 1] - t[0]).item(), 2)
+        if t.numel() >= 7 * L + 2:
+            att = t[5 * L + 2: 7 * L + 2].view(L, 2)
+            start, end = t[1:5 * L:5], t[2:5 * L + 1:5]  # each layer's attention phase: after barriers 1 and 2
+            for name, a, b in (("att_slice", start, att[:, 0]), ("att_merge", att[:, 0], att[:, 1]),
+                               ("att_wait", att[:, 1], end)):
+                out[name] = round((b - a).median().item(), 2)
         return out
