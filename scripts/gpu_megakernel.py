@@ -14,11 +14,11 @@ layer's qkv / attention / o_proj / gate_up / down phases and the LM head, in us.
 co-resident would spin forever; DecodeMegakernel refuses more programs than SMs).
 
 Run: python3 scripts/gpu_megakernel.py [qwen2.5-1.5b qwen3-8b ...] [--steps=8]
-       [--variants=P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ]]]]],...]   (P 0 = one per SM; PF: bytes of each
+       [--variants=P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ[:PREKV]]]]]],...]   (P 0 = one per SM; PF: bytes of each
        program's gate rows and up rows warmed in L2 with its o_proj rows during the attention phase, default -1 =
        none; PRE 1: each GEMV phase's first tile loaded before its barrier; ACC1D 1: one-dimensional GEMV sums (room
        for wider tiles); SPLIT: the attention's key slice, default 128; ACQ 1: barriers polled with acquire loads;
-       default variants: below)
+       PREKV 1: a program's first attention slice loaded before the attention barrier; default variants: below)
 (`--cpu-smoke`: the parity part only, on a tiny fp32 Qwen2-shaped model on the CPU, one program under
 TRITON_INTERPRET=1.) Last stdout line: one JSON object.
 """
@@ -41,10 +41,12 @@ from specpilot.models import random_model
 
 POOL, CONTEXT = 4096, 512
 DEV = "cuda"
-DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:1,0:8:32768:128:-1:1:1,0:8:65536:128:-1:1:1,"
-                    "0:8:65536:128:-1:1:1:128:1,0:8:98304:128:-1:1:1:128:1,0:16:65536:128:-1:1:1:128:1")
+DEFAULT_VARIANTS = ("0:8:32768:128,0:8:32768:128:-1:1,0:8:65536:128:-1:1:1,0:8:98304:128:-1:1:1,"
+                    "0:8:65536:128:-1:1:1:128:1,0:8:65536:128:-1:1:1:128:1:1,0:8:65536:128:-1:1:1:64:1:1,"
+                    "0:16:65536:128:-1:1:1:128:1:1")
 FIELDS = ("programs", "num_warps", "tile_bytes", "cap_n", "prefetch_gu", "preload", "acc_1d", "split_s",
-          "acquire_poll")
+          "acquire_poll", "preload_kv")
+FLAGS = ("preload", "acc_1d", "acquire_poll", "preload_kv")
 
 
 def _fused(model):
@@ -153,9 +155,9 @@ def cpu_smoke(steps: int) -> int:
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = random_model(cfg, dtype=torch.float32, device="cpu").fuse_projections().eval()
     out, ok = {}, True
-    for pre in (False, True):  # the plain GEMVs, then preloaded tiles with one-dimensional sums
+    for pre in (False, True):  # the plain step, then preloaded tiles and slices with one-dimensional sums
         res = parity(model, cfg, steps, {"programs": 1, "num_warps": 4, "tile_bytes": 4096, "cap_n": 16,
-                                         "preload": pre, "acc_1d": pre})
+                                         "preload": pre, "acc_1d": pre, "preload_kv": pre})
         print("tiny parity" + (" preload acc_1d" if pre else ""), res, flush=True)
         out["parity_preload_acc1d" if pre else "parity"] = res
         ok = ok and res["argmax_agree"] == steps and res["max_rel_logit_diff"] < 1e-4
@@ -189,10 +191,11 @@ def main(shapes: list[str], steps: int, variants: list[dict]) -> int:
             tag = (f"mk_p{v['programs'] or 'sm'}_w{v['num_warps']}_t{v['tile_bytes']}_c{v['cap_n']}"
                    + (f"_pf{v['prefetch_gu']}" if v["prefetch_gu"] >= 0 else "")
                    + ("_pre" if v["preload"] else "") + ("_acc1d" if v["acc_1d"] else "")
-                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else "") + ("_acq" if v["acquire_poll"] else ""))
+                   + (f"_s{v['split_s']}" if v["split_s"] != 128 else "") + ("_acq" if v["acquire_poll"] else "")
+                   + ("_prekv" if v["preload_kv"] else ""))
             kw = {**v, "programs": v["programs"] or None}
             try:
-                path = (v["preload"], v["acc_1d"], v["acquire_poll"])
+                path = tuple(v[f] for f in FLAGS)
                 if path not in checked:  # each code path's parity once per shape
                     checked.add(path)
                     res[f"{tag}_parity"] = parity(model, cfg, steps, kw)
@@ -236,11 +239,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, list[dict]]:
             if not 4 <= len(vals) <= len(FIELDS):
                 raise ValueError
         except ValueError:
-            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ]]]]] (4 to 9 "
+            print(f"gpu_megakernel.py: a variant is P:W:TILE:CAP[:PF[:PRE[:ACC1D[:SPLIT[:ACQ[:PREKV]]]]]] (4 to 10 "
                   f"integers), got {item!r}", file=sys.stderr)
             sys.exit(2)
-        v = dict(zip(FIELDS, vals + [-1, 0, 0, 128, 0][len(vals) - 4:]))
-        for flag in ("preload", "acc_1d", "acquire_poll"):
+        v = dict(zip(FIELDS, vals + [-1, 0, 0, 128, 0, 0][len(vals) - 4:]))
+        for flag in FLAGS:
             v[flag] = bool(v[flag])
         variants.append(v)
     return shapes or ["qwen2.5-1.5b", "qwen3-8b"], steps, variants

@@ -31,7 +31,8 @@ def report() -> dict:
                   UPCAST=False, PREC="tf32", NUM_SPLITS=32, SPLITS_P2=32, BLOCK_R=16, BLOCK_S=mk.BLOCK_S,
                   SPLIT_S=mk.SPLIT_S, HID_P2=2048, INTER_P2=16384, BN_QKV=16, BN_O=16, BN_GU=64, BN_D=16,
                   BN_LM=64, BK_QKV=1024, BK_O=1024, BK_GU=128, BK_D=1024, BK_LM=256, PREFETCH=False, PF_GU=0,
-                  TIMING=False, times_ptr=None, PRELOAD=False, ACC_1D=False, ACQ_POLL=False)
+                  TIMING=False, times_ptr=None, PRELOAD=False, ACC_1D=False, ACQ_POLL=False,
+                  PRE_KV=False)
     sig = {n: "constexpr" if n in consts else ptr.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n in ("eps", "scale") else "i32" for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
@@ -39,11 +40,13 @@ def report() -> dict:
     # with the L2 warming during the attention phase (DecodeMegakernel(prefetch_gu=...)): its prefetches compile
     pf = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PREFETCH": True, "PF_GU": 65536}),
                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    # each GEMV phase's first tile loaded before its barrier, K steps summed into [BLOCK_N], barriers polled with
-    # acquire loads (DecodeMegakernel(preload=True, acc_1d=True, acquire_poll=True)): compiles, same arrivals
-    pre = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PRELOAD": True, "ACC_1D": True,
-                                                                     "ACQ_POLL": True}),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    # each GEMV phase's first tile and the first attention slice loaded before their barriers, K steps summed into
+    # [BLOCK_N], barriers polled with acquire loads (DecodeMegakernel(preload=True, acc_1d=True, acquire_poll=True,
+    # preload_kv=True)): compiles, same arrivals
+    fast = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**consts, "PRELOAD": True, "ACC_1D": True,
+                                                                      "ACQ_POLL": True, "PRE_KV": True}),
+                          target=GPUTarget("cuda", 90, 32))
+    pre = fast.asm["ptx"]
     # the per-phase timing stamps (DecodeMegakernel.step(times=...), a GPU diagnostic): the global timer is read
     sig_t = {**sig, "times_ptr": "*i64"}
     consts_t = {k: v for k, v in consts.items() if k != "times_ptr"} | {"TIMING": True}
@@ -65,6 +68,7 @@ def report() -> dict:
         "cg_loads": len(re.findall(r"\bld\.global\.cg\b", ptx)),
         "cta_barriers": len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)),
         "shared_bytes": compiled.metadata.shared,
+        "fast_shared_bytes": fast.metadata.shared,
         "ptx_lines": ptx.count("\n"),
     }
 

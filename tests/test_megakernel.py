@@ -47,9 +47,12 @@ def test_megakernel_steps_match_the_regular_path(tiny_model_dir, family):
     assert mk.cnt.abs().sum().item() == 0  # the merge counters are back at zero for the next launch
 
 
+@pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("split_s, slices", [(128, 2), (64, 4)])
-def test_megakernel_attends_across_slices(tiny_model_dir, split_s, slices):
-    """A position past the first key slice: two or three slices of a head, merged by the last."""
+def test_megakernel_attends_across_slices(tiny_model_dir, split_s, slices, preload_kv):
+    """A position past the first key slice: two or three slices of a head, merged by the last; with preload_kv the
+    program's first slice comes from keys and values loaded before the attention barrier (one block), the others
+    from the cache as before."""
     from specpilot.kernels import megakernel
     from specpilot.models import load_model
 
@@ -60,7 +63,7 @@ def test_megakernel_attends_across_slices(tiny_model_dir, split_s, slices):
     cache = model.new_cache(1, 256)
     with torch.no_grad():
         model(ids[:, :130], torch.arange(130)[None], cache, kv_len=130)
-        mk = megakernel.DecodeMegakernel(model, cache, programs=1, split_s=split_s)
+        mk = megakernel.DecodeMegakernel(model, cache, programs=1, split_s=split_s, preload_kv=preload_kv)
         got = [mk.step(ids[0, t:t + 1].clone(), torch.tensor([t])).clone() for t in (130, 131)]
     assert mk.splits == slices
     for a, b in zip(ref, got):
@@ -100,6 +103,7 @@ def test_megakernel_compiles_for_sm90_with_its_grid_barrier(sm90_report):
     # polled by acquire loads (a first one and the loop's) instead of volatile loads and a separate acquire
     assert r["fast_releases"] == 5 and r["fast_acquire_polls"] >= 10
     assert r["fast_volatile_loads"] == 0 and r["fast_acquire_loads"] == 0
+    assert r["fast_shared_bytes"] <= 200 * 1024  # the one-block slice's dot operands still fit one program per SM
     # start, 5 barriers a layer (one site each), 2 inside the attention phase, end
     assert r["timer_reads_off"] == 0 and r["timer_reads_on"] >= 9
 

@@ -45,16 +45,18 @@ Co-residency: a grid barrier needs every program resident at once, so the grid i
 after another, only a grid of ONE program can pass a barrier: the tests run it so (every phase's code, the barrier
 included), and the GPU scripts check the 132-program grid against the six-launch step (scripts/gpu_megakernel.py).
 
-Register preload, a one-dimensional accumulator, acquire polling (`preload`, `acc_1d`, `acquire_poll`; off, after
-session 23's measurements, until the H200 times them): each GEMV phase's first weight tile is loaded into registers
-BEFORE the barrier that opens the phase (weights do not depend on what the barrier waits for), so its DRAM latency
-overlaps the barrier and, where a program's rows fit one tile (qkv, o_proj at the 1.5B shape), the whole phase's
-weights are there when it opens; a GEMV can sum each K step's products at once into [BLOCK_N] fp32 instead of a
-[BLOCK_N, BLOCK_K] fp32 tile (twice the weight tile's registers), leaving room for wider tiles, i.e. more bytes in
+Register preload, a one-dimensional accumulator, acquire polling (`preload`, `acc_1d`, `acquire_poll`, `preload_kv`;
+off, after session 23's measurements, until the H200 times them): each GEMV phase's first weight tile is loaded into
+registers BEFORE the barrier that opens the phase (weights do not depend on what the barrier waits for), so its DRAM
+latency overlaps the barrier and, where a program's rows fit one tile (qkv, o_proj at the 1.5B shape), the whole
+phase's weights are there when it opens; a GEMV can sum each K step's products at once into [BLOCK_N] fp32 instead of
+a [BLOCK_N, BLOCK_K] fp32 tile (twice the weight tile's registers), leaving room for wider tiles, i.e. more bytes in
 flight per SM; and the barrier's spin can poll with acquire loads, so the separate acquire round trip after it goes
-(~0.7 us of the ~2.5 a barrier costs; 140 barriers a 1.5B step). Session 23 also tried L2 prefetch instructions a
-few tiles ahead of the loads, the next phase's first tiles before each barrier and the attention slices: every
-phase got slower, more distance slower still (removed).
+(~0.7 us of the ~2.5 a barrier costs; 140 barriers a 1.5B step); `preload_kv`: a program's first attention slice (keys
+and values below the new position, which this step does not change) is loaded before the barrier that opens the
+attention phase and attended as one block (the new token's slot from registers). Session 23 also tried L2 prefetch
+instructions a few tiles ahead of the loads, the next phase's first tiles before each barrier and the attention
+slices: every phase got slower, more distance slower still (removed).
 
 Status, measured on the H200 (session 23, BENCHMARKS.md): exact (argmax 8/8, barriers all counted) and SLOWER than
 the six-launch step, so `EngineConfig.megakernel` stays off: 1.75 ms vs 1.45 ms a step at the 1.5B shape (2.37x the
@@ -257,17 +259,60 @@ if triton is not None:
                       SILU_MUL, ON_GPU)
 
     @triton.jit
+    def _preload_kv(kc_ptr, vc_ptr, p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, H_KV: tl.constexpr,
+                    D: tl.constexpr, SPLIT_S: tl.constexpr, NUM_SPLITS: tl.constexpr, PRE_KV: tl.constexpr):
+        """PRE_KV: the cached keys and values [SPLIT_S, D] of this program's first attention task (task = pid, as
+        `_attention_tasks` deals them), slots below p only (already written: the new token's slot p is filled in
+        from registers by the task), loaded BEFORE the barrier that opens the attention phase. A program without a
+        task loads nothing (all masked). Else [1, 1] placeholders."""
+        if PRE_KV:
+            n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
+            hk = pid % H_KV
+            slots = (pid // H_KV) * SPLIT_S + tl.arange(0, SPLIT_S)
+            d = tl.arange(0, D)
+            end = tl.where(pid < H_KV * n_used, p, 0)  # a program without a task loads nothing
+            ok = ((slots < end) & (slots < S))[:, None] & (d < D)[None, :]
+            kb = tl.load(kc_ptr + hk * skc_h + slots.to(tl.int64)[:, None] * skc_s + d[None, :], mask=ok, other=0.0)
+            vb = tl.load(vc_ptr + hk * svc_h + slots.to(tl.int64)[:, None] * svc_s + d[None, :], mask=ok, other=0.0)
+            return kb, vb
+        else:
+            z = tl.zeros((1, 1), dtype=kc_ptr.dtype.element_ty)
+            return z, z
+
+    @triton.jit
+    def _slice_block(q, pos, kb, vb, start, S, scale, k_new, v_new, new_slot, SPLIT_S: tl.constexpr,
+                     PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """decode_attention's `_slice_partial` over one slice of SPLIT_S keys as ONE block whose keys and values
+        are already in registers (`_preload_kv`; the new token's slot taken from k_new / v_new): -> m, l, acc.
+        The same arithmetic as its loop's single iteration."""
+        s = start + tl.arange(0, SPLIT_S)
+        in_pool = s < S
+        kb = tl.where((s == new_slot)[:, None], k_new, kb)
+        vb = tl.where((s == new_slot)[:, None], v_new, vb)
+        if UPCAST:
+            kb = kb.to(tl.float32)
+            vb = vb.to(tl.float32)
+        scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
+        scores = tl.where((s[None, :] <= pos[:, None]) & in_pool[None, :], scores, float("-inf"))
+        m_i = tl.max(scores, axis=1)
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        pr = tl.exp(scores - m_use[:, None])
+        return m_i, tl.sum(pr, axis=1), tl.dot(pr.to(vb.dtype), vb, input_precision=PREC)
+
+    @triton.jit
     def _attention_tasks(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, o_ptr, m_ptr, l_ptr, out_ptr,
                          cnt_ptr, p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, scale, eps,
                          H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_S: tl.constexpr, PREC: tl.constexpr,
                          UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, Q_NORM: tl.constexpr,
-                         K_NORM: tl.constexpr, times_ptr, t_idx, TIMING: tl.constexpr):
+                         K_NORM: tl.constexpr, times_ptr, t_idx, TIMING: tl.constexpr, kb0, vb0,
+                         PRE_KV: tl.constexpr):
         """One layer's attention for the token at position p: tasks (kv head hk, key slice s) for the slices at or
         below p, dealt round-robin to the programs; kernels/rope_attention.py's program body per task (q rotated
         by every task, the new K/V in registers, slot p written once), the last slice of each head merging into
         out [H_Q * D]. TIMING: program 0 stamps times[t_idx] once its slice's partial is stored and
-        times[t_idx + 1] once it has published it (and merged, where it was the head's last)."""
+        times[t_idx + 1] once it has published it (and merged, where it was the head's last). PRE_KV: the
+        program's first task reads its slice from (kb0, vb0), preloaded before the barrier (`_preload_kv`)."""
         G: tl.constexpr = H_Q // H_KV
         n_used = tl.minimum(p // SPLIT_S + 1, NUM_SPLITS)
         r = tl.arange(0, BLOCK_R)
@@ -287,9 +332,18 @@ if triton is not None:
             if (slot < S) & (s == slot // SPLIT_S):  # the one writer of the new token's slot
                 tl.store(kc_ptr + hk * skc_h + slot * skc_s + cols[None, :], k_new)
                 tl.store(vc_ptr + hk * svc_h + slot * svc_s + cols[None, :], v_new)
-            m_i, l_i, acc = _slice_partial(q, pos, kc_ptr, vc_ptr, 0, hk, s * SPLIT_S, 0, skc_h, skc_s, 0, svc_h,
-                                           svc_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST, k_new, v_new,
-                                           slot, True)
+            if PRE_KV:
+                if task == pid:
+                    m_i, l_i, acc = _slice_block(q, pos, kb0, vb0, s * SPLIT_S, S, scale, k_new, v_new, slot,
+                                                 SPLIT_S, PREC, UPCAST)
+                else:
+                    m_i, l_i, acc = _slice_partial(q, pos, kc_ptr, vc_ptr, 0, hk, s * SPLIT_S, 0, skc_h, skc_s, 0,
+                                                   svc_h, svc_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST,
+                                                   k_new, v_new, slot, True)
+            else:
+                m_i, l_i, acc = _slice_partial(q, pos, kc_ptr, vc_ptr, 0, hk, s * SPLIT_S, 0, skc_h, skc_s, 0, svc_h,
+                                               svc_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST, k_new,
+                                               v_new, slot, True)
             _store_partial(o_ptr, m_ptr, l_ptr, (hk * NUM_SPLITS + s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
             tl.debug_barrier()
             _stamp(times_ptr, t_idx, pid, TIMING)
@@ -315,7 +369,7 @@ if triton is not None:
             BN_LM: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr,
             BK_D: tl.constexpr, BK_LM: tl.constexpr, PREFETCH: tl.constexpr = False, PF_GU: tl.constexpr = 0,
             times_ptr=None, TIMING: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-            ACC_1D: tl.constexpr = False, ACQ_POLL: tl.constexpr = False):
+            ACC_1D: tl.constexpr = False, ACQ_POLL: tl.constexpr = False, PRE_KV: tl.constexpr = False):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         NQKV: tl.constexpr = (H_Q + 2 * H_KV) * D
@@ -349,6 +403,8 @@ if triton is not None:
             _gemv_range(x_in, n1_ptr + li * HID, wqkv_ptr + li * NQKV * HID, bqkv_ptr + li * NQKV, x_in,
                         qkv, NQKV, HID, eps, pid, programs, q_w, q_wu, True, HAS_BIAS, False, False, ON_GPU, HID_P2,
                         BN_QKV, BK_QKV, PRELOAD, ACC_1D)
+            kb0, vb0 = _preload_kv(kc, vc, p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, H_KV, D, SPLIT_S,
+                                   NUM_SPLITS, PRE_KV)
             barrier += 1
             _grid_sync(bar_ptr, barrier * programs, ACQ_POLL)
             _stamp(times_ptr, barrier, pid, TIMING)
@@ -357,7 +413,7 @@ if triton is not None:
                              po_ptr + li * PART * D, pm_ptr + li * PART, pl_ptr + li * PART, att, cnt_ptr + li * H_KV,
                              p, pid, programs, skc_h, skc_s, svc_h, svc_s, S, scale, eps, H_Q, H_KV, D, NUM_SPLITS,
                              BLOCK_R, BLOCK_S, SPLIT_S, PREC, UPCAST, SPLITS_P2, QK_NORM, QK_NORM,
-                             times_ptr, 5 * L + 2 + 2 * li, TIMING)
+                             times_ptr, 5 * L + 2 + 2 * li, TIMING, kb0, vb0, PRE_KV)
             if PREFETCH:  # o_proj's rows and the start of gate/up's into L2 while HBM idles through attention (after
                 # this program's own tasks: those with none start at once, those with some are not delayed)
                 _prefetch_next(wo, wgu, pid, programs, HID, NQ, INTER, wo_ptr.dtype.element_ty.primitive_bitwidth // 8,
@@ -419,7 +475,7 @@ class DecodeMegakernel:
 
     def __init__(self, model, cache, *, programs: int | None = None, num_warps: int = 8, tile_bytes: int = 32768,
                  cap_n: int = 128, prefetch_gu: int = -1, split_s: int = SPLIT_S, share_weights: bool = False,
-                 preload: bool = False, acc_1d: bool = False, acquire_poll: bool = False):
+                 preload: bool = False, acc_1d: bool = False, acquire_poll: bool = False, preload_kv: bool = False):
         if triton is None:
             raise RuntimeError("DecodeMegakernel needs triton")
         cfg = model.config
@@ -481,6 +537,7 @@ class DecodeMegakernel:
         # per K step into [BLOCK_N] fp32 (room for wider tiles: tile_bytes)
         self.preload, self.acc_1d = preload, acc_1d
         self.acquire_poll = acquire_poll  # barriers poll with acquire loads (GPU; the interpreter has no asm)
+        self.preload_kv = preload_kv  # a program's first attention slice loaded before the attention barrier
         self.block_r = max(16, min(_pow2(self.Hq // self.Hkv), 32))
         L, H, D = self.L, self.H, self.D
         f32 = dict(dtype=torch.float32, device=dev)
@@ -524,6 +581,7 @@ class DecodeMegakernel:
             PREFETCH=self.prefetch_gu >= 0 and not interp, PF_GU=max(self.prefetch_gu, 0),
             times_ptr=times, TIMING=times is not None and not interp,
             PRELOAD=self.preload, ACC_1D=self.acc_1d, ACQ_POLL=self.acquire_poll and not interp,
+            PRE_KV=self.preload_kv,
             HID_P2=_pow2(self.H), INTER_P2=_pow2(self.I), num_warps=self.num_warps,
             **self.blocks,
         )
