@@ -158,8 +158,8 @@ def cpu_smoke(steps: int) -> int:
     for pre in (False, True):  # the plain step, then preloaded tiles and slices with one-dimensional sums
         res = parity(model, cfg, steps, {"programs": 1, "num_warps": 4, "tile_bytes": 4096, "cap_n": 16,
                                          "preload": pre, "acc_1d": pre, "preload_kv": pre})
-        print("tiny parity" + (" preload acc_1d" if pre else ""), res, flush=True)
-        out["parity_preload_acc1d" if pre else "parity"] = res
+        print("tiny parity" + (" preloaded" if pre else ""), res, flush=True)
+        out["parity_preloaded" if pre else "parity"] = res
         ok = ok and res["argmax_agree"] == steps and res["max_rel_logit_diff"] < 1e-4
     print(json.dumps({"shapes": {"tiny": out}}))
     return 0 if ok else 1

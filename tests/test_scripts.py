@@ -51,7 +51,7 @@ def test_megakernel_script_checks_parity_on_cpu():
                        text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     tiny = json.loads(r.stdout.strip().splitlines()[-1])["shapes"]["tiny"]
-    for res in (tiny["parity"], tiny["parity_preload_acc1d"]):
+    for res in (tiny["parity"], tiny["parity_preloaded"]):
         assert res["argmax_agree"] == res["steps"] == 3 and res["max_rel_logit_diff"] < 1e-4
         assert res["barrier_count"] == res["expected_barriers"] == 10 and res["merge_counters_zero"]
     r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_megakernel.py"), "--variants=0:8:32768"],
