@@ -25,18 +25,25 @@ LAYER_NAMES = ("qkv", "rope_write", "attention", "o_proj", "gate_up", "down")  #
 POOL, CONTEXT = 4096, 512
 
 
-def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[int, int]:
-    """-> (offset, period): the kernel sequence of one step is `offset` kernels, then `layers` repeats of `period`
-    kernels with the same names, then the rest. The longest period that fits (a short one can repeat inside a
-    layer: three GEMVs in a row), then the smallest offset; ValueError if none does (no per-layer repeat)."""
-    for period in range(min(max_period, len(names) // max(layers, 1)), 0, -1):
-        for offset in range(0, min(8, len(names))):
-            end = offset + layers * period
-            if end > len(names):
-                break
-            block = names[offset:offset + period]
-            if all(names[offset + i * period:offset + (i + 1) * period] == block for i in range(layers)):
-                return offset, period
+def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[int, int, int]:
+    """-> (offset, period, repeats): the kernel sequence of one step is `offset` kernels, then `repeats` copies of
+    `period` kernels with the same names, then the rest; repeats = layers, or layers - 1 where the first layer
+    launches differently (it is then part of the offset). The repeat must cover all but a layer and 8 kernels of
+    the step (three GEMVs in a row also "repeat"); the longest period wins. Where several offsets fit (a rotation
+    of the layer: the LM head's GEMV has the qkv GEMV's name), the one that puts an attention kernel third, as in
+    the fused layer (LAYER_NAMES), else the smallest. ValueError if none fits."""
+    for repeats in (layers, layers - 1):
+        if repeats < 1:
+            continue
+        for period in range(min(max_period, len(names) // repeats), 0, -1):
+            if len(names) - repeats * period > period + 8:  # the repeat must be nearly all of the step
+                continue
+            fits = [off for off in range(0, len(names) - repeats * period + 1)
+                    if all(names[off + i * period:off + (i + 1) * period] == names[off:off + period]
+                           for i in range(repeats))]
+            if fits:
+                third = [off for off in fits if period == len(LAYER_NAMES) and "att" in names[off + 2].lower()]
+                return (third or fits)[0], period, repeats
     raise ValueError(f"no per-layer repeat of <= {max_period} kernels over {layers} layers in {len(names)} kernels")
 
 
@@ -46,7 +53,7 @@ def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_by
     kernels outside the layers: median duration and median gap to the next kernel (us), the name; with the weight
     bytes of a position, its floor and kernel/floor; and the totals of one step."""
     names = [k[0] for k in steps[0]]
-    offset, period = layer_pattern(names, layers)
+    offset, period, repeats = layer_pattern(names, layers)
     if any([k[0] for k in s] != names for s in steps):
         raise ValueError("replays launched different kernel sequences")
     dur = [[e - s for _, s, e in step] for step in steps]
@@ -55,7 +62,7 @@ def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_by
     labels = LAYER_NAMES if period == len(LAYER_NAMES) else tuple(f"k{j}" for j in range(period))
     per_layer = {}
     for j in range(period):
-        idx = [offset + i * period + j for i in range(layers)]
+        idx = [offset + i * period + j for i in range(repeats)]
         row = {"kernel": names[offset + j][:60], "us": med([d[i] for d in dur for i in idx]),
                "gap_us": med([g[i] for g in gap for i in idx])}
         b = (layer_bytes or {}).get(labels[j])
@@ -65,11 +72,12 @@ def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_by
             row["over_floor"] = round(row["us"] / row["floor_us"], 3)
         per_layer[labels[j]] = row
     outside = {}
-    for i in list(range(offset)) + list(range(offset + layers * period, len(names))):
+    for i in list(range(offset)) + list(range(offset + repeats * period, len(names))):
         outside[f"{i}:{names[i][:50]}"] = {"us": med([d[i] for d in dur]), "gap_us": med([g[i] for g in gap])}
     kernel_us = statistics.median(sum(d) for d in dur)
     span_us = statistics.median(s[-1][2] - s[0][1] for s in steps)
-    return {"kernels_per_step": len(names), "offset": offset, "period": period, "per_layer": per_layer,
+    return {"kernels_per_step": len(names), "offset": offset, "period": period, "repeats": repeats,
+            "per_layer": per_layer,
             "outside_layers": outside, "kernel_us": round(kernel_us, 2), "span_us": round(span_us, 2),
             "gaps_us": round(span_us - kernel_us, 2),
             "layer_us": round(sum(r["us"] + r["gap_us"] for r in per_layer.values()), 3)}

@@ -265,7 +265,7 @@ def test_step_kernels_finds_the_layer_and_prices_each_launch():
         return out
 
     r = mod.summarize([replay(0.0), replay(500.0)], layers, {"qkv": 8e6, "gate_up": 16e6}, 4e12)
-    assert (r["offset"], r["period"], r["kernels_per_step"]) == (1, 6, 20)
+    assert (r["offset"], r["period"], r["repeats"], r["kernels_per_step"]) == (1, 6, layers, 20)
     assert list(r["per_layer"]) == list(mod.LAYER_NAMES)
     qkv = r["per_layer"]["qkv"]
     assert qkv["us"] == 4.0 and qkv["gap_us"] == 1.5 and qkv["floor_us"] == 2.0 and qkv["over_floor"] == 2.0
@@ -273,6 +273,11 @@ def test_step_kernels_finds_the_layer_and_prices_each_launch():
     assert r["layer_us"] == pytest.approx(6 * 1.5 + 4 * 4 + 1 + 3)
     assert r["kernel_us"] + r["gaps_us"] == pytest.approx(r["span_us"]) and r["gaps_us"] == pytest.approx(19 * 1.5)
     assert list(r["outside_layers"]) == ["0:embed", "19:gemv_lm"]
+    # a first layer that launches differently (here: an extra norm) is taken as part of what precedes the repeat
+    odd = ["embed", "gemv", "norm", "rope", "attn", "gemv", "gemv", "gemv"] + seq[7:]
+    assert mod.layer_pattern(odd, layers) == (1 + 7, 6, layers - 1)
+    # an LM head named like the qkv GEMV also fits one kernel later (a rotation): the attention kernel stays third
+    assert mod.layer_pattern(seq[:-1] + ["gemv"], layers) == (1, 6, layers)
     with pytest.raises(ValueError, match="per-layer repeat"):
         mod.layer_pattern(["a", "b", "c", "d"], layers=3, max_period=1)
     bad = replay(0.0)
