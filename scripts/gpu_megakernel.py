@@ -35,6 +35,7 @@ import torch
 
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
+from specpilot.engine.graphs import capture
 from specpilot.engine.runner import ModelRunner
 from specpilot.kernels.megakernel import DecodeMegakernel
 from specpilot.models import random_model
@@ -101,16 +102,8 @@ def fused_graph_ms(model, cfg) -> float:
     with torch.no_grad():
         tok = torch.randint(0, cfg.vocab_size, (1, 1), device=DEV)
         pos = torch.tensor([[CONTEXT]], device=DEV)
-        step = lambda: model.logits(model(tok, pos, cache, kv_len=None))  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (autotuning, allocations) outside the capture
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        # warm-up (autotuning, allocations) on a side stream outside the capture, as the engine captures
+        graph, _ = capture(lambda: model.logits(model(tok, pos, cache, kv_len=None)), warmup=3)
         ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
     del graph, cache
     torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ import statistics
 import sys
 
 LAYER_NAMES = ("qkv", "rope_write", "attention", "o_proj", "gate_up", "down")  # the fused layer's six launches
-POOL, CONTEXT = 4096, 512
+CONTEXT = 512  # the prefill length of gpu_megakernel.prefilled, which this script shares
 
 
 def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[int, int, int]:
@@ -95,32 +95,21 @@ def measure(name: str, replays: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from gpu_megakernel import _fused, _prompt, prefilled  # the same fused model and prefill as its comparison
     from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
     from specpilot.costmodel.hardware import time_median_s
+    from specpilot.engine.graphs import capture
     from specpilot.models import random_model
 
     dev = "cuda"
     hw = load_or_measure(dev)
     cfg = synthetic_config(name)
-    model = random_model(cfg).fuse_projections().eval()
-    model.use_attention_kernel(True).use_norm_kernel(True).use_rope_kernel(True)
-    model.use_act_kernel(True).use_add_norm_kernel(True).use_fused_decode(True)
+    model = _fused(random_model(cfg).fuse_projections().eval())
     with torch.no_grad():
-        cache = model.new_cache(1, POOL)
-        prompt = torch.randint(0, cfg.vocab_size, (1, CONTEXT), device=dev)
-        model(prompt, torch.arange(CONTEXT, device=dev)[None], cache, kv_len=CONTEXT)
+        cache = prefilled(model, _prompt(cfg))
         tok = torch.randint(0, cfg.vocab_size, (1, 1), device=dev)
         pos = torch.tensor([[CONTEXT]], device=dev)
-        step = lambda: model.logits(model(tok, pos, cache, kv_len=None))  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = capture(lambda: model.logits(model(tok, pos, cache, kv_len=None)), warmup=3)
         ms = time_median_s(graph.replay, warmup=5, repeats=100) * 1e3
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

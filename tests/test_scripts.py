@@ -253,6 +253,10 @@ def test_step_kernels_finds_the_layer_and_prices_each_launch():
     spec = importlib.util.spec_from_file_location("gpu_step_kernels", SCRIPTS / "gpu_step_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    spec = importlib.util.spec_from_file_location("gpu_megakernel", SCRIPTS / "gpu_megakernel.py")
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    assert mod.CONTEXT == mk.CONTEXT  # it prices the attention at the prefill length it borrows
     layers = 3
     seq = ["embed"] + ["gemv", "rope", "attn", "gemv", "gemv", "gemv"] * layers + ["gemv_lm"]
     times = {"gemv": 4.0, "rope": 1.0, "attn": 3.0, "embed": 0.5, "gemv_lm": 10.0}

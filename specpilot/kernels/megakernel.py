@@ -62,8 +62,7 @@ Status, measured on the H200 (session 23, BENCHMARKS.md): exact (argmax 8/8, bar
 the six-launch step, so `EngineConfig.megakernel` stays off: 1.75 ms vs 1.45 ms a step at the 1.5B shape (2.37x the
 floor vs 1.97x), 7.15 ms vs 4.66 ms at Qwen3-8B's. Per phase (1.5B): qkv 5.75 us for 1.3 us of weights (a grid
 barrier plus a ramp costs ~4 us, a graphed kernel boundary ~1.1 us), gate/up 25.75 us for 11.5 (one program per SM
-holding two register tiles waits a DRAM latency per K step), attention 10.75. The streamed prefetch made every phase
-slower (2.08-2.92 ms; more distance, slower). What it would take: weights staged through shared memory
+holding two register tiles waits a DRAM latency per K step), attention 10.75. What it would take: weights staged through shared memory
 (cp.async / TMA, several stages per SM) and barriers overlapped with the next phase's weight loads.
 """
 
