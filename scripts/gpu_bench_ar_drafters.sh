@@ -4,7 +4,8 @@
 # HumanEval, MT-Bench and GSM8K, 256 new tokens, greedy, bs 1, with token forcing; then the cost model's profile.
 # Usage: scripts/gpu_bench_ar_drafters.sh model|ngram|profile-model|profile-ngram|profile-dflash [num_prompts]
 # (BENCHMARKS / SYSTEMS: other lists, e.g. BENCHMARKS=gsm8k for the rows a time limit cut; BUDGET=S: start no
-#  prompt after S seconds and write the JSON after every prompt, so a call's limit never loses the whole run)
+#  prompt after S seconds and write the JSON after every prompt, so a call's limit never loses the whole run;
+#  SKIP=N: leave out the first N prompts, the rest of a cut run, pooled with it by `specpilot bench-merge`)
 set -u
 source scripts/gpu_env.sh || exit 1
 kind=${1#profile-}
@@ -21,5 +22,5 @@ else
   # the slow peers (transformers' AR and stock: 14-45 tok/s) on the first BASE prompts of each benchmark (vs stock
   # is then taken on those same prompts): 20 prompts x 3 benchmarks of them alone would take ~15 min
   python3 -m specpilot.cli bench $common --systems ${SYSTEMS:-ar,hf-ar,stock,specpilot} --benchmarks ${BENCHMARKS:-humaneval,mt_bench,gsm8k} \
-    --num-prompts ${2:-20} --baseline-prompts ${BASE:-3} ${BUDGET:+--time-budget $BUDGET} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
+    --num-prompts ${2:-20} --baseline-prompts ${BASE:-3} ${BUDGET:+--time-budget $BUDGET} ${SKIP:+--skip-prompts $SKIP} --out $OUT/bench_${kind}.json 2>&1 | grep -v "Loading weights" | tail -40
 fi

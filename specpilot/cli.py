@@ -104,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--time-budget", type=float, default=None, metavar="S",
                        help="start no prompt after S seconds of the run (each benchmark begun keeps its first "
                             "prompt; later benchmarks are skipped); the JSON says where it stopped")
+    bench.add_argument("--skip-prompts", type=int, default=0, metavar="N",
+                       help="leave out the first N prompts of the selection (the rest of a run a time limit cut; "
+                            "pool the two with `specpilot bench-merge`)")
     bench.add_argument("--out", default="results/bench.json")
     add_engine_flags(bench)
+
+    bmerge = sub.add_parser("bench-merge", help="pool `specpilot bench` results over disjoint prompts into one")
+    bmerge.add_argument("results", nargs="+", help="bench JSON files, in prompt order")
+    bmerge.add_argument("--out", required=True)
 
     prof = sub.add_parser("profile", help="cost model: measured stage times vs floors, ranked gap table (GPU)")
     models_and_prompts(prof, 5)

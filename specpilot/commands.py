@@ -130,6 +130,8 @@ def _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol):
 def _bench_meta(args, cfg, t0: float, partial: bool = False) -> dict:
     drafter = args.drafter if cfg.drafter_kind in ("model", "dflash") else cfg.drafter_kind
     meta = {"target": args.target, "drafter": drafter, "config": cfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
+    if getattr(args, "skip_prompts", 0):
+        meta["skip_prompts"] = args.skip_prompts
     return {**meta, "partial": True} if partial else meta
 
 
@@ -152,14 +154,23 @@ def cmd_bench(args) -> int:
         raise ConfigError("--num-prompts must be > 0")
     if args.time_budget is not None and args.time_budget <= 0:
         raise ConfigError("--time-budget must be > 0 seconds")
+    if args.skip_prompts < 0:
+        raise ConfigError("--skip-prompts must be >= 0")
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
+    # --skip-prompts N: the selection --num-prompts N + M would make, less its first N (the rest of a cut run,
+    # pooled with it by `specpilot bench-merge`)
+    num = None if args.num_prompts is None else args.skip_prompts + args.num_prompts
     if args.prompts:
-        sets = {Path(args.prompts).stem: datasets.load_prompt_file(args.prompts, args.field, num_prompts=args.num_prompts)}
+        sets = {Path(args.prompts).stem: datasets.load_prompt_file(args.prompts, args.field, num_prompts=num)}
     else:
         names = [b for b in args.benchmarks.split(",") if b]
         if not names:
             raise DatasetError("no benchmarks given")
-        sets = {b: datasets.load_prompts(b, num_prompts=args.num_prompts, dataset_dir=args.dataset_dir) for b in names}
+        sets = {b: datasets.load_prompts(b, num_prompts=num, dataset_dir=args.dataset_dir) for b in names}
+    sets = {name: prompts[args.skip_prompts:] for name, prompts in sets.items()}
+    for name, prompts in sets.items():
+        if not prompts:
+            raise DatasetError(f"{name}: --skip-prompts {args.skip_prompts} leaves no prompts")
     t0 = time.time()
     target, tok, spec, ar = _load_engines(args, cfg)
     systems = _systems(args, cfg, target, tok, spec, ar)
@@ -201,11 +212,17 @@ def cmd_bench(args) -> int:
         meta.update(time_budget_s=args.time_budget, benchmarks_not_run=skipped)
     summary = summarize(reports, meta)
     write_results(Path(args.out), summary, records)
-    drafter_desc = summary["drafter"]
+    _print_bench(summary, args.out)
+    return 0 if summary["forcing_passed"] else 1
+
+
+def _print_bench(summary: dict, path) -> None:
+    """The human table of a bench result, its vs-stock line and the last stdout line (JSON)."""
+    cfg = summary.get("config", {})
     table = Table("benchmark", "system", "prompts", "tok/s", "vs our AR", "tau", "accept by position", "forcing",
-                  title=f"{args.target} + {drafter_desc}, K={cfg.num_draft_tokens}, {cfg.device}/{cfg.dtype}, "
-                        f"{cfg.max_new_tokens} new tokens")
-    for r in reports:
+                  title=f"{summary.get('target')} + {summary.get('drafter')}, K={cfg.get('num_draft_tokens')}, "
+                        f"{cfg.get('device')}/{cfg.get('dtype')}, {cfg.get('max_new_tokens')} new tokens")
+    for r in summary["benchmarks"].values():
         for s, e in r["systems"].items():
             verdict = "pass" if e["forcing_passed"] else f"FAIL ({e['forcing_failures']})"
             table.add_row(r["benchmark"], s, str(e["prompts"]), f"{e['tokens_per_s']:.2f}", f"{e['speedup_vs_ar']:.2f}x",
@@ -215,8 +232,17 @@ def cmd_bench(args) -> int:
     out.print(table)
     if "speedup_vs_stock" in summary:
         out.print(f"SpecPilot vs stock (same prompts): {summary['speedup_vs_stock']}")
-    out.print(f"results: {args.out}")
+    out.print(f"results: {path}")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("benchmarks", "config")}))
+
+
+def cmd_bench_merge(args) -> int:
+    from specpilot.evaluator.bench import write_results
+    from specpilot.evaluator.bench_merge import merge_runs
+
+    summary, records = merge_runs(args.results)
+    write_results(Path(args.out), summary, records)
+    _print_bench(summary, args.out)
     return 0 if summary["forcing_passed"] else 1
 
 

@@ -85,6 +85,25 @@ def test_cli_bench_time_budget_keeps_what_it_measured(smollm, tmp_path, capsys):
     assert "time-budget reached" in capsys.readouterr().err
 
 
+def test_cli_bench_skip_prompts_then_merge_is_the_whole_run(smollm, tmp_path, capsys):
+    """A run cut after its first prompt, the rest with --skip-prompts, pooled by bench-merge: the merged result
+    holds both prompts in order, their outputs as one run over both gives them (greedy: the same tokens)."""
+    base = ["bench", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--benchmarks", "humaneval",
+            "--max-new-tokens", "6", "--max-seq-len", "512"]
+    assert main(base + ["--num-prompts", "1", "--out", str(tmp_path / "a.json")]) == 0
+    assert main(base + ["--skip-prompts", "1", "--num-prompts", "1", "--out", str(tmp_path / "b.json")]) == 0
+    assert main(base + ["--num-prompts", "2", "--out", str(tmp_path / "all.json")]) == 0
+    assert main(["bench-merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out",
+                 str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    whole = json.loads((tmp_path / "all.json").read_text())
+    assert json.loads((tmp_path / "b.json").read_text())["summary"]["skip_prompts"] == 1
+    ids = lambda d: [(r["id"], r["specpilot"]["output_ids"]) for r in d["prompts"]["humaneval"]]  # noqa: E731
+    assert ids(merged) == ids(whole) and [i for i, _ in ids(merged)] == ["humaneval/HumanEval/0", "humaneval/HumanEval/1"]
+    assert merged["summary"]["benchmarks"]["humaneval"]["systems"]["specpilot"]["prompts"] == 2
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["forcing_passed"] is True
+
+
 def test_cli_generate_streams(smollm, capsys):
     code = main(["generate", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--chat", "What is 2+2?",
                  "--max-new-tokens", "8", "--max-seq-len", "256"])
@@ -101,6 +120,8 @@ def test_cli_generate_streams(smollm, capsys):
         (["bench", "--target", "smollm2-135m", "--benchmarks", "nope"], "nope"),
         (["bench", "--target", "smollm2-135m", "--num-prompts", "0"], "num-prompts"),
         (["bench", "--target", "smollm2-135m", "--time-budget", "-5"], "time-budget"),
+        (["bench", "--target", "smollm2-135m", "--skip-prompts", "-1"], "skip-prompts"),
+        (["bench-merge", "nothing.json", "nothing2.json", "--out", "m.json"], "no such file"),
         (["generate", "--target", "smollm2-135m", "--chat", "hi", "--temperature", "-1"], "temperature"),
     ],
 )

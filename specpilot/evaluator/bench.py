@@ -101,9 +101,11 @@ def run_benchmark(
             verdicts[s].append(v)
             rec[s] = {"tokens": r.num_output_tokens, "s": round(r.elapsed_s, 5), "prefill_s": round(r.prefill_s, 5),
                       "stage_s": {k: round(x, 5) for k, x in r.stage_s.items()}, "forcing_passed": v.passed,
-                      "mismatches": [m.__dict__ for m in v.mismatches], "output_ids": r.output_ids}
-            if r.num_target_forwards:
-                rec[s]["tau"] = round(r.tau, 4)
+                      "mismatches": [m.__dict__ for m in v.mismatches], "failures": [m.__dict__ for m in v.failures],
+                      "output_ids": r.output_ids}
+            if r.num_target_forwards:  # what evaluator/bench_merge.py needs to pool this prompt with another run's
+                rec[s].update(tau=round(r.tau, 4), forwards=r.num_target_forwards, accepted=r.accepted_lengths,
+                              drafted=r.drafted_lengths)
             if r.plain_steps:
                 rec[s]["plain_steps"] = r.plain_steps
         records.append(rec)

@@ -1,0 +1,114 @@
+"""`specpilot bench-merge`: one benchmark result from several `specpilot bench` runs over disjoint prompts.
+
+Why: a run that a time limit cuts (a GPU call's 10 minutes, `--time-budget`) keeps the prompts it measured; a second
+run with `--skip-prompts N` measures the rest, and this pools them into the figures one long run would report. Every
+figure is recomputed from the per-prompt records (tokens, seconds, forcing verdicts, target forwards), never from
+the runs' own summaries, so the pooled tokens/s is total tokens over total seconds, as in one run. What a merge
+cannot recover it leaves out and says so: acceptance by position needs the per-step lengths, which runs before this
+module did not record. Runs of different targets, drafters or engine configs are refused, and so are prompts that
+appear twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specpilot.engine.result import GenerationResult
+from specpilot.errors import DatasetError
+from specpilot.evaluator.bench import SYSTEMS, _report, summarize
+from specpilot.evaluator.forcing import ForcingVerdict, Mismatch
+
+# what must agree for two runs to be one measurement (their figures are pooled)
+SAME_KEYS = ("target", "drafter", "config")
+
+
+def _load(path: str | Path) -> dict:
+    try:
+        payload = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DatasetError(f"bench-merge: no such file {path}") from None
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"bench-merge: {path} is not JSON ({e})") from None
+    if not isinstance(payload, dict) or not {"summary", "prompts"} <= payload.keys():
+        raise DatasetError(f"bench-merge: {path} is not a `specpilot bench` result (no summary/prompts)")
+    return payload
+
+
+def record_result(rec: dict, system: str) -> tuple[GenerationResult, ForcingVerdict]:
+    """One prompt's record of one system -> the GenerationResult and forcing verdict it was written from (the
+    output ids, times, stages and forwards exactly; per-step lengths where the record has them)."""
+    r = rec[system]
+    tokens = len(r["output_ids"])
+    forwards = r.get("forwards")
+    if forwards is None:  # records before `forwards` was written: tokens / tau (tau kept to 4 decimals)
+        forwards = round(tokens / r["tau"]) if r.get("tau") else 0
+    result = GenerationResult(
+        prompt_ids=[], output_ids=list(r["output_ids"]), finish_reason="unknown", num_target_forwards=forwards,
+        accepted_lengths=list(r.get("accepted", [])), drafted_lengths=list(r.get("drafted", [])),
+        plain_steps=r.get("plain_steps", 0), prefill_s=r["prefill_s"], decode_s=r["s"] - r["prefill_s"],
+        stage_s=dict(r.get("stage_s", {})))
+    mismatches = [Mismatch(**m) for m in r.get("mismatches", [])]
+    if "failures" in r:
+        failures = [Mismatch(**m) for m in r["failures"]]
+    elif r["forcing_passed"]:
+        failures = []
+    else:  # older records: a failed prompt without its failures listed counts them all as failures
+        failures = mismatches
+    return result, ForcingVerdict(r["forcing_passed"], tokens, 0.0, mismatches, failures)
+
+
+def merge_runs(paths: list[str | Path]) -> tuple[dict, dict]:
+    """-> (summary, records) over the runs' prompts, as `specpilot bench` writes them."""
+    if len(paths) < 2:
+        raise DatasetError("bench-merge needs at least two result files")
+    payloads = [_load(p) for p in paths]
+    first = payloads[0]["summary"]
+    for p, payload in zip(paths[1:], payloads[1:]):
+        for key in SAME_KEYS:
+            if payload["summary"].get(key) != first.get(key):
+                raise DatasetError(f"bench-merge: {p} differs from {paths[0]} in {key!r}: not one measurement")
+    names: list[str] = []
+    for payload in payloads:
+        names += [n for n in payload["prompts"] if n not in names]
+    reports, records = [], {}
+    for name in names:
+        recs = [r for payload in payloads for r in payload["prompts"].get(name, [])]
+        ids = [r["id"] for r in recs]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise DatasetError(f"bench-merge: {name} prompt(s) {', '.join(dup)} appear in more than one run")
+        systems = [s for s in SYSTEMS if any(s in r for r in recs)]
+        if "ar" not in systems or "specpilot" not in systems:
+            raise DatasetError(f"bench-merge: {name} has no ar/specpilot records to compare")
+        results = {s: [] for s in systems}
+        verdicts = {s: [] for s in systems}
+        for s in systems:
+            ran = [s in r for r in recs]
+            if ran != sorted(ran, reverse=True):  # _report compares a limited system on the first n prompts
+                raise DatasetError(f"bench-merge: {name}: {s} ran on prompts that are not the first ones of the "
+                                   "merged list (merge the runs in prompt order)")
+            for r in recs[:sum(ran)]:
+                res, ver = record_result(r, s)
+                results[s].append(res)
+                verdicts[s].append(ver)
+        skipped = sum(payload["summary"].get("benchmarks", {}).get(name, {}).get("skipped_long_prompts", 0)
+                      for payload in payloads)
+        rep = _report(name, len(recs), skipped, results, verdicts)
+        for s in systems:  # acceptance by position needs every step's lengths; older records have none
+            if s != "ar" and any(s in r and r[s].get("forwards") is None for r in recs):
+                entry = rep["systems"][s]
+                if "acceptance_by_position" in entry:
+                    entry["acceptance_by_position"] = []
+                    entry["acceptance_by_position_missing"] = "some runs did not record per-step lengths"
+        if not rep["systems"]["specpilot"].get("acceptance_by_position"):
+            rep["acceptance_by_position"] = []
+        reports.append(rep)
+        records[name] = recs
+    meta = {k: first[k] for k in SAME_KEYS if k in first}
+    meta.update(
+        merged_from=[str(p) for p in paths],
+        wall_s=round(sum(p["summary"].get("wall_s", 0.0) for p in payloads), 1),
+        forcing_tolerance=[p["summary"].get("forcing_tolerance") for p in payloads],
+    )
+    return summarize(reports, meta), records
