@@ -90,6 +90,8 @@ def test_records_without_step_lengths_pool_but_leave_acceptance_out(tmp_path):
     summary, _ = merge_runs([a, b])
     spec = summary["benchmarks"]["x"]["systems"]["specpilot"]
     assert spec["tau"] == pytest.approx(whole["systems"]["specpilot"]["tau"], rel=1e-4)
+    for stage, ms in whole["systems"]["specpilot"]["stage_ms_per_step"].items():  # per step of all the prompts
+        assert spec["stage_ms_per_step"][stage] == pytest.approx(ms, rel=1e-3), stage
     assert spec["acceptance_by_position"] == [] and "acceptance_by_position_missing" in spec
     assert whole["systems"]["specpilot"]["acceptance_by_position"]  # the unmerged run has it
 

@@ -43,9 +43,13 @@ def record_result(rec: dict, system: str) -> tuple[GenerationResult, ForcingVerd
     forwards = r.get("forwards")
     if forwards is None:  # records before `forwards` was written: tokens / tau (tau kept to 4 decimals)
         forwards = round(tokens / r["tau"]) if r.get("tau") else 0
+    # per-step lengths: older records have none; one placeholder step per target forward (a speculative step is one
+    # forward) keeps the stage times per step right, and merge_runs leaves their acceptance by position out
+    accepted = r.get("accepted", [0] * forwards if r.get("stage_s") else [])
+    drafted = r.get("drafted", [0] * len(accepted))
     result = GenerationResult(
         prompt_ids=[], output_ids=list(r["output_ids"]), finish_reason="unknown", num_target_forwards=forwards,
-        accepted_lengths=list(r.get("accepted", [])), drafted_lengths=list(r.get("drafted", [])),
+        accepted_lengths=list(accepted), drafted_lengths=list(drafted),
         plain_steps=r.get("plain_steps", 0), prefill_s=r["prefill_s"], decode_s=r["s"] - r["prefill_s"],
         stage_s=dict(r.get("stage_s", {})))
     mismatches = [Mismatch(**m) for m in r.get("mismatches", [])]
