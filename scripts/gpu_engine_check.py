@@ -6,7 +6,8 @@ AR graphed == AR compiled, that speculative decoding (self drafter, random draft
 batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
-rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, l2_prefetch: gate/up's weight
+rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
+its qkv GEMV's epilogue, l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
 graph, prefill_graphs: a prompt's prefill from its padded length's graph, megakernel: every one-token step as one
 persistent launch, dflash, early_draft: the next
@@ -31,7 +32,7 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash",
+            "rope_in_attention", "rope_in_qkv", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash",
             "early_draft",
             "adaptive", "batch", "lossless12")
 
@@ -274,6 +275,29 @@ def main(only: tuple[str, ...] = ()) -> int:
         else:
             print("ar_rope_in_attention_pdl skipped:", pdl.unsupported_reason(), flush=True)
 
+    def rope_in_qkv():
+        # a one-token layer's RoPE and K/V write in its qkv GEMV's epilogue (EngineConfig.rope_in_qkv, kernels/
+        # qkv_rope.py; autotuned per shape on first use): graphed AR against graphed AR without it (past a
+        # 128-key slice boundary too), eager AR, n-gram speculation (its verify blocks keep rope_write) and a small
+        # drafter's one-token passes through it
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        riq = copy.deepcopy(fast).use_rope_in_qkv()
+        off_cfg = base.with_(fused_verify=True)
+        on_cfg = off_cfg.with_(rope_in_qkv=True)
+        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
+        on = [Engine(riq, on_cfg).generate(p) for p in prompts]
+        record("ar_rope_in_qkv", on)
+        equals_off("ar_rope_in_qkv_equals_off", on, off)
+        long_cfg = on_cfg.with_(max_new_tokens=300, max_seq_len=512)
+        long_off = [Engine(fast, long_cfg.with_(rope_in_qkv=False)).generate(p) for p in prompts[:1]]
+        equals_off("ar_rope_in_qkv_300_equals_off", [Engine(riq, long_cfg).generate(p) for p in prompts[:1]], long_off)
+        ngram_on, model = on_cfg.with_(drafter_kind="ngram"), on_cfg.with_(drafter_kind="model")
+        same_tokens((("ar_rope_in_qkv_eager", on_cfg.with_(cuda_graphs=False), riq),
+                     ("spec_ngram_rope_in_qkv", ngram_on, riq)))
+        drafter = copy.deepcopy(other).use_fused_decode().use_rope_in_qkv()
+        record("spec_other_rope_in_qkv", [Engine(riq, model, build_drafter(model, drafter, riq)).generate(p)
+                                          for p in prompts])
+
     def l2_prefetch():
         # gate/up's weight read into L2 on a side stream during the layer's first launches (EngineConfig.
         # l2_prefetch, kernels/l2_prefetch.py), in each mode ("prefetch" and "bulk" are inline PTX: an illegal
@@ -416,7 +440,8 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
-              "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "l2_prefetch": l2_prefetch,
+              "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
+              "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

@@ -11,7 +11,8 @@ next kernel's start (the graph's kernel boundary), the weight bytes it reads and
 rate; the same for what precedes and follows the layers (embedding, LM head). What the sums say: kernel time +
 gaps = the step; a kernel far over its floor is where the bar is lost.
 
-Run: python3 scripts/gpu_step_kernels.py [qwen2.5-1.5b qwen3-8b ...] [--replays=20]
+Run: python3 scripts/gpu_step_kernels.py [qwen2.5-1.5b qwen3-8b ...] [--replays=20] [--rope-in-qkv]
+(--rope-in-qkv: the step with EngineConfig.rope_in_qkv, five launches a layer; shapes with a q/k norm say so)
 Last stdout line: one JSON object.
 """
 
@@ -22,6 +23,9 @@ import statistics
 import sys
 
 LAYER_NAMES = ("qkv", "rope_write", "attention", "o_proj", "gate_up", "down")  # the fused layer's six launches
+# with --rope-in-qkv (EngineConfig.rope_in_qkv): five, RoPE + K/V write in the qkv GEMV's epilogue
+LAYER_NAMES_ROPE_IN_QKV = ("qkv", "attention", "o_proj", "gate_up", "down")
+LAYOUTS = {len(names): names for names in (LAYER_NAMES, LAYER_NAMES_ROPE_IN_QKV)}
 CONTEXT = 512  # the prefill length of gpu_megakernel.prefilled, which this script shares
 
 
@@ -30,8 +34,8 @@ def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[
     `period` kernels with the same names, then the rest; repeats = layers, or layers - 1 where the first layer
     launches differently (it is then part of the offset). The repeat must cover all but a layer and 8 kernels of
     the step (three GEMVs in a row also "repeat"); the longest period wins. Where several offsets fit (a rotation
-    of the layer: the LM head's GEMV has the qkv GEMV's name), the one that puts an attention kernel third, as in
-    the fused layer (LAYER_NAMES), else the smallest. ValueError if none fits."""
+    of the layer: the LM head's GEMV has the qkv GEMV's name), the one that puts an attention kernel where the
+    fused layer has it (LAYOUTS: third of six, second of five), else the smallest. ValueError if none fits."""
     for repeats in (layers, layers - 1):
         if repeats < 1:
             continue
@@ -42,8 +46,9 @@ def layer_pattern(names: list[str], layers: int, max_period: int = 24) -> tuple[
                     if all(names[off + i * period:off + (i + 1) * period] == names[off:off + period]
                            for i in range(repeats))]
             if fits:
-                third = [off for off in fits if period == len(LAYER_NAMES) and "att" in names[off + 2].lower()]
-                return (third or fits)[0], period, repeats
+                at = LAYOUTS[period].index("attention") if period in LAYOUTS else None
+                placed = [off for off in fits if at is not None and "att" in names[off + at].lower()]
+                return (placed or fits)[0], period, repeats
     raise ValueError(f"no per-layer repeat of <= {max_period} kernels over {layers} layers in {len(names)} kernels")
 
 
@@ -59,7 +64,7 @@ def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_by
     dur = [[e - s for _, s, e in step] for step in steps]
     gap = [[step[i + 1][1] - step[i][2] for i in range(len(step) - 1)] + [0.0] for step in steps]
     med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
-    labels = LAYER_NAMES if period == len(LAYER_NAMES) else tuple(f"k{j}" for j in range(period))
+    labels = LAYOUTS.get(period, tuple(f"k{j}" for j in range(period)))
     per_layer = {}
     for j in range(period):
         idx = [offset + i * period + j for i in range(repeats)]
@@ -91,7 +96,7 @@ def _layer_bytes(cfg, elt: int = 2) -> dict:
             "attention": 2 * nkv * CONTEXT * elt}
 
 
-def measure(name: str, replays: int) -> dict:
+def measure(name: str, replays: int, rope_in_qkv: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,6 +110,10 @@ def measure(name: str, replays: int) -> dict:
     hw = load_or_measure(dev)
     cfg = synthetic_config(name)
     model = _fused(random_model(cfg).fuse_projections().eval())
+    if rope_in_qkv:
+        if cfg.qk_norm:  # Qwen3's q/k norm needs the whole head before the rotation: the switch cannot apply
+            return {"error": "rope_in_qkv: this shape has a q/k norm"}
+        model.use_rope_in_qkv()
     with torch.no_grad():
         cache = prefilled(model, _prompt(cfg))
         tok = torch.randint(0, cfg.vocab_size, (1, 1), device=dev)
@@ -138,10 +147,12 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return 0
-    shapes, replays = [], 20
+    shapes, replays, rope_in_qkv = [], 20, False
     for a in argv:
         if a.startswith("--replays="):
             replays = int(a.split("=", 1)[1])
+        elif a == "--rope-in-qkv":
+            rope_in_qkv = True
         elif a.startswith("--"):
             print(f"gpu_step_kernels.py: unexpected argument {a!r} (see --help)", file=sys.stderr)
             return 2
@@ -154,7 +165,7 @@ def main(argv: list[str]) -> int:
         return 2
     res = {}
     for name in shapes or ["qwen2.5-1.5b", "qwen3-8b"]:
-        res[name] = measure(name, replays)
+        res[name] = measure(name, replays, rope_in_qkv)
         r = res[name]
         print(name, {k: r.get(k) for k in ("step_ms", "over_floor", "kernel_us", "gaps_us", "error")}, flush=True)
         for label, row in r.get("per_layer", {}).items():

@@ -22,7 +22,8 @@ norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=f
 "fused12normepi" "fuseddecode12" with it (the 12-bit qkv / gate_up GEMVs without their norm prologue);
 "fusedropeattn" is "fuseddecode" with a one-token layer's RoPE + K/V write inside its attention launch
 (EngineConfig.rope_in_attention, kernels/rope_attention.py: five launches a layer; `--variants=fuseddecode,
-fusedropeattn --tokens=1`); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
+fusedropeattn --tokens=1`); "fusedropeqkv" the same work in the qkv GEMV's epilogue instead (EngineConfig.rope_in_qkv,
+kernels/qkv_rope.py; models without a q/k norm only: skipped at Qwen3 shapes); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
 of each layer's gate/up weight warmed in L2 on a side stream during the layer's first launches (EngineConfig.
 l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fuseddecode,fusedverify,fusedl2pf`);
 median of
@@ -52,7 +53,8 @@ def median_ms(fn, repeats=100) -> float:
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
                "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify", "fused_normepi": "_fusednormepi",
-               "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_l2load": "_fusedl2load",
+               "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_ropeqkv": "_fusedropeqkv",
+               "fused_l2load": "_fusedl2load",
                "fused_l2pf": "_fusedl2pf", "fused_l2bulk": "_fusedl2bulk"}
 _L2_MODE = {"fused_l2load": "load", "fused_l2pf": "prefetch", "fused_l2bulk": "bulk"}  # kernels/l2_prefetch.py
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
@@ -80,7 +82,7 @@ def main(shapes, flags=()) -> int:
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
                     (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
-                    (False, "fused_l2load"), (False, "fused_l2pf"), (False, "fused_l2bulk"), (True, False),
+                    (False, "fused_ropeqkv"), (False, "fused_l2load"), (False, "fused_l2pf"), (False, "fused_l2bulk"), (True, False),
                     (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
@@ -91,7 +93,7 @@ def main(shapes, flags=()) -> int:
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
             fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify", "fused_normepi",
-                               "fused12_normepi", "fused_ropeattn") or kernel in _L2_MODE
+                               "fused12_normepi", "fused_ropeattn", "fused_ropeqkv") or kernel in _L2_MODE
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
             every = kernel in ("all", "all_gemv") or fused
             model.use_attention_kernel(bool(kernel))
@@ -102,6 +104,10 @@ def main(shapes, flags=()) -> int:
             model.use_fused_verify(kernel in ("fused_verify", "fused_normepi"))  # T = 2..16 rows fused as well
             model.use_norm_epilogue(kernel in ("fused_normepi", "fused12_normepi"))  # the norms from the GEMVs
             model.use_rope_in_attention(kernel == "fused_ropeattn")  # RoPE + K/V write in the attention launch
+            if kernel == "fused_ropeqkv" and cfg.qk_norm:  # Qwen3's q/k norm needs the whole head first
+                res["fusedropeqkv_skipped"] = "q/k norm"
+                continue
+            model.use_rope_in_qkv(kernel == "fused_ropeqkv")  # ... or in the qkv GEMV's epilogue
             model.use_lossless12(twelve)
             if kernel in _L2_MODE:  # gate/up's weight warmed in L2 during the layer's first launches (T > 1: fused
                 l2_prefetch.MODE = _L2_MODE[kernel]  # verify too, so its T > 1 rows time that path)

@@ -124,9 +124,9 @@ def test_regen_cache_script_round_trip(tmp_path):
 
 @pytest.mark.parametrize("script, names", [("gpu_step_timing.py", ("fuseddecode", "fuseddecode_pdl", "fuseddecode12pre",
                                                                    "fusedverify", "fusednormepi", "fused12normepi",
-                                                                   "fusedropeattn", "--tokens")),
+                                                                   "fusedropeattn", "fusedropeqkv", "--tokens")),
                                            ("gpu_engine_check.py", ("fused_decode", "fused_verify", "pdl",
-                                                                    "norm_epilogue", "rope_in_attention",
+                                                                    "norm_epilogue", "rope_in_attention", "rope_in_qkv",
                                                                     "early_draft", "prefill_graphs",
                                                                     "lossless12"))])
 def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
@@ -160,11 +160,12 @@ def test_regen_speed_script_runs_on_cpu():
     for v in out["variants"].values():
         assert v["tok_s"] > 0 and len(v["chunk_s"]) == 2 and v["rows_equal_to_first"] == 1.0, v
     assert out["speedup_vs_pool"]["pool"] == 1.0
-    # --profile: the first variant's traced batch, its ops by time per step (the matmuls lead even at these shapes)
+    # --profile: the first variant's traced batch, its ops by time per step (the matmuls among the leading ones even
+    # at these shapes; on a loaded CPU attention and striding can come first: session 24 saw mm fourth)
     prof = out["profile"]
     assert prof["variant"] == "pool" and prof["time"] == "cpu op", prof
     top = dict(prof["top"])
-    assert 0 < max(top.values()) <= prof["traced_us_per_step"] and any("mm" in k for k in list(top)[:3]), prof
+    assert 0 < max(top.values()) <= prof["traced_us_per_step"] and any("mm" in k for k in list(top)[:6]), prof
 
 
 def test_regen_choice_takes_the_fastest_batch_and_variant(tmp_path):
@@ -282,6 +283,12 @@ def test_step_kernels_finds_the_layer_and_prices_each_launch():
     assert mod.layer_pattern(odd, layers) == (1 + 7, 6, layers - 1)
     # an LM head named like the qkv GEMV also fits one kernel later (a rotation): the attention kernel stays third
     assert mod.layer_pattern(seq[:-1] + ["gemv"], layers) == (1, 6, layers)
+    # the five-launch layer of --rope-in-qkv: its labels, the attention second (the rotation with the LM head's
+    # GEMV named like qkv puts it second too, not at the rotated offset)
+    five = ["embed"] + ["gemv", "attn", "gemv", "gemv", "gemv"] * layers + ["gemv"]
+    assert mod.layer_pattern(five, layers) == (1, 5, layers)
+    r5 = mod.summarize([[(n, 10.0 * i, 10.0 * i + 5) for i, n in enumerate(five)]], layers)
+    assert list(r5["per_layer"]) == list(mod.LAYER_NAMES_ROPE_IN_QKV) and r5["per_layer"]["attention"]["kernel"] == "attn"
     with pytest.raises(ValueError, match="per-layer repeat"):
         mod.layer_pattern(["a", "b", "c", "d"], layers=3, max_period=1)
     bad = replay(0.0)

@@ -115,6 +115,7 @@ class StepProfile:
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
     rope_in_attention: bool = False  # one-token layers' RoPE + K/V write in the attention launch (EngineConfig.*)
+    rope_in_qkv: bool = False  # one-token layers' RoPE + K/V write in the qkv GEMV's launch (EngineConfig.*)
     fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
     # EngineConfig.early_draft (DFlash): the draft pass is launched before the step's sync, so its device time is
     # measured in the commit ("other") stage while the host commits, and the draft stage launches nothing

@@ -59,7 +59,8 @@ _FUSED_VERIFY_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3 + 2
 # were GEMV prologues: what it gains, norm-free GEMVs streaming faster, is not priced here)
 _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS = _FUSED_LINEARS_PER_LAYER + 3
 # rope_in_attention (kernels/rope_attention.py), with fused_decode: a one-token layer's RoPE + K/V write runs inside
-# its attention launch (6 -> 5; with pdl the five launch with PDL). Fused verify blocks keep theirs.
+# its attention launch (6 -> 5; with pdl the five launch with PDL). Fused verify blocks keep theirs. rope_in_qkv
+# (kernels/qkv_rope.py) takes the same launch into the qkv GEMV instead: the same count.
 _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS = _FUSED_DECODE_LAYER_KERNELS - 1
 # pdl (kernels/pdl.py), with fused_decode: the six (five) launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
@@ -167,9 +168,9 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
-                "lossless12", "pdl", "norm_epilogue", "rope_in_attention")
+                "lossless12", "pdl", "norm_epilogue", "rope_in_attention", "rope_in_qkv")
 _DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "norm_epilogue",
-                     "rope_in_attention")
+                     "rope_in_attention", "rope_in_qkv")
 
 
 def kernel_flags(obj) -> dict[str, bool]:
@@ -230,7 +231,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
-                 rope_in_attention: bool = False) -> PassCost:
+                 rope_in_attention: bool = False, rope_in_qkv: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -240,7 +241,9 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     weight bytes: the projections and the LM head read 12-bit copies; `pdl` (with fused_decode) marks the fused
     passes' Triton launches as launched with PDL (`num_pdl_kernels`); and `norm_epilogue` takes a fused pass's
     norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS); `rope_in_attention` a one-token
-    fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS)."""
+    fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS);
+    `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too; not for a q/k-norm model, whose
+    layer the engine leaves as it is)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -254,7 +257,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         L = cfg.num_hidden_layers
         norms = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS  # the final norm's
         per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS
-        if rope_in_attention and one_token_fused:
+        if one_token_fused and (rope_in_attention or rope_in_qkv and not cfg.qk_norm):
             per_layer = _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS
         eager = 0 if norm_kernel else _NORM_KERNELS
         if norm_epilogue:  # the final norm comes out of the last down GEMV; a block keeps layer 0's input norm

@@ -49,6 +49,7 @@ class StepKnobs:
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
     norm_epilogue: bool = False  # norm_epilogue (a fused pass's norms written by its residual GEMVs: fewer launches)
     rope_in_attention: bool = False  # rope_in_attention (a one-token layer's RoPE + K/V write in its attention)
+    rope_in_qkv: bool = False  # rope_in_qkv (a one-token layer's RoPE + K/V write in its qkv GEMV)
     early_draft: bool = False  # early_draft (DFlash: the pass launched before the sync, the host's work beside it)
 
 

@@ -110,6 +110,16 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("rope_in_attention needs fused_decode (and the fused_projections it reads): RoPE and the "
                           "K/V write keep their own launch", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "rope_in_qkv"):  # the fused one-token layer's qkv GEMV: with RoPE + K/V write or not
+        if not model.fused_decode:
+            warnings.warn("rope_in_qkv needs fused_decode (and the fused_projections it reads): RoPE and the K/V "
+                          "write keep their own launch", RuntimeWarning, stacklevel=2)
+        elif model.model.layers[0].self_attn.q_norm is not None:
+            warnings.warn("rope_in_qkv: this model normalizes q and k per head before RoPE, which the qkv GEMV's "
+                          "epilogue cannot do: RoPE and the K/V write keep their own launch", RuntimeWarning,
+                          stacklevel=2)
+        else:
+            model.use_rope_in_qkv()
     if _kernel_on(config, "l2_prefetch"):  # the fused layer's gate/up weight warmed in L2: with it or not at all
         if model.fused_decode or model.fused_verify:
             model.use_l2_prefetch(config.l2_prefetch)

@@ -56,7 +56,7 @@ class EngineMeasure:
 
     LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel", "attention_kernel", "norm_kernel",
               "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl",
-              "norm_epilogue", "rope_in_attention", "l2_prefetch")
+              "norm_epilogue", "rope_in_attention", "rope_in_qkv", "l2_prefetch")
     # (pdl changes no weights, but the process-wide PDL switch is set when a model is laid out: engine._apply_pdl)
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):

@@ -232,6 +232,11 @@ register(Mechanism(
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
+    "rope_in_qkv", ("draft", "verify"), {"rope_in_qkv": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "a one-token fused layer's RoPE and K/V-cache write run in its qkv GEMV's epilogue (each program holds the "
+    "pairs of columns RoPE mixes): five launches a layer instead of six, models without a q/k norm"))
+register(Mechanism(
     "megakernel", ("draft", "other"), {"megakernel": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_projections and not cfg.compile,
     "every one-token step (a small drafter's passes, AR decode) as one persistent launch walking all layers, its "

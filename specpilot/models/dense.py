@@ -278,6 +278,7 @@ class DenseLM(nn.Module):
         self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
         self.rope_in_attention = False  # use_rope_in_attention(): a one-token fused layer's RoPE + K/V write inside
         # its attention launch (five launches a layer)
+        self.rope_in_qkv = False  # use_rope_in_qkv(): a one-token fused layer's RoPE + K/V write in its qkv GEMV
         self.l2_prefetch = 0.0  # use_l2_prefetch(): that fraction of a fused layer's gate/up weight warmed in L2
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -404,6 +405,23 @@ class DenseLM(nn.Module):
         self.rope_in_attention = on
         return self
 
+    def use_rope_in_qkv(self, on: bool = True) -> "DenseLM":
+        """A one-token fused layer (models/fused_decode.py) runs RoPE and the K/V-cache write in its qkv GEMV's
+        epilogue (kernels/qkv_rope.py) instead of the launch after it: five launches a layer instead of six. Same
+        numbers. Needs fused_decode (the only path it changes; verify blocks keep their launch) and heads without
+        a q/k norm (Qwen3's needs the whole head before the rotation); not with rope_in_attention."""
+        if on:
+            if not self.fused_decode:
+                raise ConfigError("rope_in_qkv needs fused_decode: only the fused one-token layer has it")
+            if self.rope_in_attention:
+                raise ConfigError("rope_in_qkv and rope_in_attention both move the RoPE + K/V write: choose one")
+            if self.model.layers[0].self_attn.q_norm is not None:
+                raise ConfigError("rope_in_qkv needs heads without a q/k norm (this model normalizes q and k per "
+                                  "head before RoPE: kernels/rope_write.py keeps that launch)")
+            require_kernel("qkv_rope", "qkv GEMV + RoPE + K/V write kernel")
+        self.rope_in_qkv = on
+        return self
+
     def use_l2_prefetch(self, fraction: float) -> "DenseLM":
         """A fused layer (models/fused_decode.py, one token or a verify block) reads `fraction` of its gate/up
         weight into L2 on a side stream while its latency-bound launches run (kernels/l2_prefetch.py); 0 = off.
@@ -498,7 +516,7 @@ class DenseLM(nn.Module):
                 x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len, normed=normed,
                                               next_norm=nxt, norm_epilogue=self.norm_epilogue,
                                               rope_in_attention=self.rope_in_attention,
-                                              l2_prefetch=self.l2_prefetch)
+                                              rope_in_qkv=self.rope_in_qkv, l2_prefetch=self.l2_prefetch)
             else:
                 x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)

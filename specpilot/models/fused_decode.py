@@ -30,6 +30,10 @@ With EngineConfig.rope_in_attention (DenseLM.use_rope_in_attention, kernels/rope
 attention launch also does the q/k norm, RoPE and K/V write (the rope_write launch goes: five launches a layer;
 every program rotates q and the new k itself, so no slice reads the slot another program writes). Same numbers.
 
+With EngineConfig.rope_in_qkv (DenseLM.use_rope_in_qkv, kernels/qkv_rope.py) a one-token layer's qkv GEMV also
+does RoPE and the K/V write in its epilogue (each program owns the column pairs RoPE mixes): five launches a layer,
+for models without a q/k norm. Same numbers.
+
 With EngineConfig.norm_epilogue (DenseLM.use_norm_epilogue, kernels/norm_epilogue.py) the residual GEMVs also
 write the norm the next GEMV reads: o_proj's the post-attention norm, down's the next layer's input norm (the final
 norm after the last layer), so qkv, gate_up and the LM head run norm-free; a block's layer is seven launches, and
@@ -99,7 +103,8 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
-                 norm_epilogue: bool = False, rope_in_attention: bool = False, l2_prefetch: float = 0.0):
+                 norm_epilogue: bool = False, rope_in_attention: bool = False, rope_in_qkv: bool = False,
+                 l2_prefetch: float = 0.0):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -112,6 +117,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     `rope_in_attention` (EngineConfig.rope_in_attention, kernels/rope_attention.py), T = 1 only: the attention
     launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch.
 
+    `rope_in_qkv` (EngineConfig.rope_in_qkv, kernels/qkv_rope.py), T = 1, no q/k norm, bf16 qkv weights: the qkv
+    GEMV's epilogue does RoPE and the K/V write (five launches); otherwise rope_write's launch stays.
+
     `l2_prefetch` (EngineConfig.l2_prefetch, kernels/l2_prefetch.py): that fraction of gate/up's weight is read
     into L2 on a side stream while qkv, RoPE, attention and o_proj run (latency-bound launches that leave HBM
     idle); gate/up's GEMV waits for it. Same numbers."""
@@ -122,8 +130,19 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     if l2_prefetch > 0 and (T > 1 or getattr(mlp.gate_up_proj, "packed12", None) is None):
         side = kernels_l2.fork(mlp.gate_up_proj.weight, l2_prefetch)
     h, n, g, d = x.shape[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
-    pre, post = layer.input_layernorm, layer.post_attention_layernorm
+    pre = layer.input_layernorm
     x2 = x.view(T, h)
+    i = attn.layer_idx
+    if (rope_in_qkv and T == 1 and attn.q_norm is None
+            and getattr(attn.qkv_proj, "packed12", None) is None):  # one launch: GEMV + RoPE + K/V write
+        from specpilot.models.dense import kernel_op
+
+        x_in, nw = (x2, pre.weight) if normed is None else (normed.view(T, h), None)
+        q = kernel_op("qkv_rope")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin, positions,
+                                  cache.k[i], cache.v[i], n)  # [1, n, 1, d]
+        keys, values = cache.read(i, kv_len)
+        return _after_attention(layer, attend(q, keys, values, positions), x2, T, h, n, d, norm_epilogue, next_norm,
+                                side)
     if normed is None:
         qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
     else:  # normed by the previous layer's down GEMV
@@ -133,7 +152,6 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     qn = attn.q_norm.weight if attn.q_norm is not None else None
     kn = attn.k_norm.weight if attn.k_norm is not None else None
     eps = attn.q_norm.eps if attn.q_norm is not None else pre.eps
-    i = attn.layer_idx
     if rope_in_attention and T == 1:  # one launch: q/k norm + RoPE + K/V write + attention (rotated q never stored)
         from specpilot.models.dense import kernel_op
 
@@ -143,6 +161,14 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
         keys, values = cache.read(i, kv_len)
         out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
+    return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side)
+
+
+def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilogue: bool, next_norm, side):
+    """The layer from its attention output out [1, n, T, d] and residual x2 [T, h] on: o_proj + residual, the MLP
+    (decode_layer's arguments say the rest)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    pre, post = layer.input_layernorm, layer.post_attention_layernorm
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)

@@ -1,0 +1,200 @@
+"""Input RMSNorm + qkv GEMV (+ bias) + RoPE + K/V cache write of one token, in one launch (EngineConfig.rope_in_qkv).
+
+Why: the fused one-token layer (models/fused_decode.py) is six launches; on the H200 at the Qwen2.5-1.5B shape the
+RoPE + K/V write launch between the qkv GEMV and the attention costs 2.6 us + a 0.4 us boundary, every layer, for
+no bytes worth the name (BENCHMARKS.md, session 24: the step kernel by kernel). Here the qkv GEMV's epilogue does
+it: the GEMV's programs already hold the projection's outputs in registers, so rotating them and storing q into a
+fresh tensor and k, v into their cache slots costs a few instructions, not a launch.
+
+The pairing: RoPE (rotate-half) mixes output column j of a head with column j + D/2. A program owns BLOCK_P such
+pairs of one head and loads their weight rows as one [2 BLOCK_P, BLOCK_K] tile, interleaved (j, j + D/2, j + 1,
+...), as kernels/gemv_fused.py's PAIRED layout does for gate/up; after the K loop the sums split into the two halves
+and the epilogue rotates them. Heads [0, H) are q, [H, H + Hkv) k (rotated, then written at slot = position), the
+rest v (written as is). Models with a per-head q/k RMSNorm (Qwen3) are not served: the norm needs the whole head
+before the rotation (their layer keeps kernels/rope_write.py).
+
+Numbers: the eager path's, as the two launches it replaces give them: the GEMV's (gemv_fused: the norm prologue,
+fp32 sums, + bias in fp32, one rounding to the dtype) then `apply_rope`'s (each product rounded to the dtype, then
+their sum; kernels/rope.py). Only the dot product's summation order differs from cuBLAS's, as for gemv_fused.
+
+`qkv_rope_reference` is the plain-PyTorch twin (TRITON_INTERPRET=1 runs the kernel on CPU); `qkv_rope_op` the
+kernel as the torch custom op "specpilot::qkv_rope", which declares the two caches as mutated.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specpilot.kernels.gemv_fused import gemv_fused_reference
+from specpilot.kernels.rope_write import rope_write_reference
+
+try:
+    import triton
+    import triton.language as tl
+
+    from specpilot.kernels.gemv_fused import _norm_h, _norm_rstd  # the norm prologue, shared with the plain GEMV
+    from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
+except ImportError:  # CPU-only installs: the reference path only
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache,
+                       num_heads: int) -> torch.Tensor:
+    """The two launches this one replaces, in plain PyTorch: the fused qkv GEMV (its norm prologue and bias), then
+    RoPE + K/V write (kernels/rope_write.py's reference) -> rotated q [1, H, 1, D]; k/v written in place."""
+    D, Hkv = k_cache.shape[-1], k_cache.shape[1]
+    qkv = gemv_fused_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)  # [1, (H + 2 Hkv) D]
+    q, k, v = qkv.split((num_heads * D, Hkv * D, Hkv * D), dim=-1)
+    q, k, v = (t.view(1, 1, -1, D).transpose(1, 2) for t in (q, k, v))
+    return rope_write_reference(q, k, v, cos, sin, positions, k_cache, v_cache)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
+                         K, stride_wn, eps, skc_h, skc_s, svc_h, svc_s, S, H, HKV,
+                         HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ON_GPU: tl.constexpr,
+                         K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+        HALF: tl.constexpr = D // 2
+        dt = qo_ptr.dtype.element_ty
+        p0 = tl.program_id(0) * BLOCK_P  # this program's first pair; BLOCK_P divides D / 2: one head
+        head = p0 // HALF
+        j = p0 % HALF + tl.arange(0, BLOCK_P)  # the pairs' first-half columns within the head
+        pi = tl.arange(0, 2 * BLOCK_P)  # tile row i: column j[i // 2] (+ D / 2 when i is odd)
+        cols = p0 % HALF + pi // 2 + (pi % 2) * HALF
+        rows = (head * D + cols).to(tl.int64)[:, None] * stride_wn  # [2 BP, 1]
+        if HAS_NORM:
+            rstd = _norm_rstd(x_ptr, K, eps, K_P2)
+        acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # gemv_fused's one-row loop
+            k_offs = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k_offs < K
+            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+            w = tl.load(w_ptr + rows + k_offs[None, :], mask=k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * h[None, :]
+        y1, y2 = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_P, 2)))  # columns j and j + D / 2
+        if HAS_BIAS:
+            y1 += tl.load(b_ptr + head * D + j).to(tl.float32)
+            y2 += tl.load(b_ptr + head * D + HALF + j).to(tl.float32)
+        y1 = _to_dtype(y1, dt).to(tl.float32)  # nn.Linear's output in the dtype
+        y2 = _to_dtype(y2, dt).to(tl.float32)
+        slot = tl.full([BLOCK_P], 0, tl.int64) + tl.load(pos_ptr).to(tl.int64)  # the cache slot (a tensor: the
+        in_pool = (slot >= 0) & (slot < S)  # interpreter rejects scalar & tensor masks)
+        if head < H + HKV:  # q or k: apply_rope, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+            c1 = tl.load(cos_ptr + j).to(tl.float32)
+            c2 = tl.load(cos_ptr + HALF + j).to(tl.float32)
+            s1 = tl.load(sin_ptr + j).to(tl.float32)
+            s2 = tl.load(sin_ptr + HALF + j).to(tl.float32)
+            o1 = _to_dtype(_to_dtype(y1 * c1, dt).to(tl.float32) + _to_dtype(-y2 * s1, dt).to(tl.float32), dt)
+            o2 = _to_dtype(_to_dtype(y2 * c2, dt).to(tl.float32) + _to_dtype(y1 * s2, dt).to(tl.float32), dt)
+            if head < H:
+                tl.store(qo_ptr + head * D + j, o1)
+                tl.store(qo_ptr + head * D + HALF + j, o2)
+            else:
+                kc = kc_ptr + (head - H).to(tl.int64) * skc_h + slot * skc_s
+                tl.store(kc + j, o1, mask=in_pool)
+                tl.store(kc + HALF + j, o2, mask=in_pool)
+        else:  # v: into its slot as it is
+            vc = vc_ptr + (head - H - HKV).to(tl.int64) * svc_h + slot * svc_s
+            tl.store(vc + j, _to_dtype(y1, dt), mask=in_pool)
+            tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
+
+    # gemv_fused's one-row tiles, counted in pairs (a tile holds 2 BLOCK_P weight rows)
+    _CONFIGS = [triton.Config({"BLOCK_P": bp, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bp, bk in ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512))
+                for w in (2, 4) for s in (1, 3)]
+
+    def _prune(configs, named_args, **kwargs):  # a program's pairs must stay within one head
+        half = kwargs.get("D", named_args.get("D")) // 2
+        return [c for c in configs if half % c.kwargs["BLOCK_P"] == 0] or configs[:1]
+
+    _kernel = _qkv_rope_kernel if _INTERPRET else triton.autotune(
+        configs=_CONFIGS, key=["K", "H", "HKV", "HAS_BIAS", "HAS_NORM", "D"],
+        prune_configs_by={"early_config_prune": _prune})(_qkv_rope_kernel)
+
+
+def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads) -> str | None:
+    """-> what is wrong with the arguments, or None."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
+        return f"x must be one row [1, K] with unit stride, got {tuple(x.shape)}"
+    if k_cache.dim() != 4 or k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape:
+        return f"k_cache and v_cache must both be [1, Hkv, S, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+    _, Hkv, S, D = k_cache.shape
+    if D < 4 or D & (D - 1):
+        return f"head_dim must be a power of two >= 4, got {D}"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "k_cache and v_cache must have unit stride along head_dim (they are written in place)"
+    N, K = (num_heads + 2 * Hkv) * D, x.shape[1]
+    if weight.dim() != 2 or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
+        return f"weight must be the contiguous fused qkv [(H + 2 Hkv) D, K] = [{N}, {K}], got {tuple(weight.shape)}"
+    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,))):
+        if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
+            return f"{name} must be [{shape[0]}] with unit stride, got {tuple(t.shape)}"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.numel() != D or t.stride(-1) != 1:
+            return f"{name} must hold one token's row of D = {D} values (one token, one row), got {tuple(t.shape)}"
+    if positions.numel() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        return f"positions must be one integer position [1, 1], got {positions.dtype} {tuple(positions.shape)}"
+    dts = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
+                                   ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache))
+           if t is not None}
+    if len(set(dts.values())) != 1:
+        return f"all tensors must share x's dtype (the eager path's numbers), got {dts}"
+    return None
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+             eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """One token: q = RoPE(RMSNorm(x) @ Wq^T + bq), k likewise into k_cache[0, :, position], v into v_cache; ->
+    rotated q [1, H, 1, D] (a new tensor). x [1, K]; weight the fused qkv [(H + 2 Hkv) D, K]; bias [N] and
+    norm_weight [K] optional; cos/sin the token's [.., D] row; positions [1, 1]; caches [1, Hkv, S, D]. A position
+    outside [0, S) is not written. Static shapes, no host sync: safe inside CUDA graphs (once autotuned outside
+    capture)."""
+    if triton is None:
+        raise RuntimeError("qkv_rope needs triton")
+    problem = _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads)
+    if problem:
+        raise ValueError(f"qkv_rope: {problem}")
+    _, Hkv, S, D = k_cache.shape
+    K = x.shape[1]
+    q = torch.empty(1, num_heads, 1, D, dtype=x.dtype, device=x.device)
+    args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, cos, sin,
+            positions, q, k_cache, v_cache, K, weight.stride(0), float(eps), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(1), v_cache.stride(2), S, num_heads, Hkv)
+    flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, ON_GPU=not _INTERPRET,
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D)
+    pairs = (num_heads + 2 * Hkv) * D // 2
+    if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
+        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64)
+    else:
+        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags)
+    return q
+
+
+def _register_op():
+    """The kernel as a torch custom op: one opaque call under torch.compile (as kernels/rope_write.py); the caches
+    are declared mutated so functionalization keeps the writes."""
+
+    @torch.library.custom_op("specpilot::qkv_rope", mutates_args=("k_cache", "v_cache"))
+    def qkv_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    num_heads: int) -> torch.Tensor:
+        return qkv_rope(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads)
+
+    @qkv_rope_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads):
+        return x.new_empty(1, num_heads, 1, k_cache.shape[-1])
+
+    return qkv_rope_op
+
+
+qkv_rope_op = _register_op() if triton is not None else None
