@@ -117,8 +117,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     `rope_in_attention` (EngineConfig.rope_in_attention, kernels/rope_attention.py), T = 1 only: the attention
     launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch.
 
-    `rope_in_qkv` (EngineConfig.rope_in_qkv, kernels/qkv_rope.py), T = 1, no q/k norm, bf16 qkv weights: the qkv
-    GEMV's epilogue does RoPE and the K/V write (five launches); otherwise rope_write's launch stays.
+    `rope_in_qkv` (EngineConfig.rope_in_qkv, kernels/qkv_rope.py), T = 1, no q/k norm, the qkv GEMV over its own
+    weights (not a 12-bit copy): that GEMV's epilogue does RoPE and the K/V write (five launches); otherwise
+    rope_write's launch stays.
 
     `l2_prefetch` (EngineConfig.l2_prefetch, kernels/l2_prefetch.py): that fraction of gate/up's weight is read
     into L2 on a side stream while qkv, RoPE, attention and o_proj run (latency-bound launches that leave HBM
