@@ -175,16 +175,19 @@ def cmd_bench(args) -> int:
     target, tok, spec, ar = _load_engines(args, cfg)
     systems = _systems(args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
-    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    setup_s = {"load": round(time.time() - t0, 2)}  # the run's fixed cost, where it goes (with each benchmark's
+    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance  # warm-ups: its report's warmup_s)
     noise = None
     if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
+        t1 = time.time()
         noise, tol = _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol)
+        setup_s["calibrate_tolerance"] = round(time.time() - t1, 2)
     limits = {s: args.baseline_prompts for s in ("hf-ar", "stock") if args.baseline_prompts}
     reports, records, skipped = [], {}, []
 
     def checkpoint(name, rep, recs):  # after every prompt: a run killed later keeps what it measured
-        write_results(Path(args.out), summarize(reports + [rep], _bench_meta(args, cfg, t0, partial=True)),
-                      {**records, name: recs})
+        write_results(Path(args.out), summarize(reports + [rep], {**_bench_meta(args, cfg, t0, partial=True),
+                                                                   "setup_s": setup_s}), {**records, name: recs})
 
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("decoding", total=sum(len(p) for p in sets.values()))
@@ -207,7 +210,7 @@ def cmd_bench(args) -> int:
     if skipped:
         err.print(f"[yellow]--time-budget reached: {', '.join(skipped)} not run")
     meta = {**_bench_meta(args, cfg, t0), "forcing_tolerance": round(tol, 5),
-            "scorer_noise": None if noise is None else round(noise, 5)}
+            "scorer_noise": None if noise is None else round(noise, 5), "setup_s": setup_s}
     if args.time_budget is not None:
         meta.update(time_budget_s=args.time_budget, benchmarks_not_run=skipped)
     summary = summarize(reports, meta)

@@ -209,8 +209,9 @@ def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
     encode = lambda p: [7] * len(p.messages[0]["content"])  # noqa: E731
     seen = []
     rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
-                              checkpoint=lambda r, rs: seen.append((r["num_prompts"], len(rs))))
-    assert seen == [(n, n) for n in range(1, 6)] and "stopped_by_time_budget" not in rep
+                              checkpoint=lambda r, rs: seen.append((r["num_prompts"], len(rs), set(r["warmup_s"]))))
+    assert seen == [(n, n, {"ar", "specpilot"}) for n in range(1, 6)] and "stopped_by_time_budget" not in rep
+    assert set(rep["warmup_s"]) == {"ar", "specpilot"} and all(s >= 0 for s in rep["warmup_s"].values())
     calls.clear()
     rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
                               deadline=time.monotonic() - 1)  # already past: the first prompt only

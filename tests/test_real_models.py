@@ -68,7 +68,9 @@ def test_cli_bench_last_line_is_json(smollm, tmp_path, capsys):
     for key in ("tau", "speedup", "ar_tokens_per_s", "spec_tokens_per_s", "forcing_passed", "forcing_mismatches"):
         assert key in result
     assert result["forcing_passed"] is True and result["tau"] >= 1.0
-    assert json.loads((tmp_path / "r.json").read_text())["summary"]["tau"] == result["tau"]
+    saved = json.loads((tmp_path / "r.json").read_text())["summary"]
+    assert saved["tau"] == result["tau"]
+    assert saved["setup_s"]["load"] > 0 and set(saved["benchmarks"]["humaneval"]["warmup_s"]) == {"ar", "specpilot"}
 
 
 def test_cli_bench_time_budget_keeps_what_it_measured(smollm, tmp_path, capsys):

@@ -75,10 +75,14 @@ def run_benchmark(
             raise DatasetError(f"{name}: all {len(prompts)} prompts exceed {max_prompt_tokens} tokens "
                                "(raise --max-seq-len)")
         prompts, encoded = [p for p, _ in kept], [ids for _, ids in kept]
-    for gen in systems.values():
+    warmup_s = {}
+    for s, gen in systems.items():
         # warm-up on a real prompt at full length: first-call allocations, graph capture and the peers' own
-        # compilation (transformers compiles static-cache decoding on first use) stay out of the numbers
+        # compilation (transformers compiles static-cache decoding on first use) stay out of the numbers; its
+        # seconds are reported (a run's fixed cost: what a --time-budget must leave room for)
+        t0 = time.monotonic()
         gen(encoded[0])
+        warmup_s[s] = round(time.monotonic() - t0, 2)
     results = {s: [] for s in systems}
     verdicts = {s: [] for s in systems}
     records = []
@@ -112,8 +116,9 @@ def run_benchmark(
         if progress:
             progress()
         if checkpoint:
-            checkpoint(_report(name, len(records), skipped, results, verdicts), records)
+            checkpoint({**_report(name, len(records), skipped, results, verdicts), "warmup_s": warmup_s}, records)
     report = _report(name, len(records), skipped, results, verdicts)
+    report["warmup_s"] = warmup_s
     if stopped:
         report["stopped_by_time_budget"] = True
     return report, records
