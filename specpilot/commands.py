@@ -175,8 +175,9 @@ def cmd_bench(args) -> int:
     target, tok, spec, ar = _load_engines(args, cfg)
     systems = _systems(args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
-    setup_s = {"load": round(time.time() - t0, 2)}  # the run's fixed cost, where it goes (with each benchmark's
-    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance  # warm-ups: its report's warmup_s)
+    # the run's fixed cost, where it goes (each benchmark's warm-ups: its report's warmup_s)
+    setup_s = {"load": round(time.time() - t0, 2)}
+    tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
     noise = None
     if args.tolerance is None and cfg.dtype != "float32" and args.stock == "transformers":
         t1 = time.time()

@@ -117,3 +117,24 @@ def sm90_report():
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     return run
+
+
+@pytest.fixture
+def launch_spy(monkeypatch):
+    """spy(module, attr, name): the Triton kernel module.attr still launches, and each launch appends `name` to
+    spy.launches (in launch order): which kernels a model step ran."""
+    launches = []
+
+    class Spy:
+        def __init__(self, name, real):
+            self.name, self.real = name, real
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.real[grid]
+
+    def spy(module, attr: str, name: str) -> None:
+        monkeypatch.setattr(module, attr, Spy(name, getattr(module, attr)))
+
+    spy.launches = launches
+    return spy

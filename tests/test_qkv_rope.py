@@ -100,24 +100,14 @@ def test_bad_arguments_are_one_clear_error(change, message):
         qkv_rope(*args)
 
 
-def _spy(monkeypatch):
+def _spy(launch_spy):
     """-> the list of qkv_rope's and rope_write's launches, in order."""
     import specpilot.kernels.qkv_rope as qr
     import specpilot.kernels.rope_write as rw
 
-    launches = []
-
-    class Spy:
-        def __init__(self, name, real):
-            self.name, self.real = name, real
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.real[grid]
-
-    monkeypatch.setattr(rw, "_rope_write_kernel", Spy("rope_write", rw._rope_write_kernel))
-    monkeypatch.setattr(qr, "_kernel", Spy("qkv_rope", qr._kernel))
-    return launches
+    launch_spy(rw, "_rope_write_kernel", "rope_write")
+    launch_spy(qr, "_kernel", "qkv_rope")
+    return launch_spy.launches
 
 
 def _steps(model, ids, blocks, norm_epilogue=False):
@@ -139,7 +129,7 @@ def _steps(model, ids, blocks, norm_epilogue=False):
 @pytest.mark.parametrize("family,dtype,norm_epilogue", [("qwen2", torch.float32, False),
                                                         ("qwen2", torch.bfloat16, True),
                                                         ("llama", torch.bfloat16, False)])
-def test_fused_steps_with_rope_in_qkv_give_the_same_bits(tiny_model_dir, monkeypatch, family, dtype, norm_epilogue):
+def test_fused_steps_with_rope_in_qkv_give_the_same_bits(tiny_model_dir, launch_spy, family, dtype, norm_epilogue):
     """One-token steps and a 7-token verify block, with and without the norm epilogue (qkv then runs norm-free):
     logits and the whole cache bit for bit; one-token layers launch qkv_rope, the prefill and the block rope_write."""
     import copy
@@ -150,7 +140,7 @@ def test_fused_steps_with_rope_in_qkv_give_the_same_bits(tiny_model_dir, monkeyp
     on = copy.deepcopy(off).use_rope_in_qkv()
     ids = torch.randint(3, 96, (1, 6 + 3 + 7 + 1), generator=torch.Generator().manual_seed(5))
     blocks = (1, 1, 1, 7, 1)
-    launches = _spy(monkeypatch)
+    launches = _spy(launch_spy)
     want = _steps(off, ids, blocks, norm_epilogue)
     L = off.config.num_hidden_layers
     assert launches == ["rope_write"] * L * 6

@@ -161,29 +161,20 @@ def _steps(model, ids, blocks, kv_len=False):
     return out + [cache.k, cache.v]
 
 
-def _spy_launches(monkeypatch):
-    """-> list of (kernel, grid) of rope_write's and rope_attention's launches."""
+def _spy_launches(launch_spy):
+    """-> list of rope_write's and rope_attention's launches, in order."""
     import specpilot.kernels.rope_attention as ra
     import specpilot.kernels.rope_write as rw
 
-    launches = []
-
-    class Spy:
-        def __init__(self, name, real):
-            self.name, self.real = name, real
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.real[grid]
-
-    monkeypatch.setattr(rw, "_rope_write_kernel", Spy("rope_write", rw._rope_write_kernel))
-    monkeypatch.setattr(ra, "_rope_attention_kernel", Spy("rope_attention", ra._rope_attention_kernel))
-    return launches
+    launch_spy(rw, "_rope_write_kernel", "rope_write")
+    launch_spy(ra, "_rope_attention_kernel", "rope_attention")
+    return launch_spy.launches
 
 
 @pytest.mark.parametrize("family,dtype,kv_len", [("qwen2", torch.float32, False), ("qwen3", torch.bfloat16, False),
                                                  ("llama", torch.bfloat16, True), ("qwen3", torch.float32, True)])
-def test_fused_steps_with_rope_in_attention_give_the_same_bits(tiny_model_dir, monkeypatch, family, dtype, kv_len):
+def test_fused_steps_with_rope_in_attention_give_the_same_bits(tiny_model_dir, monkeypatch, launch_spy, family,
+                                                               dtype, kv_len):
     """One-token steps (at positions 6-8 and 16: a 16-key slice's first slot) and a 7-token verify block: logits,
     captured layers and the whole cache bit for bit; one-token layers launch rope_attention, the block rope_write."""
     from specpilot.models import load_model
@@ -193,7 +184,7 @@ def test_fused_steps_with_rope_in_attention_give_the_same_bits(tiny_model_dir, m
     monkeypatch.setattr("specpilot.kernels.decode_attention.ONE_LAUNCH_SPLIT", SPLIT)  # three slices of 40 slots
     ids = torch.randint(3, 96, (1, 6 + 3 + 7 + 1), generator=torch.Generator().manual_seed(4))
     blocks = (1, 1, 1, 7, 1)
-    launches = _spy_launches(monkeypatch)
+    launches = _spy_launches(launch_spy)
     want = _steps(off, ids, blocks, kv_len)
     L = off.config.num_hidden_layers
     assert launches == ["rope_write"] * L * 6
