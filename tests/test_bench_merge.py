@@ -116,6 +116,25 @@ def test_merge_refuses_what_is_not_one_measurement(tmp_path):
         merge_runs([a, tmp_path / "bad.json"])
 
 
+@pytest.mark.parametrize("extra, same", [({"rope_in_qkv": False}, True), ({"rope_in_qkv": True}, False),
+                                         ({"no_such_field": 1}, False), ({"num_draft_tokens": 3}, False)])
+def test_merge_takes_a_newer_config_field_at_its_default_as_the_older_runs(tmp_path, extra, same):
+    """A run made before EngineConfig gained a field pools with a newer run only if that one has the field at its
+    default (a mechanism lands switched off: the older code's behaviour); a changed value or a field EngineConfig
+    does not know is a different measurement."""
+    a, _ = _run(tmp_path, "a.json", PROMPTS[:4])
+    b, _ = _run(tmp_path, "b.json", PROMPTS[4:])
+    newer = json.loads(b.read_text())
+    newer["summary"]["config"] = {**newer["summary"]["config"], **extra}
+    b.write_text(json.dumps(newer))
+    if same:
+        summary, _ = merge_runs([a, b])
+        assert summary["benchmarks"]["x"]["num_prompts"] == len(PROMPTS)
+    else:
+        with pytest.raises(DatasetError, match="differs .* in 'config'"):
+            merge_runs([a, b])
+
+
 def test_merge_refuses_a_limited_system_out_of_prompt_order(tmp_path):
     """stock limited to its first prompts in each run would, merged, skip prompts in the middle: speedups vs stock
     are taken on the first n prompts, so that is refused rather than silently compared on other prompts."""

@@ -6,14 +6,17 @@ figure is recomputed from the per-prompt records (tokens, seconds, forcing verdi
 the runs' own summaries, so the pooled tokens/s is total tokens over total seconds, as in one run. What a merge
 cannot recover it leaves out and says so: acceptance by position needs the per-step lengths, which runs before this
 module did not record. Runs of different targets, drafters or engine configs are refused, and so are prompts that
-appear twice.
+appear twice. A config field one run lacks (added to EngineConfig after it ran) counts as agreeing when the other
+run has it at its default: a mechanism lands switched off, so its default is what the older code did.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from specpilot.config import EngineConfig
 from specpilot.engine.result import GenerationResult
 from specpilot.errors import DatasetError
 from specpilot.evaluator.bench import SYSTEMS, _report, summarize
@@ -33,6 +36,25 @@ def _load(path: str | Path) -> dict:
     if not isinstance(payload, dict) or not {"summary", "prompts"} <= payload.keys():
         raise DatasetError(f"bench-merge: {path} is not a `specpilot bench` result (no summary/prompts)")
     return payload
+
+
+def _field_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
+
+
+def _same(key: str, a, b) -> bool:
+    """Whether two runs' summaries agree on `key`; for "config", a field only one run has (a newer EngineConfig
+    field) must sit at its default there."""
+    if key != "config" or not isinstance(a, dict) or not isinstance(b, dict):
+        return a == b
+    defaults = _field_defaults()
+    for name in a.keys() | b.keys():
+        if name in a and name in b:
+            if a[name] != b[name]:
+                return False
+        elif name not in defaults or a.get(name, b.get(name)) != defaults[name]:
+            return False
+    return True
 
 
 def record_result(rec: dict, system: str) -> tuple[GenerationResult, ForcingVerdict]:
@@ -70,7 +92,7 @@ def merge_runs(paths: list[str | Path]) -> tuple[dict, dict]:
     first = payloads[0]["summary"]
     for p, payload in zip(paths[1:], payloads[1:]):
         for key in SAME_KEYS:
-            if payload["summary"].get(key) != first.get(key):
+            if not _same(key, payload["summary"].get(key), first.get(key)):
                 raise DatasetError(f"bench-merge: {p} differs from {paths[0]} in {key!r}: not one measurement")
     names: list[str] = []
     for payload in payloads:
