@@ -12,3 +12,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # kernel at each new shape (session 19: the 0.5B profile ran past 150 s; a step-timing variant's setup took 90 s
 # the first time in a process, 2 s after). Same configs chosen, so the same numbers across a session's processes.
 export TRITON_CACHE_AUTOTUNING=1
+# ... and carried between sessions (scripts/triton_cache.sh): an earlier session's results, if .tcache/ is carried
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+bash scripts/triton_cache.sh seed || true

@@ -266,6 +266,47 @@ else head -c 85 /dev/urandom > "$4"; fi
     assert prepare().returncode == 0 and log.read_text() == calls + "-c qwen2.5-coder-0.5b\n"
 
 
+def test_triton_cache_packs_and_seeds_the_autotuning_results(tmp_path):
+    """triton_cache.sh: `pack` archives the Triton cache (all of it while small, else only the *.autotune.json
+    results), `seed` unpacks a carried .tcache/triton-cache.tgz into an empty cache once and never over a seeded
+    one; a missing cache is a clear error."""
+    repo, cache, out = tmp_path / "repo", tmp_path / "cache", tmp_path / "out"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "triton_cache.sh").write_bytes((SCRIPTS / "triton_cache.sh").read_bytes())
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "_gemv.autotune.json").write_text('{"configs_timings": []}')
+    (cache / "k2").mkdir()
+    (cache / "k2" / "_gemv.cubin").write_bytes(os.urandom(300_000))  # incompressible: ~0.3 MB in the archive
+
+    def sh(*a, **env):
+        return subprocess.run(["bash", str(repo / "scripts" / "triton_cache.sh"), *a], capture_output=True,
+                              text=True, env={**os.environ, **env}, timeout=60)
+
+    def members():
+        return sorted(subprocess.run(["tar", "tzf", str(out / "triton-cache.tgz")], capture_output=True, text=True,
+                                     check=True).stdout.split())
+
+    r = sh("pack", str(out), TRITON_CACHE_DIR=str(cache))
+    assert r.returncode == 0 and "1 autotuning results, 2 files" in r.stdout, r.stdout + r.stderr
+    assert members() == ["./k1/_gemv.autotune.json", "./k2/_gemv.cubin"]
+    r = sh("pack", str(out), TRITON_CACHE_DIR=str(cache), MAX_MB="0")  # over the cap: the results only
+    assert r.returncode == 0 and members() == ["./k1/_gemv.autotune.json"], r.stderr
+    r = sh("pack", str(out), TRITON_CACHE_DIR=str(tmp_path / "none"))
+    assert r.returncode == 2 and "no cache" in r.stderr
+    (repo / ".tcache").mkdir()
+    (out / "triton-cache.tgz").rename(repo / ".tcache" / "triton-cache.tgz")
+    fresh = tmp_path / "fresh"
+    r = sh("seed", TRITON_CACHE_DIR=str(fresh))
+    assert r.returncode == 0 and "1 autotuning results" in r.stdout, r.stderr
+    assert (fresh / "k1" / "_gemv.autotune.json").read_text() == '{"configs_timings": []}'
+    (fresh / "k1" / "_gemv.autotune.json").write_text("newer")  # this session's own result: seeding again keeps it
+    assert sh("seed", TRITON_CACHE_DIR=str(fresh)).returncode == 0
+    assert (fresh / "k1" / "_gemv.autotune.json").read_text() == "newer"
+    (fresh / ".seeded").unlink()  # unseeded (the archive came in a later call): the session's own file is kept
+    assert sh("seed", TRITON_CACHE_DIR=str(fresh)).returncode == 0 and (fresh / ".seeded").exists()
+    assert (fresh / "k1" / "_gemv.autotune.json").read_text() == "newer"
+
+
 def test_prefill_timing_script_runs_on_cpu():
     """gpu_prefill_timing.py (eager vs graphed prefill, EngineConfig.prefill_graphs) runs at tiny shapes on the CPU
     through the graphs' static twin, each length both ways; a bad --lengths exits 2 before measuring anything."""

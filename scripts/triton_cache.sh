@@ -1,0 +1,38 @@
+#!/bin/bash
+# Triton's on-disk cache (compiled kernels, autotuning results) carried from one GPU session to the next.
+# Why: the device machine keeps nothing between leases, and a session's first process re-times every config of
+# every autotuned kernel at each new shape: ~100 s of the 1,800 s budget (session 25: bench setup 119 s on a fresh
+# machine, 12-19 s in later processes; a step-timing variant's setup 118 s). The tuning keys include Triton's
+# version, the GPU target and each kernel's source, so an entry of changed code or another GPU is never used.
+#   bash scripts/triton_cache.sh pack DIR   # on the GPU machine, last call: DIR/triton-cache.tgz (autotuning results
+#                                           # always; the compiled kernels too while the archive stays <= MAX_MB)
+#   bash scripts/triton_cache.sh seed       # scripts/gpu_env.sh: unpack .tcache/triton-cache.tgz (carried) once,
+#                                           # keeping any file this session wrote already
+# Locally, between sessions: copy the packed file from the device's files into .tcache/ (ignored) and carry it.
+set -eu
+cd "$(dirname "$0")/.."
+CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+case ${1:-} in
+  pack)
+    out=${2:?pack needs an output folder}; mkdir -p "$out"; list=$(mktemp)
+    [ -d "$CACHE" ] || { echo "triton_cache: no cache at $CACHE" >&2; exit 2; }
+    (cd "$CACHE" && find . -type f | sort) > "$list"
+    tar czf "$out/triton-cache.tgz" -C "$CACHE" -T "$list"
+    if [ $(stat -c %s "$out/triton-cache.tgz") -gt $(( ${MAX_MB:-8} << 20 )) ]; then  # too big to carry: results only
+      grep '\.autotune\.json$' "$list" > "$list.json" || true
+      tar czf "$out/triton-cache.tgz" -C "$CACHE" -T "$list.json"
+    fi
+    echo "triton_cache: $(tar tzf "$out/triton-cache.tgz" | grep -c '\.autotune\.json$') autotuning results," \
+         "$(tar tzf "$out/triton-cache.tgz" | wc -l) files, $(stat -c %s "$out/triton-cache.tgz") bytes"
+    rm -f "$list" "$list.json"
+    ;;
+  seed)
+    if [ -f .tcache/triton-cache.tgz ] && [ ! -e "$CACHE/.seeded" ]; then
+      mkdir -p "$CACHE" && tar xzf .tcache/triton-cache.tgz --skip-old-files -C "$CACHE" && touch "$CACHE/.seeded"
+      echo "triton_cache: seeded $CACHE ($(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results)"
+    fi
+    ;;
+  *)
+    sed -n '2,10p' "$0" >&2; exit 2
+    ;;
+esac
