@@ -23,7 +23,9 @@ norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=f
 "fusedropeattn" is "fuseddecode" with a one-token layer's RoPE + K/V write inside its attention launch
 (EngineConfig.rope_in_attention, kernels/rope_attention.py: five launches a layer; `--variants=fuseddecode,
 fusedropeattn --tokens=1`); "fusedropeqkv" the same work in the qkv GEMV's epilogue instead (EngineConfig.rope_in_qkv,
-kernels/qkv_rope.py; models without a q/k norm only: skipped at Qwen3 shapes); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
+kernels/qkv_rope.py; models without a q/k norm only: skipped at Qwen3 shapes); "fusedprefetch" is "fuseddecode" with
+each one-row GEMV's first weight tile loaded before its norm prologue (kernels/gemv_fused.py ONE_ROW_PREFETCH; same
+bits); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
 of each layer's gate/up weight warmed in L2 on a side stream during the layer's first launches (EngineConfig.
 l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fuseddecode,fusedverify,fusedl2pf`);
 median of
@@ -42,7 +44,7 @@ import torch
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import l2_prefetch, pdl
+from specpilot.kernels import gemv_fused, l2_prefetch, pdl
 from specpilot.models import fused_decode, random_model
 
 
@@ -54,7 +56,7 @@ _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv":
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
                "fused_pdl": "_fuseddecode_pdl", "fused_verify": "_fusedverify", "fused_normepi": "_fusednormepi",
                "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_ropeqkv": "_fusedropeqkv",
-               "fused_l2load": "_fusedl2load",
+               "fused_prefetch": "_fusedprefetch", "fused_l2load": "_fusedl2load",
                "fused_l2pf": "_fusedl2pf", "fused_l2bulk": "_fusedl2bulk"}
 _L2_MODE = {"fused_l2load": "load", "fused_l2pf": "prefetch", "fused_l2bulk": "bulk"}  # kernels/l2_prefetch.py
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
@@ -82,8 +84,8 @@ def main(shapes, flags=()) -> int:
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_verify"),
                     (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
-                    (False, "fused_ropeqkv"), (False, "fused_l2load"), (False, "fused_l2pf"), (False, "fused_l2bulk"), (True, False),
-                    (True, True)]
+                    (False, "fused_ropeqkv"), (False, "fused_prefetch"), (False, "fused_l2load"), (False, "fused_l2pf"),
+                    (False, "fused_l2bulk"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
         if "--compiled-kernel-only" in flags:  # of the compiled ones, only what the engine would run (4 compiles)
@@ -93,7 +95,8 @@ def main(shapes, flags=()) -> int:
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
             fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_verify", "fused_normepi",
-                               "fused12_normepi", "fused_ropeattn", "fused_ropeqkv") or kernel in _L2_MODE
+                               "fused12_normepi", "fused_ropeattn", "fused_ropeqkv", "fused_prefetch",
+                               *_L2_MODE)
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
             every = kernel in ("all", "all_gemv") or fused
             model.use_attention_kernel(bool(kernel))
@@ -114,6 +117,7 @@ def main(shapes, flags=()) -> int:
                 model.use_fused_verify(True)
             model.use_l2_prefetch(l2_fraction if kernel in _L2_MODE else 0.0)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
+            gemv_fused.ONE_ROW_PREFETCH = kernel == "fused_prefetch"  # first weight tile ahead of the norm prologue
             pdl_on = pdl.set_enabled(kernel == "fused_pdl")  # before the runner captures its graphs
             if kernel == "fused_pdl":
                 res["graphed_fuseddecode_pdl_on"] = pdl_on

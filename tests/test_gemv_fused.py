@@ -387,3 +387,28 @@ def test_prefetched_first_weight_tile_gives_the_same_bits(monkeypatch, combo, pa
     pre = gemv_fused(x, w, **kw)
     assert torch.equal(pre, plain)
     assert (pre.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
+
+
+def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_bits(monkeypatch):
+    """ONE_ROW_PREFETCH (the first weight tile ahead of the norm prologue without PDL, timed on the H200 as
+    gpu_step_timing.py fusedprefetch): the one-row launch gets PREFETCH=True and gives the bits of the plain one;
+    off, it launches without (the M-row kernel never takes the flag)."""
+    import specpilot.kernels.gemv_fused as gf
+
+    seen = []
+    real = gf._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["PREFETCH"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(gf, "_kernel", Spy())
+    x, w, kw = _inputs("norm+silu_mul", 100, 2 * 19, torch.bfloat16, seed=5)
+    plain = gemv_fused(x, w, **kw)
+    monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", True)
+    pre = gemv_fused(x, w, **kw)
+    assert seen == [False, True]
+    assert torch.equal(pre, plain)

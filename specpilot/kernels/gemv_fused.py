@@ -86,6 +86,12 @@ INTERPRET_PREFETCH = False  # the interpreter's one-row kernel prefetches its fi
 # GPU it does with PDL, where the prefetch can overlap the previous kernel)
 INTERPRET_SPLIT_K = 1  # the interpreter's fixed M-row configuration splits K this many ways (tests set it; on a GPU
 # the autotuner chooses, where `_split_k_applies`)
+# The one-row kernel loads its first weight tile before anything else (PREFETCH) without PDL too: that first DRAM
+# round trip then overlaps the norm prologue's row load and reduction (the qkv and gate/up GEMVs) instead of
+# following it, in every program. The same bits (the loop adds the same sums in the same order). Under PDL it is
+# always on. Off until the H200 times it (scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch); the
+# autotuner keys on it, so the tiles are chosen for each way.
+ONE_ROW_PREFETCH = False
 
 
 def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
@@ -216,7 +222,8 @@ if triton is not None:
         before anything else. Nothing but weights may be read, and nothing written, before the wait: the
         predecessor may still be running and may still read the buffer the allocator gave us as y.
 
-        PREFETCH (with PDL on a GPU; the tests set it under the interpreter): the first K block's weight tile(s) are
+        PREFETCH (with PDL or ONE_ROW_PREFETCH on a GPU; the tests set it under the interpreter): the first K
+        block's weight tile(s) are
         loaded before the wait, so a program that became resident while the previous kernel drains has its first
         weights in registers when the wait returns (the DRAM latency of the first load overlaps the predecessor's
         tail instead of following it). The K loop then starts at the second block; the sums are added in the same
@@ -449,7 +456,7 @@ if triton is not None:
         _gemm_kernel = _gemm_fused_kernel
     else:
         _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
-                                                         "NORM_OUT"],
+                                                         "NORM_OUT", "PREFETCH"],
                                   prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
         _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
                                                                    "SILU_MUL", "M_BUCKET", "NORM_OUT"],
@@ -497,9 +504,10 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args)
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
-                                               PREFETCH=INTERPRET_PREFETCH)
+                                               PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
         else:
-            _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl.use_pdl)
+            _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
+                                                                         PREFETCH=pdl.use_pdl or ONE_ROW_PREFETCH)
     return y if normed is None else (y, normed)
 
 
