@@ -99,6 +99,10 @@ class EngineConfig:
     # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl). Session 13: ~1%. Since
     # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH):
     # SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.562 ms, Qwen3-8B 4.647 -> 4.748)
+    gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
+    # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
+    # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off until the H200 times it
+    # (scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch)
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -182,6 +186,8 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
         if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
             raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
+        if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not self.adaptive_min_gain > 0:

@@ -412,3 +412,42 @@ def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_b
     pre = gemv_fused(x, w, **kw)
     assert seen == [False, True]
     assert torch.equal(pre, plain)
+
+
+def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
+    """EngineConfig.gemv_prefetch sets ONE_ROW_PREFETCH when a model is laid out for a CUDA config with the fused
+    one-token path (the newest config decides; quietly ignored on CPU, a warning without fused_decode); a file's
+    "false" is refused; the CLI flag and the loop's mechanism exist, the mechanism only over fused decode."""
+    import argparse
+    import warnings
+
+    import specpilot.kernels.gemv_fused as gf
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_gemv_prefetch
+    from specpilot.errors import ConfigError
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment, applicable
+
+    monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", False)
+    assert EngineConfig().gemv_prefetch is False  # off until measured on the H200
+    with pytest.raises(ConfigError, match="gemv_prefetch must be true or false"):
+        EngineConfig(gemv_prefetch="false")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _apply_gemv_prefetch(EngineConfig(gemv_prefetch=True))  # CPU: nothing to switch
+    assert gf.ONE_ROW_PREFETCH is False
+    _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_prefetch=True))
+    assert gf.ONE_ROW_PREFETCH is True
+    _apply_gemv_prefetch(EngineConfig(device="cuda"))
+    assert gf.ONE_ROW_PREFETCH is False
+    with pytest.warns(RuntimeWarning, match="gemv_prefetch needs fused_decode"):
+        _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_prefetch=True, fused_decode=False))
+    assert gf.ONE_ROW_PREFETCH is False
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--gemv-prefetch"])).gemv_prefetch
+    assert "gemv_prefetch" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert REGISTRY["gemv_prefetch"].candidates(gpu.config, gpu) == [{"gemv_prefetch": True}]
+    assert "gemv_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]

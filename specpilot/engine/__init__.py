@@ -133,6 +133,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
             warnings.warn(f"lossless12 needs bf16 weights (dtype {config.dtype}): the 16-bit weights stay",
                           RuntimeWarning, stacklevel=2)
     _apply_pdl(config)
+    _apply_gemv_prefetch(config)
 
 
 def _apply_pdl(config: EngineConfig) -> None:
@@ -148,6 +149,21 @@ def _apply_pdl(config: EngineConfig) -> None:
                       "launches with PDL, so pdl stays off", RuntimeWarning, stacklevel=3)
         want = False
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None)
+
+
+def _apply_gemv_prefetch(config: EngineConfig) -> None:
+    """EngineConfig.gemv_prefetch -> the one-row GEMV's process-wide switch (kernels/gemv_fused.py
+    ONE_ROW_PREFETCH), set whenever a model is laid out, as _apply_pdl: the fused one-token path is what launches
+    those GEMVs, so without fused_decode it has nothing to act on; ignored off CUDA."""
+    from specpilot.kernels import gemv_fused
+
+    want = config.gemv_prefetch and str(config.device).startswith("cuda")
+    if want and not (config.fused_projections and config.fused_decode):
+        warnings.warn("gemv_prefetch needs fused_decode (and the fused_projections it reads): the one-row GEMVs it "
+                      "changes are the fused one-token path's, so it stays off", RuntimeWarning, stacklevel=3)
+        want = False
+    if gemv_fused.triton is not None:
+        gemv_fused.ONE_ROW_PREFETCH = bool(want and _kernel_on(config, "gemv_prefetch"))
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

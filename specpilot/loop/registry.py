@@ -221,6 +221,11 @@ register(Mechanism(
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
 register(Mechanism(
+    "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
+    "input row, so the first DRAM round trip of every program overlaps it instead of following it"))
+register(Mechanism(
     "norm_epilogue", ("draft", "verify"), {"norm_epilogue": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused layer's residual GEMVs (o_proj, down_proj) also write the RMSNorm the next GEMV reads (the last "
