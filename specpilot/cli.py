@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stock", choices=("transformers", "specpilot"), default="transformers",
                        help="implementation that scores token forcing")
     bench.add_argument("--systems", default="ar,specpilot",
-                       help="comma list from ar, hf-ar (transformers generate), stock (released spec system), specpilot")
+                       help="comma list from ar, hf-ar (transformers generate), stock (released spec system), specpilot "
+                            "(ar and specpilot always run: every speedup is taken against our AR)")
     bench.add_argument("--baseline-prompts", type=int, default=0,
                        help="run hf-ar/stock on only the first N prompts of each benchmark (0 = all)")
     bench.add_argument("--time-budget", type=float, default=None, metavar="S",
