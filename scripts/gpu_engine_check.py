@@ -7,7 +7,8 @@ batched regeneration (eager and graphed) equals batch-1 AR; then one section per
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
-its qkv GEMV's epilogue, l2_prefetch: gate/up's weight
+its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue,
+l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
 graph, prefill_graphs: a prompt's prefill from its padded length's graph, megakernel: every one-token step as one
 persistent launch, dflash, early_draft: the next
@@ -32,9 +33,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash",
-            "early_draft",
-            "adaptive", "batch", "lossless12")
+            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "l2_prefetch", "draft_chain_graph", "prefill_graphs",
+            "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -438,10 +438,29 @@ def main(only: tuple[str, ...] = ()) -> int:
             if outs != ref:
                 problems.append(name)
 
+    def gemv_prefetch():
+        # the one-row GEMVs' first weight tile loaded ahead of their norm prologue (EngineConfig.gemv_prefetch, the
+        # process-wide kernels/gemv_fused.py ONE_ROW_PREFETCH that load_target sets; autotuned per shape for each
+        # way): graphed AR and n-gram speculation against the same engine without it
+        from specpilot.kernels import gemv_fused
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        off_cfg = base.with_(fused_verify=True)
+        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
+        gemv_fused.ONE_ROW_PREFETCH = True
+        try:
+            on = [Engine(fast, off_cfg.with_(gemv_prefetch=True)).generate(p) for p in prompts]
+            ngram = off_cfg.with_(gemv_prefetch=True, drafter_kind="ngram")
+            same_tokens((("spec_ngram_gemv_prefetch", ngram, fast),))
+        finally:
+            gemv_fused.ONE_ROW_PREFETCH = False
+        record("ar_gemv_prefetch", on)
+        equals_off("ar_gemv_prefetch_equals_off", on, off)
+
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
-              "l2_prefetch": l2_prefetch,
+              "gemv_prefetch": gemv_prefetch, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

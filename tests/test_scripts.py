@@ -128,7 +128,7 @@ def test_regen_cache_script_round_trip(tmp_path):
                                                                    "--tokens")),
                                            ("gpu_engine_check.py", ("fused_decode", "fused_verify", "pdl",
                                                                     "norm_epilogue", "rope_in_attention", "rope_in_qkv",
-                                                                    "early_draft", "prefill_graphs",
+                                                                    "gemv_prefetch", "early_draft", "prefill_graphs",
                                                                     "lossless12"))])
 def test_gpu_scripts_import_and_parse_their_arguments_on_cpu(script, names):
     """`--help` imports the script and prints what it takes (the PDL variant / section among them); a misspelt
