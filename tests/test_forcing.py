@@ -180,8 +180,38 @@ def test_bench_rotates_which_system_meets_a_prompt_first():
 
     run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
                   {"ar": make("ar"), "stock": make("stock"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
-    # the warm-up prompt (x/3) went to ar; the other five lengths are met first in rotation
-    assert firsts == {"ar": 2, "stock": 2, "specpilot": 2}, firsts
+    # the warm-up prompt (the longest, x/8) went to ar; the other five lengths are met first in rotation (ar x/3,
+    # stock x/4, specpilot x/5, ar x/6, stock x/7)
+    assert firsts == {"ar": 3, "stock": 2, "specpilot": 1}, firsts
+
+
+def test_bench_warms_every_system_up_on_the_longest_prompt():
+    """transformers' static cache grows (and its compiled decode step recompiles, ~40 s on the H200) whenever a
+    prompt is longer than every earlier one: warmed up on the first prompt, its AR stalled at 5-7 tok/s on exactly
+    those prompts. Each system's first call is the benchmark's longest prompt, whatever the order."""
+    from specpilot.engine.result import GenerationResult
+    from specpilot.evaluator.bench import run_benchmark
+    from specpilot.evaluator.datasets import Prompt
+
+    prompts = [Prompt(f"x/{n}", "x", "x", ({"role": "user", "content": "a" * n},)) for n in (5, 3, 11, 7)]
+    calls = {}
+
+    def make(name):
+        def gen(ids):
+            calls.setdefault(name, []).append(len(ids))
+            return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
+        return gen
+
+    def scorer(ids):
+        logits = torch.zeros(len(ids), 4)
+        for i, t in enumerate(ids[1:] + [2]):
+            logits[i, t if t in (1, 2) else 1] = 5.0
+        return logits
+
+    run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
+                  {"ar": make("ar"), "hf-ar": make("hf-ar"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
+    assert {s: c[0] for s, c in calls.items()} == {"ar": 11, "hf-ar": 11, "specpilot": 11}
+    assert all(sorted(c[1:]) == [3, 5, 7, 11] for c in calls.values()), calls  # then every prompt once
 
 
 def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
@@ -216,4 +246,5 @@ def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
     rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,
                               deadline=time.monotonic() - 1)  # already past: the first prompt only
     assert rep["stopped_by_time_budget"] and rep["num_prompts"] == 1 and [r["id"] for r in recs] == ["x/3"]
-    assert rep["systems"]["ar"]["prompts"] == 1 and calls == [3] * 4  # warm-up + one prompt, two systems
+    # the warm-ups on the longest prompt (x/7), then the one prompt, two systems
+    assert rep["systems"]["ar"]["prompts"] == 1 and calls == [7, 7, 3, 3]

@@ -4,9 +4,10 @@ Systems: `ar` (our AR, the denominator of every speedup), `specpilot` (our specu
 `hf-ar` (transformers' generate) and `stock` (the released speculative system for the same drafter). Per benchmark
 it reports tau (tokens committed per target forward), per-position acceptance, tokens/s of each system, speedups
 over our AR and over stock (on the prompts both ran), and the token-forcing verdict over every output token.
-Timing: each system is warmed up once on the first prompt; then prompt by prompt every system generates once (interleaved, so drift
-hits all alike; the order rotates from prompt to prompt, so no system always meets a new prompt shape first); tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU. A system may be
-limited to the first N prompts (slow peers); its comparisons then use only those prompts.
+Timing: each system is warmed up once on the benchmark's longest prompt; then prompt by prompt every system
+generates once (interleaved, so drift hits all alike; the order rotates from prompt to prompt, so no system always
+meets a new prompt shape first); tokens/s = output tokens / (prefill + decode wall time), synchronized on GPU. A
+system may be limited to the first N prompts (slow peers); its comparisons then use only those prompts.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def run_benchmark(
     for s, gen in systems.items():
         # warm-up on a real prompt at full length: first-call allocations, graph capture and the peers' own
         # compilation (transformers compiles static-cache decoding on first use) stay out of the numbers; its
-        # seconds are reported (a run's fixed cost: what a --time-budget must leave room for)
+        # seconds are reported (a run's fixed cost: what a --time-budget must leave room for). The longest prompt:
+        # transformers sizes its static cache by prompt + new tokens and grows it (recompiling the decode step,
+        # ~40 s on the H200) whenever a longer prompt comes; warmed on the first prompt, its AR stalled at 5-7
+        # tok/s on exactly the prompts longer than every earlier one (BENCHMARKS.md, session 25)
         t0 = time.monotonic()
-        gen(encoded[0])
+        gen(max(encoded, key=len))
         warmup_s[s] = round(time.monotonic() - t0, 2)
     results = {s: [] for s in systems}
     verdicts = {s: [] for s in systems}
