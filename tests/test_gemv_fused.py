@@ -451,3 +451,29 @@ def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
     assert REGISTRY["gemv_prefetch"].candidates(gpu.config, gpu) == [{"gemv_prefetch": True}]
     assert "gemv_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
+
+
+@pytest.mark.parametrize("pdl_on, pdl_prefetch, one_row, expected", [
+    (False, True, False, False), (True, True, False, True), (True, False, False, False), (False, True, True, True),
+    (True, False, True, True)])
+def test_gpu_launch_prefetches_by_the_pdl_and_one_row_switches(monkeypatch, pdl_on, pdl_prefetch, one_row, expected):
+    """The GPU launch (which the interpreter never takes: faked here, no kernel runs) passes PREFETCH when PDL is on
+    and PDL_PREFETCH allows it (gpu_step_timing.py times PDL without it: fuseddecode_pdlnopf), or when
+    ONE_ROW_PREFETCH (EngineConfig.gemv_prefetch) asks for it."""
+    import specpilot.kernels.gemv_fused as gf
+    from specpilot.kernels.pdl import LaunchOptions
+
+    seen = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["PREFETCH"], kw["USE_PDL"]))
+
+    monkeypatch.setattr(gf, "_INTERPRET", False)
+    monkeypatch.setattr(gf, "_kernel", Launcher())
+    monkeypatch.setattr(gf, "launch_options", lambda: LaunchOptions({"launch_pdl": True} if pdl_on else {}, pdl_on))
+    monkeypatch.setattr(gf, "PDL_PREFETCH", pdl_prefetch)
+    monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", one_row)
+    x, w, kw = _inputs("norm", 64, 24, torch.float32, seed=3)
+    gemv_fused(x, w, **kw)
+    assert seen == [(expected, pdl_on)]

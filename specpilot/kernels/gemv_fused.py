@@ -92,6 +92,11 @@ INTERPRET_SPLIT_K = 1  # the interpreter's fixed M-row configuration splits K th
 # always on. Off until the H200 times it (scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch); the
 # autotuner keys on it, so the tiles are chosen for each way.
 ONE_ROW_PREFETCH = False
+# Under PDL the one-row kernel prefetches its first weight tile before its wait (session 18). Session 19 measured the
+# PDL path SLOWER with it (1.5B step 1.442 -> 1.562 ms) where session 13's PDL without it had been ~1% faster: the
+# early-resident programs holding a tile each are the suspect. False: PDL launches without the prefetch, to time
+# the two apart (scripts/gpu_step_timing.py fuseddecode_pdl vs fuseddecode_pdlnopf). Same bits either way.
+PDL_PREFETCH = True
 
 
 def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
@@ -507,7 +512,8 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
         else:
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
-                                                                         PREFETCH=pdl.use_pdl or ONE_ROW_PREFETCH)
+                                                                         PREFETCH=pdl.use_pdl and PDL_PREFETCH
+                                                                         or ONE_ROW_PREFETCH)
     return y if normed is None else (y, normed)
 
 
