@@ -124,8 +124,8 @@ def test_regen_cache_script_round_trip(tmp_path):
 
 @pytest.mark.parametrize("script, names", [("gpu_step_timing.py", ("fuseddecode", "fuseddecode_pdl", "fuseddecode12pre",
                                                                    "fusedverify", "fusednormepi", "fused12normepi",
-                                                                   "fusedropeattn", "fusedropeqkv", "fusedprefetch", "fuseddecode_pdlnopf",
-                                                                   "--tokens")),
+                                                                   "fusedropeattn", "fusedropeqkv", "fusedprefetch",
+                                                                   "fuseddecode_pdlnopf", "--tokens")),
                                            ("gpu_engine_check.py", ("fused_decode", "fused_verify", "pdl",
                                                                     "norm_epilogue", "rope_in_attention", "rope_in_qkv",
                                                                     "gemv_prefetch", "early_draft", "prefill_graphs",
