@@ -33,6 +33,6 @@ case ${1:-} in
     fi
     ;;
   *)
-    sed -n '2,10p' "$0" >&2; exit 2
+    sed -n '2,11p' "$0" >&2; exit 2
     ;;
 esac
