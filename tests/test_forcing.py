@@ -118,6 +118,14 @@ def test_calibrated_tolerance_only_for_low_precision(tiny_model_dir):
     assert built and noise > 0 and tol == 2 * noise
 
 
+def _echo_scorer(ids):
+    """A stock scorer for the bench tests: its argmax is always token 1 or 2 as the candidate wrote them."""
+    logits = torch.zeros(len(ids), 4)
+    for i, t in enumerate(ids[1:] + [2]):
+        logits[i, t if t in (1, 2) else 1] = 5.0
+    return logits
+
+
 def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
     from specpilot.engine.result import GenerationResult
     from specpilot.errors import DatasetError
@@ -132,12 +140,7 @@ def test_bench_leaves_out_prompts_longer_than_the_pool_and_counts_them():
         return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01, prefill_s=0.004,
                                 accepted_lengths=[0, 0], stage_s={"draft": 0.002, "verify": 0.006})
 
-    def scorer(ids):  # stock argmax is always token 1 or 2 as the candidate wrote them
-        logits = torch.zeros(len(ids), 4)
-        for i, t in enumerate(ids[1:] + [2]):
-            logits[i, t if t in (1, 2) else 1] = 5.0
-        return logits
-
+    scorer = _echo_scorer
     rep, recs = run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
                               {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1, max_prompt_tokens=10)
     assert rep["skipped_long_prompts"] == 1 and rep["num_prompts"] == 2 and [r["id"] for r in recs] == ["x/3", "x/5"]
@@ -172,12 +175,7 @@ def test_bench_rotates_which_system_meets_a_prompt_first():
             return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
         return gen
 
-    def scorer(ids):
-        logits = torch.zeros(len(ids), 4)
-        for i, t in enumerate(ids[1:] + [2]):
-            logits[i, t if t in (1, 2) else 1] = 5.0
-        return logits
-
+    scorer = _echo_scorer
     run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
                   {"ar": make("ar"), "stock": make("stock"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
     # the warm-up prompt (the longest, x/8) went to ar; the other five lengths are met first in rotation (ar x/3,
@@ -202,12 +200,7 @@ def test_bench_warms_every_system_up_on_the_longest_prompt():
             return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
         return gen
 
-    def scorer(ids):
-        logits = torch.zeros(len(ids), 4)
-        for i, t in enumerate(ids[1:] + [2]):
-            logits[i, t if t in (1, 2) else 1] = 5.0
-        return logits
-
+    scorer = _echo_scorer
     run_benchmark("x", prompts, lambda p: [7] * len(p.messages[0]["content"]),
                   {"ar": make("ar"), "hf-ar": make("hf-ar"), "specpilot": make("specpilot")}, scorer, tolerance=0.1)
     assert {s: c[0] for s, c in calls.items()} == {"ar": 11, "hf-ar": 11, "specpilot": 11}
@@ -230,12 +223,7 @@ def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
         calls.append(len(ids))
         return GenerationResult(list(ids), [1, 2], "length", num_target_forwards=2, decode_s=0.01)
 
-    def scorer(ids):
-        logits = torch.zeros(len(ids), 4)
-        for i, t in enumerate(ids[1:] + [2]):
-            logits[i, t if t in (1, 2) else 1] = 5.0
-        return logits
-
+    scorer = _echo_scorer
     encode = lambda p: [7] * len(p.messages[0]["content"])  # noqa: E731
     seen = []
     rep, recs = run_benchmark("x", prompts, encode, {"ar": gen, "specpilot": gen}, scorer, tolerance=0.1,

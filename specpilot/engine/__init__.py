@@ -136,6 +136,17 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     _apply_gemv_prefetch(config)
 
 
+def _fused_switch_wanted(config: EngineConfig, field: str, what: str) -> bool:
+    """Whether a process-wide switch of the fused one-token path (pdl, gemv_prefetch) is asked for on CUDA with
+    that path laid out; without fused_decode it has nothing to act on (`what`: why, for the warning)."""
+    want = getattr(config, field) and str(config.device).startswith("cuda")
+    if want and not (config.fused_projections and config.fused_decode):
+        warnings.warn(f"{field} needs fused_decode (and the fused_projections it reads): {what}, so {field} stays "
+                      "off", RuntimeWarning, stacklevel=4)
+        return False
+    return bool(want)
+
+
 def _apply_pdl(config: EngineConfig) -> None:
     """EngineConfig.pdl -> the process-wide PDL switch (kernels/pdl.py), set whenever a model is laid out for a
     config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture). PDL
@@ -143,27 +154,18 @@ def _apply_pdl(config: EngineConfig) -> None:
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper it warns and stays off."""
     from specpilot.kernels import pdl
 
-    want = config.pdl and str(config.device).startswith("cuda")
-    if want and not (config.fused_projections and config.fused_decode):
-        warnings.warn("pdl needs fused_decode (and the fused_projections it reads): only the fused one-token path "
-                      "launches with PDL, so pdl stays off", RuntimeWarning, stacklevel=3)
-        want = False
+    want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL")
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None)
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
     """EngineConfig.gemv_prefetch -> the one-row GEMV's process-wide switch (kernels/gemv_fused.py
-    ONE_ROW_PREFETCH), set whenever a model is laid out, as _apply_pdl: the fused one-token path is what launches
-    those GEMVs, so without fused_decode it has nothing to act on; ignored off CUDA."""
+    ONE_ROW_PREFETCH), set whenever a model is laid out, as _apply_pdl."""
     from specpilot.kernels import gemv_fused
 
-    want = config.gemv_prefetch and str(config.device).startswith("cuda")
-    if want and not (config.fused_projections and config.fused_decode):
-        warnings.warn("gemv_prefetch needs fused_decode (and the fused_projections it reads): the one-row GEMVs it "
-                      "changes are the fused one-token path's, so it stays off", RuntimeWarning, stacklevel=3)
-        want = False
+    want = _fused_switch_wanted(config, "gemv_prefetch", "the one-row GEMVs it changes are the fused one-token path's")
     if gemv_fused.triton is not None:
-        gemv_fused.ONE_ROW_PREFETCH = bool(want and _kernel_on(config, "gemv_prefetch"))
+        gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
