@@ -207,6 +207,13 @@ def main(only: tuple[str, ...] = ()) -> int:
                          ("spec_ngram_fused_decode_pdl", ngram.with_(pdl=True), fast)))
             record("spec_other_fused_decode_pdl",
                    [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p) for p in prompts])
+            # the GEMVs' trigger after their K loop (EngineConfig.pdl_trigger "late")
+            late_cfg = on_cfg.with_(pdl_trigger="late")
+            pdl.set_enabled(True, trigger="late")
+            late = [Engine(fast, late_cfg).generate(p) for p in prompts]
+            record("ar_fused_decode_pdl_late", late)
+            equals_off("ar_fused_decode_pdl_late_equals_off", late, off)
+            same_tokens((("spec_ngram_fused_decode_pdl_late", ngram.with_(pdl=True, pdl_trigger="late"), fast),))
         finally:
             pdl.set_enabled(False)
 

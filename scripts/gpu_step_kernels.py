@@ -12,7 +12,10 @@ rate; the same for what precedes and follows the layers (embedding, LM head). Wh
 gaps = the step; a kernel far over its floor is where the bar is lost.
 
 Run: python3 scripts/gpu_step_kernels.py [qwen2.5-1.5b qwen3-8b ...] [--replays=20] [--rope-in-qkv]
-(--rope-in-qkv: the step with EngineConfig.rope_in_qkv, five launches a layer; shapes with a q/k norm say so)
+[--pdl=start|late]
+(--rope-in-qkv: the step with EngineConfig.rope_in_qkv, five launches a layer; shapes with a q/k norm say so;
+--pdl: its launches with programmatic dependent launch, the GEMVs' trigger first thing or after their K loop
+(EngineConfig.pdl_trigger): a kernel that starts before the one ahead of it ends shows a negative gap)
 Last stdout line: one JSON object.
 """
 
@@ -96,7 +99,7 @@ def _layer_bytes(cfg, elt: int = 2) -> dict:
             "attention": 2 * nkv * CONTEXT * elt}
 
 
-def measure(name: str, replays: int, rope_in_qkv: bool = False) -> dict:
+def measure(name: str, replays: int, rope_in_qkv: bool = False, pdl_trigger: str | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -104,6 +107,7 @@ def measure(name: str, replays: int, rope_in_qkv: bool = False) -> dict:
     from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
     from specpilot.costmodel.hardware import time_median_s
     from specpilot.engine.graphs import capture
+    from specpilot.kernels import pdl
     from specpilot.models import random_model
 
     dev = "cuda"
@@ -114,6 +118,8 @@ def measure(name: str, replays: int, rope_in_qkv: bool = False) -> dict:
         if cfg.qk_norm:  # Qwen3's q/k norm needs the whole head before the rotation: the switch cannot apply
             return {"error": "rope_in_qkv: this shape has a q/k norm"}
         model.use_rope_in_qkv()
+    if pdl_trigger and not pdl.set_enabled(True, trigger=pdl_trigger):  # before the capture: graphs keep it
+        return {"error": f"pdl could not be switched on: {pdl.unsupported_reason()}"}
     with torch.no_grad():
         cache = prefilled(model, _prompt(cfg))
         tok = torch.randint(0, cfg.vocab_size, (1, 1), device=dev)
@@ -125,6 +131,7 @@ def measure(name: str, replays: int, rope_in_qkv: bool = False) -> dict:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
+    pdl.set_enabled(False)
     kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
                       and "memset" not in e.name.lower()), key=lambda k: k[1])
@@ -147,10 +154,15 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return 0
-    shapes, replays, rope_in_qkv = [], 20, False
+    shapes, replays, rope_in_qkv, pdl_trigger = [], 20, False, None
     for a in argv:
         if a.startswith("--replays="):
             replays = int(a.split("=", 1)[1])
+        elif a.startswith("--pdl="):
+            pdl_trigger = a.split("=", 1)[1]
+            if pdl_trigger not in ("start", "late"):
+                print(f"gpu_step_kernels.py: --pdl takes start or late, got {pdl_trigger!r}", file=sys.stderr)
+                return 2
         elif a == "--rope-in-qkv":
             rope_in_qkv = True
         elif a.startswith("--"):
@@ -165,7 +177,7 @@ def main(argv: list[str]) -> int:
         return 2
     res = {}
     for name in shapes or ["qwen2.5-1.5b", "qwen3-8b"]:
-        res[name] = measure(name, replays, rope_in_qkv)
+        res[name] = measure(name, replays, rope_in_qkv, pdl_trigger)
         r = res[name]
         print(name, {k: r.get(k) for k in ("step_ms", "over_floor", "kernel_us", "gaps_us", "error")}, flush=True)
         for label, row in r.get("per_layer", {}).items():

@@ -13,7 +13,8 @@ T > 1 rows run the "all kernels" path); "fuseddecode12" the same over lossless 1
 gives the floor of the bytes it reads), "fuseddecode12pre" with the norms in a launch of their own before the 12-bit
 GEMVs instead of in their prologues (models/fused_decode.py PRENORM_12BIT); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
 dependent launch (kernels/pdl.py, EngineConfig.pdl; "fuseddecode_pdlnopf" the same without the one-row GEMVs' first-tile
-prefetch before their wait, kernels/gemv_fused.py PDL_PREFETCH; its `_pdl_on` entry says whether the GPU took it, and with
+prefetch before their wait, kernels/gemv_fused.py PDL_PREFETCH; "fuseddecode_pdllate" / "_pdllatenopf" those two with
+the GEMVs' trigger after their K loop, EngineConfig.pdl_trigger "late"; its `_pdl_on` entry says whether the GPU took it, and with
 "fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
 model's estimate costmodel/gaps.py PDL_GAP_FACTOR); "fusedverify" is "fuseddecode" with its 2-16-token steps through the
 same fused layer at T rows too (EngineConfig.fused_verify: M-row GEMVs, split-KV attention; `--variants=fuseddecode,
@@ -55,7 +56,9 @@ def median_ms(fn, repeats=100) -> float:
 
 _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv": "_allkernels_gemv",
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
-               "fused_pdl": "_fuseddecode_pdl", "fused_pdlnopf": "_fuseddecode_pdlnopf", "fused_verify": "_fusedverify",
+               "fused_pdl": "_fuseddecode_pdl", "fused_pdlnopf": "_fuseddecode_pdlnopf",
+               "fused_pdllate": "_fuseddecode_pdllate", "fused_pdllatenopf": "_fuseddecode_pdllatenopf",
+               "fused_verify": "_fusedverify",
                "fused_normepi": "_fusednormepi",
                "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_ropeqkv": "_fusedropeqkv",
                "fused_prefetch": "_fusedprefetch", "fused_l2load": "_fusedl2load",
@@ -85,7 +88,7 @@ def main(shapes, flags=()) -> int:
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_pdlnopf"),
-                    (False, "fused_verify"),
+                    (False, "fused_pdllate"), (False, "fused_pdllatenopf"), (False, "fused_verify"),
                     (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
                     (False, "fused_ropeqkv"), (False, "fused_prefetch"), (False, "fused_l2load"), (False, "fused_l2pf"),
                     (False, "fused_l2bulk"), (True, False), (True, True)]
@@ -97,7 +100,8 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            fused = kernel in ("fused", "fused12", "fused12pre", "fused_pdl", "fused_pdlnopf", "fused_verify",
+            pdl_kinds = ("fused_pdl", "fused_pdlnopf", "fused_pdllate", "fused_pdllatenopf")
+            fused = kernel in ("fused", "fused12", "fused12pre", *pdl_kinds, "fused_verify",
                                "fused_normepi", "fused12_normepi", "fused_ropeattn", "fused_ropeqkv", "fused_prefetch",
                                *_L2_MODE)
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
@@ -121,8 +125,9 @@ def main(shapes, flags=()) -> int:
             model.use_l2_prefetch(l2_fraction if kernel in _L2_MODE else 0.0)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             gemv_fused.ONE_ROW_PREFETCH = kernel == "fused_prefetch"  # first weight tile ahead of the norm prologue
-            pdl_on = pdl.set_enabled(kernel in ("fused_pdl", "fused_pdlnopf"))  # before the runner captures its graphs
-            gemv_fused.PDL_PREFETCH = kernel != "fused_pdlnopf"  # PDL without the first-tile prefetch
+            pdl_on = pdl.set_enabled(kernel in pdl_kinds,  # before the runner captures its graphs
+                                     trigger="late" if kernel.startswith("fused_pdllate") else "start")
+            gemv_fused.PDL_PREFETCH = not kernel.endswith("nopf")  # PDL without the first-tile prefetch
             if kernel == "fused_pdl":
                 res["graphed_fuseddecode_pdl_on"] = pdl_on
             t0 = time.time()

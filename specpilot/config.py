@@ -99,6 +99,10 @@ class EngineConfig:
     # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl). Session 13: ~1%. Since
     # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH):
     # SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.562 ms, Qwen3-8B 4.647 -> 4.748)
+    pdl_trigger: str = "start"  # with pdl: where the fused path's GEMVs let the next kernel launch (kernels/pdl.py):
+    # "start" (first thing: the next grid's programs may sit in their wait holding slots the GEMV's later programs
+    # need, and the chain runs on behind them) or "late" (after the K loop: the next kernel launches during the
+    # GEMV's tail). Same numbers either way
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off until the H200 times it
@@ -186,6 +190,10 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
         if not isinstance(self.pdl, bool):  # a process-wide launch switch: "false" from a file must not turn it on
             raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
+        if self.pdl_trigger not in ("start", "late"):
+            raise ConfigError(f"pdl_trigger must be 'start' or 'late', got {self.pdl_trigger!r}")
+        if self.pdl_trigger != "start" and not self.pdl:
+            raise ConfigError(f"pdl_trigger {self.pdl_trigger!r} needs pdl (it says where PDL's trigger goes)")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

@@ -49,7 +49,7 @@ def _cases():
         return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
 
     gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
-                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False)
+                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=False)
     yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemv_types
     yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
@@ -70,6 +70,13 @@ def _cases():
     yield "gemv_norm_silu_mul_paired_prefetch", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
                                                                         "SILU_MUL": True, "PAIRED": True,
                                                                         "PREFETCH": True}, gemv_types
+    # PDL_LATE (EngineConfig.pdl_trigger "late"): launch_dependents after the K loop, before any store
+    yield "gemv_norm_bias_late", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048,
+                                                         "PDL_LATE": True}, gemv_types
+    yield "gemv_norm_silu_mul_paired_prefetch_late", gf._gemv_fused_kernel, {
+        **gemv, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True, "PAIRED": True, "PREFETCH": True, "PDL_LATE": True}, \
+        gemv_types
+    yield "gemv_residual_late", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True, "PDL_LATE": True}, gemv_types
     # the M-row (tl.dot) kernel of a multi-token verify step (models/fused_decode.py with fused_verify)
     def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
         return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
@@ -86,8 +93,11 @@ def _cases():
     yield "gemm_residual_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out}, gemm_types
     yield "gemm_residual_split_k_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out, "BLOCK_N": 16,
                                                                     "SPLIT_K": 4}, gemm_types
+    yield "gemm_residual_split_k_late", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
+                                                                "PDL_LATE": True}, gemm_types
     gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
+    yield "gemv12_residual_late", g12._gemv12_kernel, {**gemv12, "HAS_RES": True, "PDL_LATE": True}, gemv12_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
                                                                UPCAST=False, SPLITS_P2=32), attn_types

@@ -130,7 +130,11 @@ def test_registry_applies_and_filters(tmp_path):
     # pdl acts on the fused one-token path only: not offered without it
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_projections=False))]
-    assert REGISTRY["pdl"].candidates(gpu.config, gpu) == [{"pdl": True}]
+    assert REGISTRY["pdl"].candidates(gpu.config, gpu) == [{"pdl": True, "pdl_trigger": "start"},
+                                                           {"pdl": True, "pdl_trigger": "late"}]
+    late = gpu.config.with_(pdl=True, pdl_trigger="late")  # from PDL late: the other trigger, or PDL off
+    assert REGISTRY["pdl"].candidates(late, gpu) == [{"pdl": True, "pdl_trigger": "start"},
+                                                     {"pdl": False, "pdl_trigger": "start"}]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]
     flash = Deployment("t", "ckpt", EngineConfig(drafter_kind="dflash"), "cpu")
     assert REGISTRY["drafter_kind"].candidates(flash.config, flash) == [{"drafter_kind": "ngram"}]

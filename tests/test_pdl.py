@@ -40,7 +40,7 @@ def _force_on(monkeypatch):
 
 
 def test_switch_is_off_by_default_and_stays_off_where_pdl_cannot_run():
-    assert not pdl.enabled() and pdl.launch_options() == ({}, False)
+    assert not pdl.enabled() and pdl.launch_options() == ({}, False, False)
     assert "interpreter" in pdl.unsupported_reason()  # conftest runs the kernels interpreted on CPU
     with pytest.warns(RuntimeWarning, match="pdl.*stays off.*interpreter"):
         assert pdl.set_enabled(True) is False
@@ -55,7 +55,20 @@ def test_switch_on_gives_the_launch_kwarg_and_the_constexpr_together(monkeypatch
     assert opts.kwargs == {"launch_pdl": True} and opts.use_pdl is True
     opts.kwargs["launch_pdl"] = False  # a caller's copy: the switch is not changed through it
     assert pdl.launch_options().kwargs == {"launch_pdl": True}
-    assert pdl.set_enabled(False) is False and pdl.launch_options() == ({}, False)
+    assert pdl.set_enabled(False) is False and pdl.launch_options() == ({}, False, False)
+
+
+def test_trigger_late_reaches_the_launches_only_with_the_switch_on(monkeypatch):
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)
+    assert pdl.set_enabled(True, trigger="late") and pdl.launch_options() == ({"launch_pdl": True}, True, True)
+    assert pdl.set_enabled(True) and pdl.launch_options().late is False  # "start" unless asked
+    assert pdl.set_enabled(False, trigger="late") is False and pdl.launch_options() == ({}, False, False)
+    with pytest.raises(ValueError, match="trigger"):
+        pdl.set_enabled(True, trigger="end")
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: "no CUDA device")
+    with pytest.warns(RuntimeWarning, match="stays off"):  # where PDL cannot run, "late" cannot either
+        assert pdl.set_enabled(True, trigger="late") is False
+    assert pdl.launch_options().late is False
 
 
 # --- the config field and the engine ------------------------------------------------------------------------
@@ -68,6 +81,13 @@ def test_config_field_validates_and_round_trips():
     for bad in ("false", 1, None):
         with pytest.raises(ConfigError, match="pdl"):
             EngineConfig(pdl=bad)
+    assert EngineConfig().pdl_trigger == "start"
+    late = EngineConfig(pdl=True, pdl_trigger="late")
+    assert EngineConfig.from_dict(late.to_dict()) == late
+    with pytest.raises(ConfigError, match="pdl_trigger"):
+        EngineConfig(pdl=True, pdl_trigger="end")
+    with pytest.raises(ConfigError, match="needs pdl"):  # a trigger without PDL would say nothing
+        EngineConfig(pdl_trigger="late")
 
 
 def test_cli_derives_the_pdl_flag():
@@ -79,6 +99,7 @@ def test_cli_derives_the_pdl_flag():
     add_engine_flags(parser)
     assert engine_config(parser.parse_args(["--pdl"])).pdl
     assert not engine_config(parser.parse_args([])).pdl
+    assert engine_config(parser.parse_args(["--pdl", "--pdl-trigger", "late"])).pdl_trigger == "late"
 
 
 def test_engine_sets_the_switch_from_the_config(monkeypatch):
@@ -91,6 +112,9 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     assert not pdl.enabled()
     _apply_pdl(EngineConfig(device="cuda", pdl=True))
     assert pdl.enabled()
+    assert not pdl.launch_options().late
+    _apply_pdl(EngineConfig(device="cuda", pdl=True, pdl_trigger="late"))
+    assert pdl.enabled() and pdl.launch_options().late
     _apply_pdl(EngineConfig(device="cuda"))  # the newest config decides
     assert not pdl.enabled()
     for needs in (dict(fused_decode=False), dict(fused_projections=False)):
@@ -180,6 +204,37 @@ def test_each_fused_path_kernel_launches_with_pdl_exactly_when_switched_on(monke
         [("_split_kernel", (False, False)), ("_combine_kernel", (False, False))]
 
 
+@pytest.mark.parametrize("trigger", ["start", "late"])
+def test_the_gemvs_take_the_trigger_and_the_latency_bound_launches_keep_theirs(tiny_model_dir, monkeypatch, trigger):
+    """EngineConfig.pdl_trigger "late": every GEMV launch of a fused one-token step (one-row kernel) and of a fused
+    verify step (M-row kernel) carries PDL_LATE=True, "start" False; RoPE + K/V write and attention never take it
+    (a few programs each: they let the GEMV after them launch first thing); the logits stay the switch off's."""
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir("qwen3")).use_fused_decode().use_fused_verify()
+
+    def steps(m):
+        cache = m.new_cache(1, 32)
+        with torch.no_grad():
+            m(torch.arange(3, 23)[None], torch.arange(20)[None], cache, kv_len=20)
+            del log[:]
+            one = m.logits(m(torch.tensor([[8]]), torch.tensor([[20]]), cache, kv_len=None))
+            block = m.logits(m(torch.tensor([[8, 9, 10]]), torch.arange(21, 24)[None], cache, kv_len=None))
+        return one, block
+
+    log = []
+    _record(monkeypatch, log)
+    off = steps(copy.deepcopy(model))
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)
+    assert pdl.set_enabled(True, trigger=trigger)
+    on = steps(model)
+    gemvs = [kw.get("PDL_LATE") for name, kw in log if name in ("_kernel", "_gemm_kernel")]
+    assert {"_kernel", "_gemm_kernel"} <= {name for name, _ in log} and gemvs
+    assert gemvs == [trigger == "late"] * len(gemvs)
+    assert all("PDL_LATE" not in kw for name, kw in log if name not in ("_kernel", "_gemm_kernel"))
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
 @pytest.mark.parametrize("rope_in_attention", [False, True])
 def test_a_fused_decode_step_launches_every_kernel_with_pdl_and_keeps_its_numbers(tiny_model_dir, monkeypatch,
                                                                                    rope_in_attention):
@@ -251,19 +306,26 @@ def test_a_fused_verify_step_launches_its_gemvs_and_rope_write_with_pdl_and_keep
 def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
     """tests/pdl_ptx.py compiles each fused-path kernel for sm_90 (no GPU needed) in a process without the
     interpreter. With USE_PDL: launch_dependents, then wait, in the entry block, before any global load, store or
-    atomic (so before every one of them in execution order); without it: no griddepcontrol at all."""
+    atomic (so before every one of them in execution order); with PDL_LATE the wait so, and launch_dependents past
+    the K loop's branch and before any store; without USE_PDL: no griddepcontrol at all."""
     report = sm90_report("pdl_ptx.py")
     assert {"gemv_norm_bias", "gemv_residual", "gemv_norm_silu_mul", "gemv_norm_silu_mul_paired",
             "gemm_norm_bias", "gemm_residual", "gemm_norm_silu_mul", "gemm_residual_split_k", "rope_write_qk_norm",
             "attention_one_launch", "rope_attention_qk_norm", "gemv_residual_norm_out", "gemm_residual_norm_out",
             "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out", "gemv_norm_bias_prefetch",
-            "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch"} <= set(report)
+            "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch",
+            "gemv_norm_bias_late", "gemv_norm_silu_mul_paired_prefetch_late", "gemv_residual_late",
+            "gemm_residual_split_k_late", "gemv12_residual_late"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
         assert on["launch_pdl"], name
         assert on["launch_dependents"] is not None and on["wait"] is not None, name
-        if name.endswith("_prefetch"):  # weight loads may come first; no store or atomic does (kernels/pdl.py)
+        if name.endswith("_late"):  # the trigger after the K loop (past its branch), before any store or atomic
+            assert on["wait"] < on["first_global_write"] and on["first_branch"] is not None, (name, on)
+            assert on["first_branch"] < on["launch_dependents"] < on["first_global_write"], (name, on)
+            assert (on["loads_before_wait"] > 0) == ("_prefetch" in name), (name, on)
+        elif name.endswith("_prefetch"):  # weight loads may come first; no store or atomic does (kernels/pdl.py)
             assert on["launch_dependents"] < on["wait"] < on["first_global_write"], (name, on)
             assert on["loads_before_wait"] > 0, (name, on)
         else:

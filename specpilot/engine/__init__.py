@@ -155,7 +155,7 @@ def _apply_pdl(config: EngineConfig) -> None:
     from specpilot.kernels import pdl
 
     want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL")
-    pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None)
+    pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger)
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:

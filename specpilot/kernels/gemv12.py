@@ -173,14 +173,16 @@ if triton is not None:
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                        SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EXC_BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False, OUT_P2: tl.constexpr = 1):
+                       USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False, OUT_P2: tl.constexpr = 1,
+                       PDL_LATE: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
         lo_ptr / c_ptr: the planes as int32 words (K / 4 and CW = K / 8 a row); each K step takes BLOCK_G words
         of each half (4 BLOCK_G column pairs). USE_PDL: as gemv_fused's (kernels/pdl.py): nothing is read or
         written before the wait. NORM_OUT: as gemv_fused's (kernels/norm_epilogue.py): the last program to finish
-        also writes on = RMSNorm(y; onw, out_eps)."""
+        also writes on = RMSNorm(y; onw, out_eps). PDL_LATE: as gemv_fused's (the trigger after the K loop)."""
         if USE_PDL:
-            gdc_launch_dependents()
+            if not PDL_LATE:
+                gdc_launch_dependents()
             gdc_wait()
         dt = y_ptr.dtype.element_ty
         n0 = tl.program_id(0) * BLOCK_N
@@ -206,6 +208,8 @@ if triton is not None:
                 acc_up = _accumulate(acc_up, lo_ptr + lo_rows + N * 2 * CW, c_ptr + c_rows + N * CW, g, m, CW, xa4,
                                      xb4, tab_ptr, t0, t1, ON_GPU)
         n_rows = 2 * N if SILU_MUL else N
+        if USE_PDL and PDL_LATE:
+            gdc_launch_dependents()
         y = _exceptions(tl.sum(acc, axis=1), n0, n_rows, BLOCK_N, ep_ptr, ec_ptr, ev_ptr, x_ptr, nw_ptr, rstd, dt,
                         HAS_NORM, ON_GPU, EXC_BLOCK)
         u = y
@@ -260,7 +264,7 @@ def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, 
     else:
         pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on (kernels/pdl.py)
         _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags, USE_PDL=pdl.use_pdl,
-                                                                      **pdl.kwargs)
+                                                                      PDL_LATE=pdl.late, **pdl.kwargs)
     return y if normed is None else (y, normed)
 
 

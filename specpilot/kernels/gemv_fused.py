@@ -216,7 +216,8 @@ if triton is not None:
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
-                           OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                           OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+                           PDL_LATE: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -225,7 +226,8 @@ if triton is not None:
 
         USE_PDL (launched with PDL, kernels/pdl.py): let the next kernel launch now, then wait for the previous one
         before anything else. Nothing but weights may be read, and nothing written, before the wait: the
-        predecessor may still be running and may still read the buffer the allocator gave us as y.
+        predecessor may still be running and may still read the buffer the allocator gave us as y. PDL_LATE
+        (kernels/pdl.py trigger "late"): the next kernel may launch only once this program's K loop is done.
 
         PREFETCH (with PDL or ONE_ROW_PREFETCH on a GPU; the tests set it under the interpreter): the first K
         block's weight tile(s) are
@@ -237,7 +239,7 @@ if triton is not None:
         NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
         on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
         on / onw / ocnt pointers are never touched and no atomic is compiled."""
-        if USE_PDL:
+        if USE_PDL and not PDL_LATE:
             gdc_launch_dependents()
         dt = y_ptr.dtype.element_ty
         n_offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -281,6 +283,8 @@ if triton is not None:
             if SILU_MUL and not PAIRED:
                 wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * h[None, :]
+        if USE_PDL and PDL_LATE:  # every weight is in: the next kernel's programs may take the slots we free
+            gdc_launch_dependents()
         if PAIRED:  # [2 BN] -> the gate and up sums [BN] each
             y, u = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
         else:
@@ -343,7 +347,7 @@ if triton is not None:
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
-                           OUT_P2: tl.constexpr = 1):
+                           OUT_P2: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
         """y[m, n] for rows m < M (2 <= M <= BLOCK_M) and this program's BLOCK_N columns n < N (N = I with
         SILU_MUL: gate row n, up row N + n).
 
@@ -360,7 +364,8 @@ if triton is not None:
         output count in (all of them; with split-K each N tile's merging program, after its merge), so the last of
         the whole launch normalizes finished rows."""
         if USE_PDL:
-            gdc_launch_dependents()
+            if not PDL_LATE:
+                gdc_launch_dependents()
             gdc_wait()
         dt = y_ptr.dtype.element_ty
         m_offs = tl.arange(0, BLOCK_M)
@@ -392,6 +397,8 @@ if triton is not None:
             if SILU_MUL:
                 wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
                 acc_up = _dot_acc(h, wu, acc_up, ON_GPU)
+        if USE_PDL and PDL_LATE:  # this program's K loop is done (PDL_LATE: as the one-row kernel's)
+            gdc_launch_dependents()
         cols = n_offs[None, :]
         r_ptrs = r_ptr + m_offs[:, None] * stride_rm + cols
         y_ptrs = y_ptr + m_offs[:, None] * stride_ym + cols
@@ -500,8 +507,8 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
                  SILU_MUL=act == "silu_mul", ON_GPU=not _INTERPRET,
-                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl, **pdl.kwargs,
-                 **norm_flags)
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, USE_PDL=pdl.use_pdl,
+                 PDL_LATE=pdl.late, **pdl.kwargs, **norm_flags)
     if M > 1:
         _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps,
                      norm_args, flags)

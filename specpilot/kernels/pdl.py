@@ -15,6 +15,17 @@ graph's memory pool) may have handed this kernel an output buffer the predecesso
 no longer separates them. Every kernel of the chain waits unconditionally, so "N+1 waited for N" implies "N-1 had
 completed too": the ordering is transitive along the stream.
 
+Where a kernel lets its dependents launch (`trigger`, EngineConfig.pdl_trigger): "start" calls
+`gdc_launch_dependents()` first thing, so kernel N+1's programs may become resident while N still has programs to
+run and sit in their wait, holding registers and slots N's later programs need; and N+1, triggering at ITS start,
+lets N+2 launch behind it, and so on down the chain. "late": the GEMVs (the launches with programs enough to fill
+the machine) call it once a program's K loop is done, so the kernel after a GEMV launches during its tail, in the
+slots its finishing programs free, and its first weight loads (PREFETCH, kernels/gemv_fused.py) overlap that tail;
+the latency-bound launches (RoPE + K/V write, attention: a few programs) keep triggering first thing, so the GEMV
+after them is resident and loading its first weights while they run. Programs that exit early count as triggered
+(CUDA's rule), so the placement never changes what is computed, only when the next grid may start; the wait still
+orders every dependent access.
+
 The switch is process-wide (each kernel wrapper asks `launch_options()` at launch time; a CUDA graph keeps what was
 launched while it was captured). It is off by default and can only be on where it can work: CUDA sm_90+, a Triton
 that has the griddepcontrol intrinsics, and not under the Triton interpreter (TRITON_INTERPRET), which cannot run
@@ -35,6 +46,8 @@ except ImportError:
 MIN_CAPABILITY = (9, 0)  # Hopper: griddepcontrol and programmatic stream serialization
 
 _enabled = False  # the switch; only set_enabled changes it
+TRIGGERS = ("start", "late")  # where a kernel lets its dependents launch (see the module docstring)
+_late = False  # trigger == "late"; only set_enabled changes it
 
 
 class LaunchOptions(NamedTuple):
@@ -43,6 +56,7 @@ class LaunchOptions(NamedTuple):
 
     kwargs: dict
     use_pdl: bool
+    late: bool = False  # the kernel's PDL_LATE constexpr: trigger after its main loop instead of first thing
 
 
 def _interpreting() -> bool:
@@ -70,25 +84,29 @@ def enabled() -> bool:
     return _enabled
 
 
-def set_enabled(on: bool, device=None) -> bool:
-    """Switch PDL on or off for every later fused-path launch in this process -> whether it is on.
+def set_enabled(on: bool, device=None, trigger: str = "start") -> bool:
+    """Switch PDL on or off for every later fused-path launch in this process -> whether it is on. `trigger`: where
+    each kernel lets its dependents launch, "start" or "late" (module docstring).
 
     Asking for it where it cannot work (see `unsupported_reason`; `device`: the CUDA device it is for, None: the
     current one) warns and leaves it off rather than failing: the kernels are correct without it, only slower."""
-    global _enabled
+    global _enabled, _late
     if not isinstance(on, bool):
         raise TypeError(f"pdl.set_enabled takes a bool, got {type(on).__name__} {on!r}")
+    if trigger not in TRIGGERS:
+        raise ValueError(f"pdl.set_enabled: trigger must be one of {TRIGGERS}, got {trigger!r}")
     reason = unsupported_reason(device) if on else None
     if reason:
         warnings.warn(f"programmatic dependent launch (pdl) stays off: {reason}", RuntimeWarning, stacklevel=2)
     _enabled = on and reason is None
+    _late = _enabled and trigger == "late"
     return _enabled
 
 
 def launch_options() -> LaunchOptions:
     """The launch kwargs and USE_PDL value for a kernel of the fused one-token path, following the switch."""
-    return LaunchOptions({"launch_pdl": True}, True) if _enabled else LaunchOptions({}, False)
+    return LaunchOptions({"launch_pdl": True}, True, _late) if _enabled else LaunchOptions({}, False)
 
 
-__all__ = ["LaunchOptions", "enabled", "gdc_launch_dependents", "gdc_wait", "launch_options", "set_enabled",
+__all__ = ["TRIGGERS", "LaunchOptions", "enabled", "gdc_launch_dependents", "gdc_wait", "launch_options", "set_enabled",
            "unsupported_reason"]

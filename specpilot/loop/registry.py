@@ -216,10 +216,11 @@ register(Mechanism(
     "one-token steps' GEMVs (and the LM head's) read lossless 12-bit copies of the weights (an 8-entry magnitude "
     "table + the low byte, exact exceptions): the same weights in 3/4 of the bytes"))
 register(Mechanism(
-    "pdl", ("draft", "verify"), {"pdl": [True, False]},
+    "pdl", ("draft", "verify"), {"pdl": [True, False], "pdl_trigger": ["start", "late"]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
-    "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches"))
+    "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches; the GEMVs "
+    "let the next kernel launch first thing or after their K loop (pdl_trigger)"))
 register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
