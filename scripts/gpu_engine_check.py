@@ -207,15 +207,23 @@ def main(only: tuple[str, ...] = ()) -> int:
                          ("spec_ngram_fused_decode_pdl", ngram.with_(pdl=True), fast)))
             record("spec_other_fused_decode_pdl",
                    [Engine(fast, model, build_drafter(model, drafter, fast)).generate(p) for p in prompts])
-            # the GEMVs' trigger after their K loop (EngineConfig.pdl_trigger "late")
+            # the GEMVs' trigger after their K loop (EngineConfig.pdl_trigger "late"), and with every GEMV's weight
+            # warmed in L2 before its wait (pdl_l2_mb: this model's are all small)
+            from specpilot.kernels import gemv_fused
+
             late_cfg = on_cfg.with_(pdl_trigger="late")
             pdl.set_enabled(True, trigger="late")
             late = [Engine(fast, late_cfg).generate(p) for p in prompts]
             record("ar_fused_decode_pdl_late", late)
             equals_off("ar_fused_decode_pdl_late_equals_off", late, off)
             same_tokens((("spec_ngram_fused_decode_pdl_late", ngram.with_(pdl=True, pdl_trigger="late"), fast),))
+            gemv_fused.PDL_L2_MAX_BYTES = 1 << 30
+            l2 = [Engine(fast, late_cfg.with_(pdl_l2_mb=1024)).generate(p) for p in prompts]
+            record("ar_fused_decode_pdl_late_l2", l2)
+            equals_off("ar_fused_decode_pdl_late_l2_equals_off", l2, off)
         finally:
             pdl.set_enabled(False)
+            gemv_fused.PDL_L2_MAX_BYTES = 0
 
     def norm_epilogue():
         # the fused layer's residual GEMVs also write the norm the next GEMV reads (EngineConfig.norm_epilogue,

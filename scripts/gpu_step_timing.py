@@ -14,7 +14,8 @@ gives the floor of the bytes it reads), "fuseddecode12pre" with the norms in a l
 GEMVs instead of in their prologues (models/fused_decode.py PRENORM_12BIT); "fuseddecode_pdl" is "fuseddecode" with those launches made with programmatic
 dependent launch (kernels/pdl.py, EngineConfig.pdl; "fuseddecode_pdlnopf" the same without the one-row GEMVs' first-tile
 prefetch before their wait, kernels/gemv_fused.py PDL_PREFETCH; "fuseddecode_pdllate" / "_pdllatenopf" those two with
-the GEMVs' trigger after their K loop, EngineConfig.pdl_trigger "late"; its `_pdl_on` entry says whether the GPU took it, and with
+the GEMVs' trigger after their K loop, EngineConfig.pdl_trigger "late"; "_pdllatel2" / "_pdllatel2s" late without the
+first tile, the GEMVs of <= 36 / 8 MiB of weights warmed in L2 before their wait (EngineConfig.pdl_l2_mb); its `_pdl_on` entry says whether the GPU took it, and with
 "fuseddecode" measured too, `pdl_gap_factor_implied` is the share of a graphed launch gap left at T = 1, for the cost
 model's estimate costmodel/gaps.py PDL_GAP_FACTOR); "fusedverify" is "fuseddecode" with its 2-16-token steps through the
 same fused layer at T rows too (EngineConfig.fused_verify: M-row GEMVs, split-KV attention; `--variants=fuseddecode,
@@ -58,6 +59,7 @@ _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv":
                "fused": "_fuseddecode", "fused12": "_fuseddecode12", "fused12pre": "_fuseddecode12pre",
                "fused_pdl": "_fuseddecode_pdl", "fused_pdlnopf": "_fuseddecode_pdlnopf",
                "fused_pdllate": "_fuseddecode_pdllate", "fused_pdllatenopf": "_fuseddecode_pdllatenopf",
+               "fused_pdllatel2": "_fuseddecode_pdllatel2", "fused_pdllatel2s": "_fuseddecode_pdllatel2s",
                "fused_verify": "_fusedverify",
                "fused_normepi": "_fusednormepi",
                "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_ropeqkv": "_fusedropeqkv",
@@ -88,7 +90,8 @@ def main(shapes, flags=()) -> int:
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
         variants = [(False, False), (False, True), (False, "all"), (False, "all_gemv"), (False, "fused"),
                     (False, "fused12"), (False, "fused12pre"), (False, "fused_pdl"), (False, "fused_pdlnopf"),
-                    (False, "fused_pdllate"), (False, "fused_pdllatenopf"), (False, "fused_verify"),
+                    (False, "fused_pdllate"), (False, "fused_pdllatenopf"), (False, "fused_pdllatel2"),
+                    (False, "fused_pdllatel2s"), (False, "fused_verify"),
                     (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
                     (False, "fused_ropeqkv"), (False, "fused_prefetch"), (False, "fused_l2load"), (False, "fused_l2pf"),
                     (False, "fused_l2bulk"), (True, False), (True, True)]
@@ -100,7 +103,8 @@ def main(shapes, flags=()) -> int:
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
         for compiled, kernel in variants:
-            pdl_kinds = ("fused_pdl", "fused_pdlnopf", "fused_pdllate", "fused_pdllatenopf")
+            pdl_kinds = ("fused_pdl", "fused_pdlnopf", "fused_pdllate", "fused_pdllatenopf", "fused_pdllatel2",
+                         "fused_pdllatel2s")
             fused = kernel in ("fused", "fused12", "fused12pre", *pdl_kinds, "fused_verify",
                                "fused_normepi", "fused12_normepi", "fused_ropeattn", "fused_ropeqkv", "fused_prefetch",
                                *_L2_MODE)
@@ -127,7 +131,8 @@ def main(shapes, flags=()) -> int:
             gemv_fused.ONE_ROW_PREFETCH = kernel == "fused_prefetch"  # first weight tile ahead of the norm prologue
             pdl_on = pdl.set_enabled(kernel in pdl_kinds,  # before the runner captures its graphs
                                      trigger="late" if kernel.startswith("fused_pdllate") else "start")
-            gemv_fused.PDL_PREFETCH = not kernel.endswith("nopf")  # PDL without the first-tile prefetch
+            gemv_fused.PDL_PREFETCH = not kernel.endswith(("nopf", "l2", "l2s"))  # without the first-tile prefetch
+            gemv_fused.PDL_L2_MAX_BYTES = {"fused_pdllatel2": 36 << 20, "fused_pdllatel2s": 8 << 20}.get(kernel, 0)
             if kernel == "fused_pdl":
                 res["graphed_fuseddecode_pdl_on"] = pdl_on
             t0 = time.time()

@@ -103,6 +103,10 @@ class EngineConfig:
     # "start" (first thing: the next grid's programs may sit in their wait holding slots the GEMV's later programs
     # need, and the chain runs on behind them) or "late" (after the K loop: the next kernel launches during the
     # GEMV's tail). Same numbers either way
+    pdl_l2_mb: int = 0  # with pdl: a one-row GEMV whose weight is at most this many MiB asks L2 for all of it (bulk
+    # prefetches of each program's rows) before its wait, so it streams in while the kernel ahead runs: o_proj behind
+    # RoPE + attention, latency-bound launches in which HBM idles (kernels/gemv_fused.py PDL_L2_MAX_BYTES). 0: off.
+    # Same numbers
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off until the H200 times it
@@ -194,6 +198,10 @@ class EngineConfig:
             raise ConfigError(f"pdl_trigger must be 'start' or 'late', got {self.pdl_trigger!r}")
         if self.pdl_trigger != "start" and not self.pdl:
             raise ConfigError(f"pdl_trigger {self.pdl_trigger!r} needs pdl (it says where PDL's trigger goes)")
+        if not isinstance(self.pdl_l2_mb, int) or isinstance(self.pdl_l2_mb, bool) or self.pdl_l2_mb < 0:
+            raise ConfigError(f"pdl_l2_mb must be an integer >= 0 (MiB), got {self.pdl_l2_mb!r}")
+        if self.pdl_l2_mb and not self.pdl:
+            raise ConfigError("pdl_l2_mb needs pdl (the prefetch is issued before the PDL wait)")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

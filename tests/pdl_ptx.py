@@ -49,7 +49,7 @@ def _cases():
         return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
 
     gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
-                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=False)
+                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=False, L2_PF=False)
     yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemv_types
     yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
@@ -77,11 +77,17 @@ def _cases():
         **gemv, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True, "PAIRED": True, "PREFETCH": True, "PDL_LATE": True}, \
         gemv_types
     yield "gemv_residual_late", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True, "PDL_LATE": True}, gemv_types
+    # L2_PF (PDL_L2_MAX_BYTES): bulk L2 prefetches of the program's weight rows before the wait, no store
+    yield "gemv_residual_l2_late", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True, "PDL_LATE": True, "L2_PF": True}, \
+        gemv_types
+    yield "gemv_norm_silu_mul_l2_late", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
+                                                                "SILU_MUL": True, "PDL_LATE": True, "L2_PF": True}, \
+        gemv_types
     # the M-row (tl.dot) kernel of a multi-token verify step (models/fused_decode.py with fused_verify)
     def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
         return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
 
-    gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
+    gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH", "L2_PF")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
     yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemm_types
     yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
@@ -95,7 +101,7 @@ def _cases():
                                                                     "SPLIT_K": 4}, gemm_types
     yield "gemm_residual_split_k_late", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
                                                                 "PDL_LATE": True}, gemm_types
-    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH")} | dict(BLOCK_G=64, EXC_BLOCK=16)
+    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "gemv12_residual_late", g12._gemv12_kernel, {**gemv12, "HAS_RES": True, "PDL_LATE": True}, gemv12_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
@@ -141,6 +147,10 @@ def report() -> dict:
                 # where it is off)
                 "atomics": sorted({m.group(0) for m in re.finditer(r"\batom\.[\w.]+", "\n".join(lines))}),
                 "cg_loads": sum(1 for line in lines if re.search(r"\bld\.global\.cg\b", line)),
+                # bulk L2 prefetches (L2_PF) before the wait
+                "l2_prefetches_before_wait": sum(1 for line in lines[: _first(lines, r"griddepcontrol\.wait") or 0]
+                                                 if "cp.async.bulk.prefetch.L2" in line),
+                "l2_prefetches": sum(1 for line in lines if "cp.async.bulk.prefetch.L2" in line),
             }
     return out
 

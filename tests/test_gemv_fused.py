@@ -453,13 +453,16 @@ def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
     assert "gemv_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
 
 
-@pytest.mark.parametrize("pdl_on, pdl_prefetch, one_row, expected", [
-    (False, True, False, False), (True, True, False, True), (True, False, False, False), (False, True, True, True),
-    (True, False, True, True)])
-def test_gpu_launch_prefetches_by_the_pdl_and_one_row_switches(monkeypatch, pdl_on, pdl_prefetch, one_row, expected):
+@pytest.mark.parametrize("pdl_on, pdl_prefetch, one_row, expected, late", [
+    (False, True, False, False, False), (True, True, False, True, False), (True, False, False, False, False),
+    (False, True, True, True, False), (True, False, True, True, False), (True, True, False, False, True),
+    (True, True, True, True, True)])
+def test_gpu_launch_prefetches_by_the_pdl_and_one_row_switches(monkeypatch, pdl_on, pdl_prefetch, one_row, expected,
+                                                               late):
     """The GPU launch (which the interpreter never takes: faked here, no kernel runs) passes PREFETCH when PDL is on
-    and PDL_PREFETCH allows it (gpu_step_timing.py times PDL without it: fuseddecode_pdlnopf), or when
-    ONE_ROW_PREFETCH (EngineConfig.gemv_prefetch) asks for it."""
+    with the start trigger and PDL_PREFETCH allows it (gpu_step_timing.py times PDL without it:
+    fuseddecode_pdlnopf; the late trigger never prefetches the first tile), or when ONE_ROW_PREFETCH
+    (EngineConfig.gemv_prefetch) asks for it."""
     import specpilot.kernels.gemv_fused as gf
     from specpilot.kernels.pdl import LaunchOptions
 
@@ -471,7 +474,8 @@ def test_gpu_launch_prefetches_by_the_pdl_and_one_row_switches(monkeypatch, pdl_
 
     monkeypatch.setattr(gf, "_INTERPRET", False)
     monkeypatch.setattr(gf, "_kernel", Launcher())
-    monkeypatch.setattr(gf, "launch_options", lambda: LaunchOptions({"launch_pdl": True} if pdl_on else {}, pdl_on))
+    monkeypatch.setattr(gf, "launch_options",
+                        lambda: LaunchOptions({"launch_pdl": True} if pdl_on else {}, pdl_on, late))
     monkeypatch.setattr(gf, "PDL_PREFETCH", pdl_prefetch)
     monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", one_row)
     x, w, kw = _inputs("norm", 64, 24, torch.float32, seed=3)

@@ -88,6 +88,12 @@ def test_config_field_validates_and_round_trips():
         EngineConfig(pdl=True, pdl_trigger="end")
     with pytest.raises(ConfigError, match="needs pdl"):  # a trigger without PDL would say nothing
         EngineConfig(pdl_trigger="late")
+    assert EngineConfig(pdl=True, pdl_l2_mb=36).pdl_l2_mb == 36 and EngineConfig().pdl_l2_mb == 0
+    for bad in (-1, 1.5, True, "36"):
+        with pytest.raises(ConfigError, match="pdl_l2_mb"):
+            EngineConfig(pdl=True, pdl_l2_mb=bad)
+    with pytest.raises(ConfigError, match="pdl_l2_mb needs pdl"):
+        EngineConfig(pdl_l2_mb=36)
 
 
 def test_cli_derives_the_pdl_flag():
@@ -113,8 +119,13 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     _apply_pdl(EngineConfig(device="cuda", pdl=True))
     assert pdl.enabled()
     assert not pdl.launch_options().late
-    _apply_pdl(EngineConfig(device="cuda", pdl=True, pdl_trigger="late"))
+    _apply_pdl(EngineConfig(device="cuda", pdl=True, pdl_trigger="late", pdl_l2_mb=36))
     assert pdl.enabled() and pdl.launch_options().late
+    from specpilot.kernels import gemv_fused
+
+    assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20  # the L2 warming follows the config, and only with PDL on
+    _apply_pdl(EngineConfig(device="cuda", pdl=True))
+    assert gemv_fused.PDL_L2_MAX_BYTES == 0
     _apply_pdl(EngineConfig(device="cuda"))  # the newest config decides
     assert not pdl.enabled()
     for needs in (dict(fused_decode=False), dict(fused_projections=False)):
@@ -315,7 +326,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemm_residual_split_k_norm_out", "gemv12_residual_norm_out", "gemv_norm_bias_prefetch",
             "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch",
             "gemv_norm_bias_late", "gemv_norm_silu_mul_paired_prefetch_late", "gemv_residual_late",
-            "gemm_residual_split_k_late", "gemv12_residual_late"} <= set(report)
+            "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
+            "gemv_norm_silu_mul_l2_late"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -331,6 +343,12 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
         else:
             assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
             assert on["loads_before_wait"] == 0, (name, on)
+        # L2_PF: the bulk prefetches (gate and up: two loops) come before the wait; nowhere else, and never without PDL
+        assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == (2 if "silu" in name else 1) * ("_l2" in name), \
+            (name, on)
+        assert off["l2_prefetches"] == 0, (name, off)
+        if "_l2" in name:  # the prefetch loop branches before the wait: the wait is then not in the entry block
+            continue
         assert on["first_branch"] is None or on["wait"] < on["first_branch"], (name, on)
         # the norm epilogue (kernels/norm_epilogue.py): its acq_rel arrival at gpu scope and ".cg" row loads where
         # it is on; no atomic at all in the GEMVs without it and without split-K (the default paths)

@@ -156,6 +156,10 @@ def _apply_pdl(config: EngineConfig) -> None:
 
     want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL")
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger)
+    from specpilot.kernels import gemv_fused
+
+    if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only
+        gemv_fused.PDL_L2_MAX_BYTES = config.pdl_l2_mb << 20 if pdl.enabled() else 0
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:

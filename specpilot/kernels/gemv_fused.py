@@ -95,8 +95,18 @@ ONE_ROW_PREFETCH = False
 # Under PDL the one-row kernel prefetches its first weight tile before its wait (session 18). Session 19 measured the
 # PDL path SLOWER with it (1.5B step 1.442 -> 1.562 ms) where session 13's PDL without it had been ~1% faster: the
 # early-resident programs holding a tile each are the suspect. False: PDL launches without the prefetch, to time
-# the two apart (scripts/gpu_step_timing.py fuseddecode_pdl vs fuseddecode_pdlnopf). Same bits either way.
+# the two apart (scripts/gpu_step_timing.py fuseddecode_pdl vs fuseddecode_pdlnopf). Same bits either way. With
+# the late trigger (kernels/pdl.py) there is no first-tile prefetch at all: session 26 timed it there at 1.3776 vs
+# 1.3769 ms (1.5B) and 4.592 vs 4.527 ms (Qwen3-8B) with / without.
 PDL_PREFETCH = True
+# Under PDL, a one-row GEMV whose whole weight is at most this many bytes first asks L2 for all of it, one bulk
+# prefetch (cp.async.bulk.prefetch.L2, sm_90) per L2_CHUNK bytes of its own rows, before its wait: where the kernel
+# ahead is latency-bound (o_proj behind RoPE + attention, ~13 us at Qwen3-8B in which HBM idles) the weight then
+# streams into L2 meanwhile and the GEMV reads it from there. No data comes back to the program, so registers and
+# numbers are unchanged. 0: off (EngineConfig.pdl_l2_mb sets it; the L2 holds 50 MB on the H100/H200, so weights
+# larger than about half of it would evict their own first lines before they are read).
+PDL_L2_MAX_BYTES = 0
+L2_CHUNK = 64 * 1024  # bytes a bulk prefetch asks for (a multiple of 16)
 
 
 def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
@@ -158,6 +168,23 @@ if triton is not None:
         xk = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         return tl.rsqrt(tl.sum(xk * xk, axis=0) / K + eps)  # as torch.rsqrt(mean + eps) (the sum is a tree)
 
+    # one bulk L2 prefetch of $2 bytes at $1, issued by the program's thread 0 only (a scalar runs in every thread)
+    _L2_BULK_PTX = tl.constexpr("{\n\t.reg .pred %l2p;\n\t.reg .b32 %l2t;\n\tmov.u32 %l2t, %tid.x;\n\t"
+                                "setp.eq.u32 %l2p, %l2t, 0;\n\t@%l2p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
+                                "mov.u32 $0, 0;\n\t}")
+    _L2_CHUNK_C = tl.constexpr(L2_CHUNK)
+
+    @triton.jit
+    def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr):
+        """Ask L2 for weight rows [row0, row0 + rows) of a contiguous [*, K] matrix (K * itemsize a multiple of 16:
+        the host checks), CHUNK bytes per bulk prefetch; nothing comes back."""
+        base = (w_ptr + row0.to(tl.int64) * K).to(tl.pointer_type(tl.int8), bitcast=True)
+        nbytes = rows.to(tl.int64) * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        for off in range(0, nbytes, CHUNK):
+            size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
+            tl.inline_asm_elementwise(_L2_BULK_PTX, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+
     @triton.jit
     def _norm_h(h, nw, rstd, dt: tl.constexpr, ON_GPU: tl.constexpr):
         """RMSNorm.forward on fp32 inputs h with fp32 norm weights nw: normalized, rounded to the dtype, times the
@@ -217,7 +244,7 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
-                           PDL_LATE: tl.constexpr = False):
+                           PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -228,6 +255,8 @@ if triton is not None:
         before anything else. Nothing but weights may be read, and nothing written, before the wait: the
         predecessor may still be running and may still read the buffer the allocator gave us as y. PDL_LATE
         (kernels/pdl.py trigger "late"): the next kernel may launch only once this program's K loop is done.
+        L2_PF (with PDL; PDL_L2_MAX_BYTES): before the wait, this program's weight rows (gate and up) are asked of
+        L2 by bulk prefetches, so they stream in while the kernel ahead still runs.
 
         PREFETCH (with PDL or ONE_ROW_PREFETCH on a GPU; the tests set it under the interpreter): the first K
         block's weight tile(s) are
@@ -257,6 +286,12 @@ if triton is not None:
             w0 = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
             if SILU_MUL and not PAIRED:
                 wu0 = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+        if USE_PDL and L2_PF:  # weights only, nothing comes back (see the docstring)
+            n0 = tl.program_id(0) * BLOCK_N
+            mine = tl.minimum(N - n0, BLOCK_N)
+            _l2_prefetch_rows(w_ptr, n0, mine, K, _L2_CHUNK_C)
+            if SILU_MUL:
+                _l2_prefetch_rows(w_ptr, N + n0, mine, K, _L2_CHUNK_C)
         if USE_PDL:
             gdc_wait()
         if HAS_NORM:
@@ -518,9 +553,12 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
         else:
+            nbytes = weight.numel() * weight.element_size()
+            l2 = pdl.use_pdl and 0 < nbytes <= PDL_L2_MAX_BYTES and K * weight.element_size() % 16 == 0
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
-                                                                         or ONE_ROW_PREFETCH)
+                                                                         and not pdl.late or ONE_ROW_PREFETCH,
+                                                                         L2_PF=l2)
     return y if normed is None else (y, normed)
 
 

@@ -222,6 +222,11 @@ register(Mechanism(
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches; the GEMVs "
     "let the next kernel launch first thing or after their K loop (pdl_trigger)"))
 register(Mechanism(
+    "pdl_l2", ("verify", "draft"), {"pdl_l2_mb": [16, 36, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl,
+    "under PDL, a one-row GEMV whose weight fits the size asks L2 for all of it before its wait, so o_proj's weight "
+    "streams in while RoPE and attention (latency-bound: HBM idles) run ahead of it"))
+register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
