@@ -93,13 +93,13 @@ class EngineConfig:
     # lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py): every weight exact, 1.5 bytes
     # instead of 2, so the bytes floor of a decode step drops by a quarter; the bf16 weights stay for prefill and
     # verify (memory +3/4 of the weights). Off until an H200 run times it
-    pdl: bool = False  # CUDA sm_90+: the fused one-token path's kernels launch with programmatic dependent launch
-    # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.3 us gap between
-    # graphed launches (~180 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. Off until
-    # measured on the H200 (scripts/gpu_step_timing.py --variants=fuseddecode,fuseddecode_pdl). Session 13: ~1%. Since
-    # session 18 the one-row GEMV also loads its first weight tile before its wait (kernels/gemv_fused.py PREFETCH):
-    # SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.562 ms, Qwen3-8B 4.647 -> 4.748)
-    pdl_trigger: str = "start"  # with pdl: where the fused path's GEMVs let the next kernel launch (kernels/pdl.py):
+    pdl: bool = True  # CUDA sm_90+: the fused one-token path's kernels launch with programmatic dependent launch
+    # (kernels/pdl.py): each may start while the one before it drains, hiding part of the ~1.1 us gap between graphed
+    # launches (~170 in a 1.5B step). Needs fused_decode (the kernels it launches); same numbers. With the GEMVs
+    # triggering first thing it bought nothing on the H200 (sessions 13-26: ~1%, and 8% slower with the first-tile
+    # prefetch); with pdl_trigger "late" the graphed step is 1.7-5.6% faster at 1.5B and 3.6% at Qwen3-8B
+    # (session 26, exact): on by default since. Elsewhere (CPU, a GPU before Hopper, no fused_decode) it stays off
+    pdl_trigger: str = "late"  # with pdl: where the fused path's GEMVs let the next kernel launch (kernels/pdl.py):
     # "start" (first thing: the next grid's programs may sit in their wait holding slots the GEMV's later programs
     # need, and the chain runs on behind them) or "late" (after the K loop: the next kernel launches during the
     # GEMV's tail). Same numbers either way
@@ -109,8 +109,8 @@ class EngineConfig:
     # Same numbers
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
-    # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off until the H200 times it
-    # (scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch)
+    # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
+    # (session 26, scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch: 1.5B step +8.5%, Qwen3-8B equal)
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -173,6 +173,11 @@ class EngineConfig:
     # tok/s (x2.05 -> x2.26 our AR), MT-Bench 586 -> 692 (x1.12 -> x1.27); the draft stage 0.64 -> 0.17 ms a step
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
+    @property
+    def pdl_late(self) -> bool:
+        """PDL on with the GEMVs' trigger after their K loop (the cost model's flag, costmodel/shapes.py)."""
+        return self.pdl and self.pdl_trigger == "late"
+
     def __post_init__(self):
         if self.drafter_kind not in DRAFTERS:
             raise ConfigError(f"drafter_kind must be one of {DRAFTERS}, got {self.drafter_kind!r}")
@@ -196,8 +201,6 @@ class EngineConfig:
             raise ConfigError(f"pdl must be true or false, got {self.pdl!r}")
         if self.pdl_trigger not in ("start", "late"):
             raise ConfigError(f"pdl_trigger must be 'start' or 'late', got {self.pdl_trigger!r}")
-        if self.pdl_trigger != "start" and not self.pdl:
-            raise ConfigError(f"pdl_trigger {self.pdl_trigger!r} needs pdl (it says where PDL's trigger goes)")
         if not isinstance(self.pdl_l2_mb, int) or isinstance(self.pdl_l2_mb, bool) or self.pdl_l2_mb < 0:
             raise ConfigError(f"pdl_l2_mb must be an integer >= 0 (MiB), got {self.pdl_l2_mb!r}")
         if self.pdl_l2_mb and not self.pdl:

@@ -629,36 +629,45 @@ def test_fused_decode_prices_one_token_passes_at_six_launches_a_layer():
 
 def test_pdl_gives_back_part_of_each_fused_launchs_gap_in_graphed_one_token_passes():
     """EngineConfig.pdl: the fused one-token pass's launches (six a layer + the LM head GEMV) each pay
-    PDL_GAP_FACTOR of a graphed launch gap (an estimate until the H200 measures it); nothing else changes."""
+    PDL_GAP_FACTOR of a graphed launch gap with the GEMVs triggering first thing (measured: nothing given back) and
+    PDL_LATE_GAP_FACTOR with their trigger after the K loop (pdl_trigger "late", the default); nothing else
+    changes."""
     from specpilot.config import EngineConfig
-    from specpilot.costmodel.gaps import PDL_GAP_FACTOR, engine_fields
+    from specpilot.costmodel.gaps import PDL_GAP_FACTOR, PDL_LATE_GAP_FACTOR, engine_fields
     from specpilot.costmodel.shapes import draft_kernel_flags, kernel_flags
     from specpilot.costmodel.whatif import StepKnobs, predicted_gain
     from specpilot.loop import _knobs
 
-    assert 0.0 < PDL_GAP_FACTOR < 1.0
+    assert 0.0 < PDL_LATE_GAP_FACTOR < PDL_GAP_FACTOR <= 1.0
     cfg = synthetic_config("qwen2.5-1.5b")
     L = cfg.num_hidden_layers
     flags = dict(fused=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
     off, on = forward_cost(cfg, 1, 512, **flags), forward_cost(cfg, 1, 512, **flags, pdl=True)
-    assert on.num_pdl_kernels == 6 * L + 1 and off.num_pdl_kernels == 0
+    late = forward_cost(cfg, 1, 512, **flags, pdl=True, pdl_late=True)
+    assert on.num_pdl_kernels == late.num_pdl_kernels == 6 * L + 1 and off.num_pdl_kernels == 0
     assert dataclasses.replace(on, num_pdl_kernels=0) == off  # same kernels, same bytes
+    assert late.pdl_late and not on.pdl_late and dataclasses.replace(late, pdl_late=False) == on
     # PDL acts on the fused path only: not without fused_decode, not on multi-token or compiled passes
     assert forward_cost(cfg, 1, 512, fused=True, pdl=True).num_pdl_kernels == 0
     assert forward_cost(cfg, 5, 512, **flags, pdl=True).num_pdl_kernels == 0
-    assert forward_cost(cfg, 1, 512, **flags, compiled=True, pdl=True).num_pdl_kernels == 0
-    saved = (6 * L + 1) * (1 - PDL_GAP_FACTOR) * FAKE_HW.graph_kernel_s
-    assert pass_predicted_s(off, FAKE_HW) - pass_predicted_s(on, FAKE_HW) == pytest.approx(saved)
-    assert pass_predicted_s(on, FAKE_HW, graphed=False) == pass_predicted_s(off, FAKE_HW, graphed=False)
+    assert forward_cost(cfg, 1, 512, **flags, compiled=True, pdl=True, pdl_late=True).num_pdl_kernels == 0
+    assert not forward_cost(cfg, 1, 512, fused=True, pdl=True, pdl_late=True).pdl_late  # no PDL launch: no flag
+    for cost, factor in ((on, PDL_GAP_FACTOR), (late, PDL_LATE_GAP_FACTOR)):
+        saved = (6 * L + 1) * (1 - factor) * FAKE_HW.graph_kernel_s
+        assert pass_predicted_s(off, FAKE_HW) - pass_predicted_s(cost, FAKE_HW) == pytest.approx(saved, abs=1e-12)
+        assert pass_predicted_s(cost, FAKE_HW, graphed=False) == pass_predicted_s(off, FAKE_HW, graphed=False)
     # the switch reaches the cost model from the config, as fused_decode does (a DFlash pass does not take it)
-    assert kernel_flags(EngineConfig(pdl=True))["pdl"] and not kernel_flags(EngineConfig())["pdl"]
-    assert "pdl" not in draft_kernel_flags(EngineConfig(pdl=True))
-    assert _knobs(EngineConfig(pdl=True)).pdl and engine_fields(EngineConfig(pdl=True))["pdl"]
-    # a small AR drafter's one-token passes: switching pdl on is predicted as a gain, off again as a loss
+    start = EngineConfig(pdl_trigger="start")
+    assert kernel_flags(EngineConfig())["pdl"] and kernel_flags(EngineConfig())["pdl_late"]  # the defaults
+    assert kernel_flags(start)["pdl"] and not kernel_flags(start)["pdl_late"]
+    assert not any(kernel_flags(EngineConfig(pdl=False))[f] for f in ("pdl", "pdl_late"))  # the trigger says nothing
+    assert "pdl" not in draft_kernel_flags(EngineConfig()) and "pdl_late" not in draft_kernel_flags(EngineConfig())
+    assert _knobs(EngineConfig()).pdl_late and engine_fields(EngineConfig())["pdl_late"]
+    # a small AR drafter's one-token passes: PDL with the late trigger is predicted as a gain, off as a loss
     prof = StepProfile(draft_s=4e-3, verify_s=3.5e-3, accept_s=2e-4, other_s=2e-4, tau=2.5, num_draft_tokens=4,
                        drafter_passes=4, context_len=600, fused_decode=True)
     now = StepKnobs(4, fused=True, attention_kernel=True, norm_kernel=True, rope_kernel=True, fused_decode=True)
-    new = dataclasses.replace(now, pdl=True)
+    new = dataclasses.replace(now, pdl=True, pdl_late=True)
     gain = predicted_gain(cfg, synthetic_config("qwen2.5-0.5b"), prof, FAKE_HW, kind="model", now=now, new=new)
     back = predicted_gain(cfg, synthetic_config("qwen2.5-0.5b"), prof, FAKE_HW, kind="model", now=new, new=now)
     assert gain > 1.0 > back

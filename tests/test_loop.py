@@ -115,7 +115,7 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "gemv_prefetch", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "megakernel",
+                                                             "pdl_l2", "gemv_prefetch", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "megakernel",
                                                              "draft_chain_graph", "l2_prefetch", "pad_shapes",
                                                              "prefill_graphs", "adaptive", "compile"]
     assert REGISTRY["prefill_graphs"].candidates(gpu.config, gpu) == [{"prefill_graphs": 512}, {"prefill_graphs": 0}]
@@ -130,11 +130,14 @@ def test_registry_applies_and_filters(tmp_path):
     # pdl acts on the fused one-token path only: not offered without it
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     assert "pdl" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_projections=False))]
+    # from the default (PDL, late trigger): the other trigger, or PDL off (one way: the trigger then says nothing)
     assert REGISTRY["pdl"].candidates(gpu.config, gpu) == [{"pdl": True, "pdl_trigger": "start"},
-                                                           {"pdl": True, "pdl_trigger": "late"}]
-    late = gpu.config.with_(pdl=True, pdl_trigger="late")  # from PDL late: the other trigger, or PDL off
-    assert REGISTRY["pdl"].candidates(late, gpu) == [{"pdl": True, "pdl_trigger": "start"},
-                                                     {"pdl": False, "pdl_trigger": "start"}]
+                                                           {"pdl": False, "pdl_trigger": "late"}]
+    start = gpu.config.with_(pdl_trigger="start")
+    assert REGISTRY["pdl"].candidates(start, gpu) == [{"pdl": True, "pdl_trigger": "late"},
+                                                      {"pdl": False, "pdl_trigger": "late"}]
+    assert REGISTRY["pdl_l2"].candidates(gpu.config, gpu) == [{"pdl_l2_mb": 16}, {"pdl_l2_mb": 36}]
+    assert "pdl_l2" not in [m.name for m in applicable(gpu, gpu.config.with_(pdl=False))]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]
     flash = Deployment("t", "ckpt", EngineConfig(drafter_kind="dflash"), "cpu")
     assert REGISTRY["drafter_kind"].candidates(flash.config, flash) == [{"drafter_kind": "ngram"}]

@@ -75,25 +75,24 @@ def test_trigger_late_reaches_the_launches_only_with_the_switch_on(monkeypatch):
 
 
 def test_config_field_validates_and_round_trips():
-    assert EngineConfig().pdl is False  # off until measured on the GPU
+    assert EngineConfig().pdl is True  # on since session 26 (the late trigger: faster on the H200, exact)
     cfg = EngineConfig(pdl=True)
     assert EngineConfig.from_dict(cfg.to_dict()) == cfg
     for bad in ("false", 1, None):
         with pytest.raises(ConfigError, match="pdl"):
             EngineConfig(pdl=bad)
-    assert EngineConfig().pdl_trigger == "start"
+    assert EngineConfig().pdl_trigger == "late" and EngineConfig().pdl_late
     late = EngineConfig(pdl=True, pdl_trigger="late")
     assert EngineConfig.from_dict(late.to_dict()) == late
     with pytest.raises(ConfigError, match="pdl_trigger"):
         EngineConfig(pdl=True, pdl_trigger="end")
-    with pytest.raises(ConfigError, match="needs pdl"):  # a trigger without PDL would say nothing
-        EngineConfig(pdl_trigger="late")
+    assert not EngineConfig(pdl=False).pdl_late  # a trigger without PDL says nothing
     assert EngineConfig(pdl=True, pdl_l2_mb=36).pdl_l2_mb == 36 and EngineConfig().pdl_l2_mb == 0
     for bad in (-1, 1.5, True, "36"):
         with pytest.raises(ConfigError, match="pdl_l2_mb"):
             EngineConfig(pdl=True, pdl_l2_mb=bad)
     with pytest.raises(ConfigError, match="pdl_l2_mb needs pdl"):
-        EngineConfig(pdl_l2_mb=36)
+        EngineConfig(pdl=False, pdl_l2_mb=36)
 
 
 def test_cli_derives_the_pdl_flag():
@@ -103,34 +102,40 @@ def test_cli_derives_the_pdl_flag():
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--pdl"])).pdl
-    assert not engine_config(parser.parse_args([])).pdl
-    assert engine_config(parser.parse_args(["--pdl", "--pdl-trigger", "late"])).pdl_trigger == "late"
+    assert engine_config(parser.parse_args([])).pdl  # on by default (session 26)
+    assert not engine_config(parser.parse_args(["--no-pdl"])).pdl
+    assert engine_config(parser.parse_args([])).pdl_trigger == "late"
+    assert engine_config(parser.parse_args(["--pdl-trigger", "start"])).pdl_trigger == "start"
+    assert engine_config(parser.parse_args(["--pdl-l2-mb", "8"])).pdl_l2_mb == 8
 
 
 def test_engine_sets_the_switch_from_the_config(monkeypatch):
     from specpilot.engine import _apply_pdl
+    from specpilot.kernels import gemv_fused
 
     monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ignored quietly on CPU, like the other CUDA switches
         _apply_pdl(EngineConfig(pdl=True))
     assert not pdl.enabled()
-    _apply_pdl(EngineConfig(device="cuda", pdl=True))
-    assert pdl.enabled()
-    assert not pdl.launch_options().late
-    _apply_pdl(EngineConfig(device="cuda", pdl=True, pdl_trigger="late", pdl_l2_mb=36))
+    _apply_pdl(EngineConfig(device="cuda"))  # the default: on, late trigger
     assert pdl.enabled() and pdl.launch_options().late
-    from specpilot.kernels import gemv_fused
-
+    _apply_pdl(EngineConfig(device="cuda", pdl_trigger="start"))
+    assert pdl.enabled() and not pdl.launch_options().late
+    _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=36))
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20  # the L2 warming follows the config, and only with PDL on
-    _apply_pdl(EngineConfig(device="cuda", pdl=True))
+    _apply_pdl(EngineConfig(device="cuda"))
     assert gemv_fused.PDL_L2_MAX_BYTES == 0
-    _apply_pdl(EngineConfig(device="cuda"))  # the newest config decides
-    assert not pdl.enabled()
-    for needs in (dict(fused_decode=False), dict(fused_projections=False)):
-        with pytest.warns(RuntimeWarning, match="pdl needs fused_decode"):
-            _apply_pdl(EngineConfig(device="cuda", pdl=True, **needs))
+    _apply_pdl(EngineConfig(device="cuda", pdl=False))  # the newest config decides
+    assert not pdl.enabled() and not pdl.launch_options().late
+    # on by default, so where it cannot act it stays off without a word: without fused_decode, before Hopper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for needs in (dict(fused_decode=False), dict(fused_projections=False)):
+            _apply_pdl(EngineConfig(device="cuda", **needs))
+            assert not pdl.enabled()
+        monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: "the CUDA device is sm_80")
+        _apply_pdl(EngineConfig(device="cuda"))
         assert not pdl.enabled()
 
 

@@ -42,8 +42,11 @@ def pass_floor_s(cost: PassCost, hw: HardwareCeilings) -> float:
 # A kernel launched with PDL (PassCost.num_pdl_kernels) pays this share of a graphed launch's gap, taken as
 # `graph_kernel_s` (a tiny graphed kernel is mostly gap): it launches while the kernel before it drains and waits
 # in-kernel. Measured once (H200, session 13, scripts/gpu_step_timing.py fuseddecode vs fuseddecode_pdl at the 1.5B
-# shape: 1.547 -> 1.530 ms, implied 0.914; within run-to-run noise, so PDL stays off by default).
-PDL_GAP_FACTOR = 0.9
+# shape: 1.547 -> 1.530 ms, implied 0.914; within run-to-run noise). Session 26 (the GEMVs triggering first thing):
+# implied 1.035 (1.5B) and 1.317 (Qwen3-8B), i.e. nothing given back; with the GEMVs' trigger after their K loop
+# (pdl_trigger "late", PassCost.pdl_late) 0.57 and 0.30 on one machine, 0.87 at 1.5B on another: PDL_LATE_GAP_FACTOR.
+PDL_GAP_FACTOR = 1.0
+PDL_LATE_GAP_FACTOR = 0.6
 
 
 def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
@@ -66,7 +69,8 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
         eager = min(cost.num_eager_kernels, cost.num_kernels - cost.num_linear_kernels)
         overhead_s = ((cost.num_kernels - cost.num_linear_kernels - eager) * hw.graph_kernel_s
                       + eager * hw.eager_kernel_s(cost.num_tokens)
-                      - cost.num_pdl_kernels * (1.0 - PDL_GAP_FACTOR) * hw.graph_kernel_s)
+                      - cost.num_pdl_kernels * (1.0 - (PDL_LATE_GAP_FACTOR if cost.pdl_late else PDL_GAP_FACTOR))
+                      * hw.graph_kernel_s)
     else:
         overhead_s = cost.num_kernels * hw.launch_s
     # masked attention at decode is latency-bound: its measured per-call time, not bytes / bandwidth
@@ -113,6 +117,7 @@ class StepProfile:
     fused_verify: bool = False  # with it, 2-16-token passes in nine launches a layer (EngineConfig.fused_verify)
     lossless12: bool = False  # their GEMVs over 12-bit weight copies (EngineConfig.lossless12)
     pdl: bool = False  # their kernels launched with programmatic dependent launch (EngineConfig.pdl)
+    pdl_late: bool = False  # ... the GEMVs triggering after their K loop (EngineConfig.pdl_late)
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
     rope_in_attention: bool = False  # one-token layers' RoPE + K/V write in the attention launch (EngineConfig.*)
     rope_in_qkv: bool = False  # one-token layers' RoPE + K/V write in the qkv GEMV's launch (EngineConfig.*)

@@ -90,6 +90,9 @@ class PassCost:
     # of num_kernels, those launched with PDL (EngineConfig.pdl: a fused one-token pass): each may start while the
     # kernel before it drains, so it pays only part of a graphed launch's gap (gaps.PDL_GAP_FACTOR)
     num_pdl_kernels: int = 0
+    # those PDL launches with the GEMVs' trigger after their K loop (EngineConfig.pdl_trigger "late"), which gives
+    # back more of each gap (gaps.PDL_LATE_GAP_FACTOR)
+    pdl_late: bool = False
     # the rate the weights stream at, relative to the measured 16-bit GEMV chains' (lossless 12-bit GEMVs decode as
     # they go: LOSSLESS12_RATE); the floor (pass_floor_s) counts the bytes alone
     weight_rate: float = 1.0
@@ -168,8 +171,9 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
-                "lossless12", "pdl", "norm_epilogue", "rope_in_attention", "rope_in_qkv")
-_DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "norm_epilogue",
+                "lossless12", "pdl", "pdl_late", "norm_epilogue", "rope_in_attention", "rope_in_qkv")
+_DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "pdl_late",
+                     "norm_epilogue",
                      "rope_in_attention", "rope_in_qkv")
 
 
@@ -231,7 +235,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
-                 rope_in_attention: bool = False, rope_in_qkv: bool = False) -> PassCost:
+                 rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -239,7 +243,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     kernels_per_layer) change only the kernel counts; `fused_decode` a one-token pass's (models/fused_decode.py),
     `fused_verify` (with fused_decode) a 2-16-token pass's; `lossless12` (with fused_decode) a one-token pass's
     weight bytes: the projections and the LM head read 12-bit copies; `pdl` (with fused_decode) marks the fused
-    passes' Triton launches as launched with PDL (`num_pdl_kernels`); and `norm_epilogue` takes a fused pass's
+    passes' Triton launches as launched with PDL (`num_pdl_kernels`; `pdl_late`: the GEMVs' trigger after their
+    K loop); and `norm_epilogue` takes a fused pass's
     norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS); `rope_in_attention` a one-token
     fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS);
     `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too; not for a q/k-norm model, whose
@@ -283,6 +288,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         num_eager_kernels=eager,
         weight_rate=LOSSLESS12_RATE if linear_bytes is not None else 1.0,
         num_pdl_kernels=pdl_kernels,
+        pdl_late=bool(pdl_kernels) and pdl_late,
     )
 
 

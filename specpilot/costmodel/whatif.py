@@ -47,6 +47,7 @@ class StepKnobs:
     fused_verify: bool = False  # fused_verify (with fused_decode: a 2-16-token pass in nine launches a layer)
     lossless12: bool = False  # lossless12 (that pass's GEMVs read 12-bit weight copies: 3/4 of the bytes)
     pdl: bool = False  # pdl (with fused_decode: that pass's kernels launched with programmatic dependent launch)
+    pdl_late: bool = False  # EngineConfig.pdl_late: PDL with the GEMVs' trigger after their K loop
     norm_epilogue: bool = False  # norm_epilogue (a fused pass's norms written by its residual GEMVs: fewer launches)
     rope_in_attention: bool = False  # rope_in_attention (a one-token layer's RoPE + K/V write in its attention)
     rope_in_qkv: bool = False  # rope_in_qkv (a one-token layer's RoPE + K/V write in its qkv GEMV)

@@ -136,11 +136,14 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
     _apply_gemv_prefetch(config)
 
 
-def _fused_switch_wanted(config: EngineConfig, field: str, what: str) -> bool:
+def _fused_switch_wanted(config: EngineConfig, field: str, what: str, quiet: bool = False) -> bool:
     """Whether a process-wide switch of the fused one-token path (pdl, gemv_prefetch) is asked for on CUDA with
-    that path laid out; without fused_decode it has nothing to act on (`what`: why, for the warning)."""
+    that path laid out; without fused_decode it has nothing to act on (`what`: why, for the warning; `quiet`: a
+    switch on by default, pdl, stays off without one)."""
     want = getattr(config, field) and str(config.device).startswith("cuda")
     if want and not (config.fused_projections and config.fused_decode):
+        if quiet:
+            return False
         warnings.warn(f"{field} needs fused_decode (and the fused_projections it reads): {what}, so {field} stays "
                       "off", RuntimeWarning, stacklevel=4)
         return False
@@ -151,11 +154,13 @@ def _apply_pdl(config: EngineConfig) -> None:
     """EngineConfig.pdl -> the process-wide PDL switch (kernels/pdl.py), set whenever a model is laid out for a
     config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture). PDL
     only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
-    Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper it warns and stays off."""
+    Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
+    it stays off without a word: it is on by default, and the kernels are the same without it."""
     from specpilot.kernels import pdl
 
-    want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL")
-    pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger)
+    want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL", quiet=True)
+    pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger,
+                    warn=False)  # on by default: where PDL cannot run (before Hopper) it stays off quietly
     from specpilot.kernels import gemv_fused
 
     if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only

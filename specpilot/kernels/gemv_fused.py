@@ -89,8 +89,9 @@ INTERPRET_SPLIT_K = 1  # the interpreter's fixed M-row configuration splits K th
 # The one-row kernel loads its first weight tile before anything else (PREFETCH) without PDL too: that first DRAM
 # round trip then overlaps the norm prologue's row load and reduction (the qkv and gate/up GEMVs) instead of
 # following it, in every program. The same bits (the loop adds the same sums in the same order). Under PDL it is
-# on unless PDL_PREFETCH says otherwise. Off until the H200 times it (scripts/gpu_step_timing.py
-# --variants=fuseddecode,fusedprefetch); the autotuner keys on it, so the tiles are chosen for each way.
+# on unless PDL_PREFETCH says otherwise (and never with the late trigger). Off: slower on the H200 (session 26,
+# scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch: 1.5B step +8.5%, Qwen3-8B equal); the autotuner
+# keys on it, so the tiles are chosen for each way.
 ONE_ROW_PREFETCH = False
 # Under PDL the one-row kernel prefetches its first weight tile before its wait (session 18). Session 19 measured the
 # PDL path SLOWER with it (1.5B step 1.442 -> 1.562 ms) where session 13's PDL without it had been ~1% faster: the

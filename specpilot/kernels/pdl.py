@@ -84,19 +84,20 @@ def enabled() -> bool:
     return _enabled
 
 
-def set_enabled(on: bool, device=None, trigger: str = "start") -> bool:
+def set_enabled(on: bool, device=None, trigger: str = "start", warn: bool = True) -> bool:
     """Switch PDL on or off for every later fused-path launch in this process -> whether it is on. `trigger`: where
     each kernel lets its dependents launch, "start" or "late" (module docstring).
 
     Asking for it where it cannot work (see `unsupported_reason`; `device`: the CUDA device it is for, None: the
-    current one) warns and leaves it off rather than failing: the kernels are correct without it, only slower."""
+    current one) warns (unless `warn` is False: the engine's default-on switch) and leaves it off rather than
+    failing: the kernels are correct without it, only slower."""
     global _enabled, _late
     if not isinstance(on, bool):
         raise TypeError(f"pdl.set_enabled takes a bool, got {type(on).__name__} {on!r}")
     if trigger not in TRIGGERS:
         raise ValueError(f"pdl.set_enabled: trigger must be one of {TRIGGERS}, got {trigger!r}")
     reason = unsupported_reason(device) if on else None
-    if reason:
+    if reason and warn:
         warnings.warn(f"programmatic dependent launch (pdl) stays off: {reason}", RuntimeWarning, stacklevel=2)
     _enabled = on and reason is None
     _late = _enabled and trigger == "late"

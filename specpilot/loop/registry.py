@@ -220,7 +220,8 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches; the GEMVs "
-    "let the next kernel launch first thing or after their K loop (pdl_trigger)"))
+    "let the next kernel launch first thing or after their K loop (pdl_trigger)",
+    valid=lambda dep, delta: delta.get("pdl", True) or delta.get("pdl_trigger", "late") == "late"))
 register(Mechanism(
     "pdl_l2", ("verify", "draft"), {"pdl_l2_mb": [16, 36, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl,
