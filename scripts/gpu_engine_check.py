@@ -8,6 +8,7 @@ norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, 
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
 its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue,
+rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
 graph, prefill_graphs: a prompt's prefill from its padded length's graph, megakernel: every one-token step as one
@@ -33,7 +34,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "l2_prefetch", "draft_chain_graph", "prefill_graphs",
+            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "l2_prefetch", "draft_chain_graph",
+            "prefill_graphs",
             "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -472,10 +474,26 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("ar_gemv_prefetch", on)
         equals_off("ar_gemv_prefetch_equals_off", on, off)
 
+    def rope_split():
+        # q's heads over several RoPE + K/V-write programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM, 4 a program):
+        # graphed AR and n-gram speculation against the same engine with one program for all q heads
+        from specpilot.kernels import rope_write
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        off = [Engine(fast, base).generate(p) for p in prompts]
+        rope_write.Q_HEADS_PER_PROGRAM = 4
+        try:
+            on = [Engine(fast, base).generate(p) for p in prompts]
+            same_tokens((("spec_ngram_rope_split", ngram, fast),))
+        finally:
+            rope_write.Q_HEADS_PER_PROGRAM = 0
+        record("ar_rope_split", on)
+        equals_off("ar_rope_split_equals_off", on, off)
+
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
-              "gemv_prefetch": gemv_prefetch, "l2_prefetch": l2_prefetch,
+              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

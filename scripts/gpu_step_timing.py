@@ -28,7 +28,9 @@ norm-free and a T-row step drops its two RMSNorm launches a layer; `--variants=f
 fusedropeattn --tokens=1`); "fusedropeqkv" the same work in the qkv GEMV's epilogue instead (EngineConfig.rope_in_qkv,
 kernels/qkv_rope.py; models without a q/k norm only: skipped at Qwen3 shapes); "fusedprefetch" is "fuseddecode" with
 each one-row GEMV's first weight tile loaded before its norm prologue (kernels/gemv_fused.py ONE_ROW_PREFETCH; same
-bits); "fusedl2load", "fusedl2pf", "fusedl2bulk" are "fusedverify" with `--l2-fraction` (0.5)
+bits); "fusedropesplit" is "fuseddecode" with q's heads over RoPE + K/V-write programs of 4
+(kernels/rope_write.py Q_HEADS_PER_PROGRAM; same bits); "fusedl2load", "fusedl2pf", "fusedl2bulk" are
+"fusedverify" with `--l2-fraction` (0.5)
 of each layer's gate/up weight warmed in L2 on a side stream during the layer's first launches (EngineConfig.
 l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fuseddecode,fusedverify,fusedl2pf`);
 median of
@@ -47,7 +49,7 @@ import torch
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import gemv_fused, l2_prefetch, pdl
+from specpilot.kernels import gemv_fused, l2_prefetch, pdl, rope_write
 from specpilot.models import fused_decode, random_model
 
 
@@ -63,7 +65,7 @@ _KERNEL_TAG = {False: "", True: "_attnkernel", "all": "_allkernels", "all_gemv":
                "fused_verify": "_fusedverify",
                "fused_normepi": "_fusednormepi",
                "fused12_normepi": "_fused12normepi", "fused_ropeattn": "_fusedropeattn", "fused_ropeqkv": "_fusedropeqkv",
-               "fused_prefetch": "_fusedprefetch", "fused_l2load": "_fusedl2load",
+               "fused_prefetch": "_fusedprefetch", "fused_ropesplit": "_fusedropesplit", "fused_l2load": "_fusedl2load",
                "fused_l2pf": "_fusedl2pf", "fused_l2bulk": "_fusedl2bulk"}
 _L2_MODE = {"fused_l2load": "load", "fused_l2pf": "prefetch", "fused_l2bulk": "bulk"}  # kernels/l2_prefetch.py
 VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --variants= takes
@@ -93,7 +95,8 @@ def main(shapes, flags=()) -> int:
                     (False, "fused_pdllate"), (False, "fused_pdllatenopf"), (False, "fused_pdllatel2"),
                     (False, "fused_pdllatel2s"), (False, "fused_verify"),
                     (False, "fused_normepi"), (False, "fused12_normepi"), (False, "fused_ropeattn"),
-                    (False, "fused_ropeqkv"), (False, "fused_prefetch"), (False, "fused_l2load"), (False, "fused_l2pf"),
+                    (False, "fused_ropeqkv"), (False, "fused_prefetch"), (False, "fused_ropesplit"),
+                    (False, "fused_l2load"), (False, "fused_l2pf"),
                     (False, "fused_l2bulk"), (True, False), (True, True)]
         if "--no-compile" in flags:
             variants = [v for v in variants if not v[0]]
@@ -107,6 +110,7 @@ def main(shapes, flags=()) -> int:
                          "fused_pdllatel2s")
             fused = kernel in ("fused", "fused12", "fused12pre", *pdl_kinds, "fused_verify",
                                "fused_normepi", "fused12_normepi", "fused_ropeattn", "fused_ropeqkv", "fused_prefetch",
+                               "fused_ropesplit",
                                *_L2_MODE)
             twelve = kernel in ("fused12", "fused12pre", "fused12_normepi")
             every = kernel in ("all", "all_gemv") or fused
@@ -129,6 +133,7 @@ def main(shapes, flags=()) -> int:
             model.use_l2_prefetch(l2_fraction if kernel in _L2_MODE else 0.0)
             fused_decode.PRENORM_12BIT = kernel == "fused12pre"  # 12-bit GEMVs after a separate RMSNorm launch
             gemv_fused.ONE_ROW_PREFETCH = kernel == "fused_prefetch"  # first weight tile ahead of the norm prologue
+            rope_write.Q_HEADS_PER_PROGRAM = 4 if kernel == "fused_ropesplit" else 0  # q's heads over programs
             pdl_on = pdl.set_enabled(kernel in pdl_kinds,  # before the runner captures its graphs
                                      trigger="late" if kernel.startswith("fused_pdllate") else "start")
             gemv_fused.PDL_PREFETCH = not kernel.endswith(("nopf", "l2", "l2s"))  # without the first-tile prefetch

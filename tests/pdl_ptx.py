@@ -104,7 +104,11 @@ def _cases():
     gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "gemv12_residual_late", g12._gemv12_kernel, {**gemv12, "HAS_RES": True, "PDL_LATE": True}, gemv12_types
-    yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True), rope_types
+    yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True, Q_BLOCK=0,
+                                                            QP=1), rope_types
+    # q's heads over 8 programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM)
+    yield "rope_write_qk_norm_split", rw._rope_write_kernel, dict(D=128, BLOCK_H=8, Q_NORM=True, K_NORM=True,
+                                                                  Q_BLOCK=4, QP=8), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
                                                                UPCAST=False, SPLITS_P2=32), attn_types
 

@@ -527,6 +527,37 @@ def test_rope_write_bf16_follows_the_eager_rounding(qk_norm):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("qk_norm,B,H,Hkv,D,T", [(True, 1, 12, 2, 64, 1), (False, 2, 12, 4, 32, 3),
+                                                 (True, 1, 32, 8, 128, 1), (True, 2, 6, 2, 16, 5)])
+@pytest.mark.parametrize("per_program", [1, 4, 5, 64])
+def test_rope_write_with_q_heads_split_over_programs_gives_the_same_bits(monkeypatch, qk_norm, B, H, Hkv, D, T,
+                                                                         per_program):
+    """Q_HEADS_PER_PROGRAM (q's heads over cdiv(H, n) programs, n rounded up to a power of two; a block past the
+    last head masked): rotated q and the written K/V are the one-program layout's bits, every other slot untouched,
+    and the launch has cdiv(H, n) + 2 programs a token."""
+    import specpilot.kernels.rope_write as rw
+
+    q, k, v, cos, sin, positions, cache, (qw, kw) = _rope_write_case(B, H, Hkv, T, D, 24, qk_norm, torch.float32,
+                                                                        seed=H + per_program)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    want_q = rw.rope_write(q, k, v, cos, sin, positions, cache.k[1], cache.v[1], qw, kw)
+    want_k, want_v = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(before_k), cache.v.copy_(before_v)
+    grids, real = [], rw._rope_write_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(rw, "_rope_write_kernel", Spy())
+    monkeypatch.setattr(rw, "Q_HEADS_PER_PROGRAM", per_program)
+    got_q = rw.rope_write(q, k, v, cos, sin, positions, cache.k[1], cache.v[1], qw, kw)
+    block = min(1 << (per_program - 1).bit_length(), 1 << (H - 1).bit_length())
+    assert grids == [(B * T, -(-H // block) + 2)]
+    assert torch.equal(got_q, want_q) and torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+
+
 def test_rope_write_rejects_bad_shapes_with_clear_messages():
     import re
 

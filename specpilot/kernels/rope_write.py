@@ -12,8 +12,11 @@ a tree here, so fp32 agrees to ~1e-6); RoPE then rounds as `apply_rope` does (bo
 rounded to the dtype; see kernels/rope.py). v is copied bit for bit.
 
 Layout: grid (B * T, 3): program (b * T + t, 0) takes q's heads of that token, (.., 1) k's, (.., 2) v's, all heads
-at once ([heads, D] block). A token whose position lies outside [0, S) is not written (the eager `index_copy_`
-would fail on it instead).
+at once ([heads, D] block). With Q_HEADS_PER_PROGRAM = n > 0, q's heads are split over cdiv(H, n) programs of n
+heads each (grid (B * T, cdiv(H, n) + 2); k and v follow them): at Qwen3-8B's 32 q heads, each with its own norm,
+one program for all of them was 5.1 us of a 117 us layer on the H200 (session 26), latency on one SM. Each head's
+numbers are computed alone either way, so the output is the same bits. A token whose position lies outside [0, S)
+is not written (the eager `index_copy_` would fail on it instead).
 
 `rope_write_reference` is the plain-PyTorch twin (TRITON_INTERPRET=1 runs the kernel on CPU); `rope_write_op` the
 kernel as the torch custom op "specpilot::rope_write", which declares the two caches as mutated.
@@ -34,6 +37,9 @@ try:
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # the per-row math, shared with the RoPE kernel
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
+
+Q_HEADS_PER_PROGRAM = 0  # q heads a program takes (a power of two); 0: all of them in one program (see the module
+# docstring). Off until the H200 times it (scripts/gpu_step_timing.py --variants=fuseddecode,fusedropesplit)
 
 
 def rope_write_reference(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_weight=None, k_norm_weight=None,
@@ -62,7 +68,7 @@ if triton is not None:
                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, scb, sct, ssb, sst, spb, spt,
                            skcb, skch, skcs, svcb, svch, svcs, sqob, sqoh, sqot, T, H, HKV, S, eps,
                            D: tl.constexpr, BLOCK_H: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, Q_BLOCK: tl.constexpr = 0, QP: tl.constexpr = 1):
         # USE_PDL (launched with PDL, kernels/pdl.py): the next kernel may launch now; then wait for the previous
         # one before the first load. Everything this kernel reads (q/k/v from the qkv GEMV, cos/sin, positions) is
         # written by earlier kernels, and nothing may be stored before the wait: the predecessor may still be
@@ -71,24 +77,32 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()
         bt = tl.program_id(0)
-        which = tl.program_id(1)  # 0: q, 1: k, 2: v
+        which = tl.program_id(1)  # < QP: a block of q's heads (all of them when QP is 1), QP: k, QP + 1: v
         b = (bt // T).to(tl.int64)
         t = (bt % T).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)
         p = tl.load(pos_ptr + b * spb + t * spt).to(tl.int64)  # the cache slot of token (b, t)
         slot = tl.full([BLOCK_H, 1], 0, tl.int64) + p  # as a tensor: the interpreter rejects tensor & scalar masks
         in_pool = (slot >= 0) & (slot < S)
-        if which == 2:  # v: copied into its slot as is
+        if which == QP + 1:  # v: copied into its slot as is
             cols = tl.arange(0, D)
             valid = (heads[:, None] < HKV) & in_pool
             x = tl.load(v_ptr + b * svb + t * svt + heads[:, None] * svh + cols[None, :], mask=valid)
             tl.store(vc_ptr + b * svcb + p * svcs + heads[:, None] * svch + cols[None, :], x, mask=valid)
         else:
             c, s_signed, cols, partner = _cos_sin_row(cos_ptr, sin_ptr, b, t, scb, sct, ssb, sst, D)
-            if which == 0:
-                out, valid = _norm_rope_rows(q_ptr + b * sqb + t * sqt, qw_ptr, H, sqh, c, s_signed, cols, partner,
-                                             eps, D, BLOCK_H, Q_NORM)
-                tl.store(qo_ptr + b * sqob + t * sqot + heads[:, None] * sqoh + cols[None, :], out, mask=valid)
+            if which < QP:
+                # (q's own names: a block of q heads may have another shape than k's, which the else branch sets)
+                if Q_BLOCK:  # heads [which * Q_BLOCK, + Q_BLOCK) of q
+                    h0 = which * Q_BLOCK
+                    qh = h0 + tl.arange(0, Q_BLOCK)
+                    q_out, q_valid = _norm_rope_rows(q_ptr + b * sqb + t * sqt + h0 * sqh, qw_ptr, H - h0, sqh, c,
+                                                     s_signed, cols, partner, eps, D, Q_BLOCK, Q_NORM)
+                else:
+                    qh = heads
+                    q_out, q_valid = _norm_rope_rows(q_ptr + b * sqb + t * sqt, qw_ptr, H, sqh, c, s_signed, cols,
+                                                     partner, eps, D, BLOCK_H, Q_NORM)
+                tl.store(qo_ptr + b * sqob + t * sqot + qh[:, None] * sqoh + cols[None, :], q_out, mask=q_valid)
             else:
                 out, valid = _norm_rope_rows(k_ptr + b * skb + t * skt, kw_ptr, HKV, skh, c, s_signed, cols,
                                              partner, eps, D, BLOCK_H, K_NORM)
@@ -149,15 +163,18 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     scb = cos.stride(0) if cos.shape[0] == B else 0
     ssb = sin.stride(0) if sin.shape[0] == B else 0
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
-    _rope_write_kernel[(B * T, 3)](
+    q_block = min(triton.next_power_of_2(Q_HEADS_PER_PROGRAM), triton.next_power_of_2(H)) if Q_HEADS_PER_PROGRAM else 0
+    qp = triton.cdiv(H, q_block) if q_block else 1
+    block_h = triton.next_power_of_2(Hkv if q_block else max(H, Hkv))  # k / v (and q when it is one program)
+    _rope_write_kernel[(B * T, qp + 2)](
         q, k, v, cos, sin, positions, k_cache, v_cache, qo, qw, kw,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), scb, cos.stride(2), ssb, sin.stride(2),
         positions.stride(0), positions.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), qo.stride(0), qo.stride(1), qo.stride(2), T, H, Hkv, S, eps,
-        D=D, BLOCK_H=triton.next_power_of_2(max(H, Hkv)), Q_NORM=q_norm_weight is not None,
-        K_NORM=k_norm_weight is not None, USE_PDL=pdl.use_pdl, **pdl.kwargs,
+        D=D, BLOCK_H=block_h, Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+        USE_PDL=pdl.use_pdl, Q_BLOCK=q_block, QP=qp, **pdl.kwargs,
     )
     return qo
 
