@@ -349,8 +349,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
             assert on["loads_before_wait"] == 0, (name, on)
         # L2_PF: the bulk prefetches (gate and up: two loops) come before the wait; nowhere else, and never without PDL
-        assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == (2 if "silu" in name else 1) * ("_l2" in name), \
-            (name, on)
+        expected = (2 if "silu" in name else 1) * ("_l2" in name)
+        assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == expected, (name, on)
         assert off["l2_prefetches"] == 0, (name, off)
         if "_l2" in name:  # the prefetch loop branches before the wait: the wait is then not in the entry block
             continue

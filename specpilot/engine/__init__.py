@@ -156,13 +156,11 @@ def _apply_pdl(config: EngineConfig) -> None:
     only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
     it stays off without a word: it is on by default, and the kernels are the same without it."""
-    from specpilot.kernels import pdl
+    from specpilot.kernels import gemv_fused, pdl
 
     want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL", quiet=True)
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger,
                     warn=False)  # on by default: where PDL cannot run (before Hopper) it stays off quietly
-    from specpilot.kernels import gemv_fused
-
     if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only
         gemv_fused.PDL_L2_MAX_BYTES = config.pdl_l2_mb << 20 if pdl.enabled() else 0
 

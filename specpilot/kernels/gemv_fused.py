@@ -554,8 +554,9 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
         else:
-            nbytes = weight.numel() * weight.element_size()
-            l2 = pdl.use_pdl and 0 < nbytes <= PDL_L2_MAX_BYTES and K * weight.element_size() % 16 == 0
+            l2 = (pdl.use_pdl and PDL_L2_MAX_BYTES > 0  # (the size test only where the warming is on at all)
+                  and weight.numel() * weight.element_size() <= PDL_L2_MAX_BYTES
+                  and K * weight.element_size() % 16 == 0)
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,

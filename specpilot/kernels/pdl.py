@@ -20,16 +20,17 @@ Where a kernel lets its dependents launch (`trigger`, EngineConfig.pdl_trigger):
 run and sit in their wait, holding registers and slots N's later programs need; and N+1, triggering at ITS start,
 lets N+2 launch behind it, and so on down the chain. "late": the GEMVs (the launches with programs enough to fill
 the machine) call it once a program's K loop is done, so the kernel after a GEMV launches during its tail, in the
-slots its finishing programs free, and its first weight loads (PREFETCH, kernels/gemv_fused.py) overlap that tail;
-the latency-bound launches (RoPE + K/V write, attention: a few programs) keep triggering first thing, so the GEMV
-after them is resident and loading its first weights while they run. Programs that exit early count as triggered
-(CUDA's rule), so the placement never changes what is computed, only when the next grid may start; the wait still
-orders every dependent access.
+slots its finishing programs free (its first-tile register prefetch, kernels/gemv_fused.py PREFETCH, is not taken
+there: timed no faster); the latency-bound launches (RoPE + K/V write, attention: a few programs) keep triggering
+first thing, so the GEMV after them is resident while they run (and, with EngineConfig.pdl_l2_mb, warms its weight
+in L2 meanwhile). Programs that exit early count as triggered (CUDA's rule), so the placement never changes what is
+computed, only when the next grid may start; the wait still orders every dependent access.
 
 The switch is process-wide (each kernel wrapper asks `launch_options()` at launch time; a CUDA graph keeps what was
-launched while it was captured). It is off by default and can only be on where it can work: CUDA sm_90+, a Triton
-that has the griddepcontrol intrinsics, and not under the Triton interpreter (TRITON_INTERPRET), which cannot run
-inline asm. The engine sets it from `EngineConfig.pdl` (engine._apply_layout).
+launched while it was captured). It starts off and can only be on where it can work: CUDA sm_90+, a Triton that
+has the griddepcontrol intrinsics, and not under the Triton interpreter (TRITON_INTERPRET), which cannot run inline
+asm. The engine sets it from `EngineConfig.pdl` and `pdl_trigger` (engine._apply_layout; on, late, by default
+since session 26).
 """
 
 from __future__ import annotations
