@@ -34,8 +34,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "l2_prefetch", "draft_chain_graph",
-            "prefill_graphs",
+            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "pdl_kv_l2", "l2_prefetch",
+            "draft_chain_graph", "prefill_graphs",
             "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -490,10 +490,35 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("ar_rope_split", on)
         equals_off("ar_rope_split_equals_off", on, off)
 
+    def pdl_kv_l2():
+        # the one-token attention's K/V L2 hint before its PDL wait (EngineConfig.pdl_kv_l2, kernels/
+        # decode_attention.py PDL_KV_L2): a hint, so the tokens must be those without it; graphed AR (also past two
+        # slice boundaries: 300 new tokens), n-gram speculation, against the same engine under PDL late without it
+        from specpilot.kernels import decode_attention, pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        if not pdl.set_enabled(True, trigger="late"):
+            problems.append(f"pdl_kv_l2: PDL not available here: {pdl.unsupported_reason()}")
+            return
+        try:
+            off = [Engine(fast, base).generate(p) for p in prompts]
+            long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
+            long_off = [Engine(fast, long_cfg).generate(p) for p in prompts[:1]]
+            decode_attention.PDL_KV_L2 = True
+            on = [Engine(fast, base.with_(pdl_kv_l2=True)).generate(p) for p in prompts]
+            record("ar_pdl_kv_l2", on)
+            equals_off("ar_pdl_kv_l2_equals_off", on, off)
+            equals_off("ar_pdl_kv_l2_300_equals_off", [Engine(fast, long_cfg).generate(p) for p in prompts[:1]],
+                       long_off)
+            same_tokens((("spec_ngram_pdl_kv_l2", ngram.with_(pdl_kv_l2=True), fast),))
+        finally:
+            pdl.set_enabled(False)
+            decode_attention.PDL_KV_L2 = False
+
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
-              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "l2_prefetch": l2_prefetch,
+              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "pdl_kv_l2": pdl_kv_l2, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

@@ -33,7 +33,10 @@ bits); "fusedropesplit" is "fuseddecode" with q's heads over RoPE + K/V-write pr
 "fusedverify" with `--l2-fraction` (0.5)
 of each layer's gate/up weight warmed in L2 on a side stream during the layer's first launches (EngineConfig.
 l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fuseddecode,fusedverify,fusedl2pf`);
-median of
+`--config=NAME:field=value,field=value` (repeatable) times the graphed step of a fresh random model laid out by
+the engine itself (engine._apply_layout) for `EngineConfig(device="cuda", dtype="bfloat16", field=value, ...)`:
+what `specpilot` runs for that config (without --variants, only those rows), e.g. `--config=default: --config=l2:pdl_l2_mb=36
+--config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". Median of
 100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
 stdout line: one JSON object.
 """
@@ -46,10 +49,11 @@ import time
 
 import torch
 
+from specpilot.config import EngineConfig
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import gemv_fused, l2_prefetch, pdl, rope_write
+from specpilot.kernels import decode_attention, gemv_fused, l2_prefetch, pdl, rope_write
 from specpilot.models import fused_decode, random_model
 
 
@@ -105,6 +109,8 @@ def main(shapes, flags=()) -> int:
         only = [f.split("=", 1)[1].split(",") for f in flags if f.startswith("--variants=")]
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
+        elif configs(flags):  # --config alone: only its rows
+            variants = []
         for compiled, kernel in variants:
             pdl_kinds = ("fused_pdl", "fused_pdlnopf", "fused_pdllate", "fused_pdllatenopf", "fused_pdllatel2",
                          "fused_pdllatel2s")
@@ -159,15 +165,76 @@ def main(shapes, flags=()) -> int:
             del runner
             pdl.set_enabled(False)
             torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+        for cname, fields in configs(flags):  # the engine's own layout for each --config
+            from specpilot.engine import _apply_layout
+
+            ecfg = EngineConfig(device="cuda", dtype="bfloat16", **fields)
+            m = random_model(cfg)
+            _apply_layout(m, ecfg)
+            t0 = time.time()
+            runner = ModelRunner(m.eval(), m.new_cache(1, POOL), buckets=tokens, cuda_graphs=True,
+                                 compile=ecfg.compile)
+            setup = time.time() - t0
+            runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
+            for T in tokens:
+                ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
+                ms = median_ms(lambda: runner.step(ids, 512))
+                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                key = f"graphed_cfg_{cname}_T{T}"
+                res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3),
+                            "config": fields, "pdl_on": pdl.enabled()}
+                print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
+            del runner, m
+            reset_switches()
+            torch.cuda.empty_cache()
         implied = pdl_gap_factor_implied(cfg, hw, res)
         if implied is not None:
             res["pdl_gap_factor_implied"] = implied
             print(name, "pdl_gap_factor_implied", implied, flush=True)
         out["shapes"][name] = res
-        del model
-        torch.cuda.empty_cache()
     print(json.dumps(out))
     return 0
+
+
+def reset_switches() -> None:
+    """The process-wide switches a config's layout sets (engine._apply_pdl etc.) back to off."""
+    pdl.set_enabled(False)
+    gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.ONE_ROW_PREFETCH = 0, False
+    decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
+
+
+def configs(flags) -> list[tuple[str, dict]]:
+    """--config=NAME:field=value,... -> [(NAME, {field: value})], each value parsed as its EngineConfig field's
+    type (true / false, an integer, a number, else text); ValueError on an unknown field or a bad value."""
+    import dataclasses
+
+    types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+    out = []
+    for f in flags:
+        if not f.startswith("--config="):
+            continue
+        name, sep, body = f.split("=", 1)[1].partition(":")
+        if not sep or not name or not name.replace("_", "").isalnum():
+            raise ValueError(f"--config takes NAME:field=value,...; got {f!r}")
+        fields = {}
+        for item in filter(None, body.split(",")):
+            key, eq, val = item.partition("=")
+            if not eq or key not in types:
+                raise ValueError(f"--config={name}: {item!r} is not field=value with an EngineConfig field")
+            kind = str(types[key])
+            if kind == "bool":
+                if val.lower() not in ("true", "false"):
+                    raise ValueError(f"--config={name}: {key} takes true or false, got {val!r}")
+                fields[key] = val.lower() == "true"
+            elif kind in ("int", "float"):
+                fields[key] = (int if kind == "int" else float)(val)
+            else:
+                fields[key] = val
+        EngineConfig(device="cuda", dtype="bfloat16", **fields)  # its own checks, before any GPU time
+        out.append((name, fields))
+    return out
 
 
 def pdl_gap_factor_implied(cfg, hw, res: dict) -> float | None:
@@ -187,9 +254,15 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         print(f"\nusage: gpu_step_timing.py [SHAPE ...] [--no-compile] [--compiled-kernel-only] "
-              f"[--variants={','.join(VARIANT_NAMES)}] [--tokens=1,4,8,16,32,64]")
+              f"[--variants={','.join(VARIANT_NAMES)}] [--tokens=1,4,8,16,32,64] "
+              f"[--config=NAME:field=value,...]")
         sys.exit(0)
     flags = [a for a in argv if a.startswith("--")]
+    try:
+        configs(flags)
+    except Exception as e:  # a bad --config: a clear message, before any GPU time
+        print(f"gpu_step_timing.py: {e}", file=sys.stderr)
+        sys.exit(2)
     for f in flags:
         unknown = [v for v in f.split("=", 1)[1].split(",") if v not in VARIANT_NAMES] if f.startswith(
             "--variants=") else []

@@ -107,6 +107,12 @@ class EngineConfig:
     # prefetches of each program's rows) before its wait, so it streams in while the kernel ahead runs: o_proj behind
     # RoPE + attention, latency-bound launches in which HBM idles (kernels/gemv_fused.py PDL_L2_MAX_BYTES). 0: off.
     # Same numbers
+    pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
+    # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
+    # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers
+    rope_q_heads: int = 0  # CUDA: q heads one RoPE + K/V-write program takes (rounded up to a power of two); 0: all
+    # of them in one program (kernels/rope_write.py Q_HEADS_PER_PROGRAM: Qwen3-8B's 32 normed q heads took 5.1 us
+    # on one SM, session 26). Same numbers
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
@@ -205,6 +211,13 @@ class EngineConfig:
             raise ConfigError(f"pdl_l2_mb must be an integer >= 0 (MiB), got {self.pdl_l2_mb!r}")
         if self.pdl_l2_mb and not self.pdl:
             raise ConfigError("pdl_l2_mb needs pdl (the prefetch is issued before the PDL wait)")
+        if not isinstance(self.pdl_kv_l2, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"pdl_kv_l2 must be true or false, got {self.pdl_kv_l2!r}")
+        if self.pdl_kv_l2 and not self.pdl:
+            raise ConfigError("pdl_kv_l2 needs pdl (the prefetch is issued before the PDL wait)")
+        if not isinstance(self.rope_q_heads, int) or isinstance(self.rope_q_heads, bool) or self.rope_q_heads < 0:
+            raise ConfigError(f"rope_q_heads must be an integer >= 0 (0: one program for all q heads), got "
+                              f"{self.rope_q_heads!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

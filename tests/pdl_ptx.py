@@ -110,7 +110,11 @@ def _cases():
     yield "rope_write_qk_norm_split", rw._rope_write_kernel, dict(D=128, BLOCK_H=8, Q_NORM=True, K_NORM=True,
                                                                   Q_BLOCK=4, QP=8), rope_types
     yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
-                                                               UPCAST=False, SPLITS_P2=32), attn_types
+                                                               UPCAST=False, SPLITS_P2=32, KV_L2=False), attn_types
+    # the K/V hint before the wait (decode_attention.PDL_KV_L2): a positions load, then bulk L2 prefetches, no write
+    yield "attention_one_launch_kv_hint", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
+                                                                       UPCAST=False, SPLITS_P2=32, KV_L2=True), \
+        attn_types
 
     def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
         return "fp32" if n == "eps" else attn_types(n)

@@ -220,6 +220,70 @@ def test_each_fused_path_kernel_launches_with_pdl_exactly_when_switched_on(monke
         [("_split_kernel", (False, False)), ("_combine_kernel", (False, False))]
 
 
+@pytest.mark.parametrize("on, hint, rows", [(False, True, 16), (True, False, 16), (True, True, 16),
+                                             (True, True, 32)])
+def test_the_attention_takes_the_kv_hint_only_under_pdl_and_over_contiguous_rows(monkeypatch, on, hint, rows):
+    """decode_attention.PDL_KV_L2: the one-launch attention's KV_L2 constexpr is on exactly when PDL is, the switch
+    is, and the cache's rows of D elements lie contiguous (rows 32: a [.., S, 2D] pool's first halves, whose rows
+    are not); the output is the same either way (the interpreted kernel runs without PDL, as every recorder's)."""
+    from specpilot.kernels import decode_attention as da
+
+    if on:
+        _force_on(monkeypatch)
+    monkeypatch.setattr(da, "PDL_KV_L2", hint)
+    log = []
+    _record(monkeypatch, log)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 1, 16)
+    k, v = torch.randn(1, 2, 32, rows)[..., :16], torch.randn(1, 2, 32, rows)[..., :16]
+    pos = torch.tensor([[20]])
+    out = da.decode_attention(q, k, v, pos, split_s=8, block_s=8, one_launch=True)
+    assert torch.allclose(out, da.decode_attention_reference(q, k, v, pos), atol=1e-5)
+    assert [(name, kw["KV_L2"]) for name, kw in log] == [("_split_merge_kernel", on and hint and rows == 16)]
+
+
+def test_the_engine_sets_the_kv_hint_and_the_rope_split_from_the_config(monkeypatch):
+    """EngineConfig.pdl_kv_l2 -> decode_attention.PDL_KV_L2 (with PDL on only), rope_q_heads ->
+    rope_write.Q_HEADS_PER_PROGRAM (on CUDA only); both validated, both CLI flags, both loop mechanisms."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.engine import _apply_pdl, _apply_rope_split
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention, rope_write
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    monkeypatch.setattr(decode_attention, "PDL_KV_L2", False)
+    monkeypatch.setattr(rope_write, "Q_HEADS_PER_PROGRAM", 0)
+    assert EngineConfig().pdl_kv_l2 is False and EngineConfig().rope_q_heads == 0  # off until the H200 times them
+    _apply_pdl(EngineConfig(device="cuda", pdl_kv_l2=True))
+    assert pdl.enabled() and decode_attention.PDL_KV_L2 is True
+    _apply_pdl(EngineConfig(device="cuda"))
+    assert decode_attention.PDL_KV_L2 is False
+    _apply_pdl(EngineConfig(device="cuda", pdl_kv_l2=True, fused_decode=False))  # no fused path: no PDL, no hint
+    assert not pdl.enabled() and decode_attention.PDL_KV_L2 is False
+    _apply_rope_split(EngineConfig(device="cuda", rope_q_heads=4))
+    assert rope_write.Q_HEADS_PER_PROGRAM == 4
+    _apply_rope_split(EngineConfig(rope_q_heads=4))  # CPU: one program, as ever
+    assert rope_write.Q_HEADS_PER_PROGRAM == 0
+    with pytest.raises(ConfigError, match="pdl_kv_l2 must be true or false"):
+        EngineConfig(pdl_kv_l2="false")
+    with pytest.raises(ConfigError, match="pdl_kv_l2 needs pdl"):
+        EngineConfig(pdl=False, pdl_kv_l2=True)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ConfigError, match="rope_q_heads must be an integer >= 0"):
+            EngineConfig(rope_q_heads=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--pdl-kv-l2"])).pdl_kv_l2
+    assert engine_config(parser.parse_args(["--rope-q-heads", "8"])).rope_q_heads == 8
+    assert {"pdl_kv_l2", "rope_q_heads"} <= set(EngineMeasure.LAYOUT)
+    assert REGISTRY["rope_split"].fields == {"rope_q_heads": [4, 8, 0]}
+    assert REGISTRY["pdl_kv_l2"].fields == {"pdl_kv_l2": [True, False]}
+
+
 @pytest.mark.parametrize("trigger", ["start", "late"])
 def test_the_gemvs_take_the_trigger_and_the_latency_bound_launches_keep_theirs(tiny_model_dir, monkeypatch, trigger):
     """EngineConfig.pdl_trigger "late": every GEMV launch of a fused one-token step (one-row kernel) and of a fused
@@ -332,12 +396,19 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch",
             "gemv_norm_bias_late", "gemv_norm_silu_mul_paired_prefetch_late", "gemv_residual_late",
             "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
-            "gemv_norm_silu_mul_l2_late"} <= set(report)
+            "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
         assert on["launch_pdl"], name
         assert on["launch_dependents"] is not None and on["wait"] is not None, name
+        if name.endswith("_kv_hint"):  # decode_attention.PDL_KV_L2: one positions load and the K and V bulk L2
+            # prefetches before the wait, no store or atomic before it; none of it without PDL
+            assert on["launch_dependents"] < on["wait"] < on["first_global_write"], (name, on)
+            assert on["loads_before_wait"] == 1, (name, on)
+            assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == 2, (name, on)
+            assert off["l2_prefetches"] == 0 and off["loads_before_wait"] == 0, (name, off)
+            continue
         if name.endswith("_late"):  # the trigger after the K loop (past its branch), before any store or atomic
             assert on["wait"] < on["first_global_write"] and on["first_branch"] is not None, (name, on)
             assert on["first_branch"] < on["launch_dependents"] < on["first_global_write"], (name, on)

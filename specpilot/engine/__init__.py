@@ -134,6 +134,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
                           RuntimeWarning, stacklevel=2)
     _apply_pdl(config)
     _apply_gemv_prefetch(config)
+    _apply_rope_split(config)
 
 
 def _fused_switch_wanted(config: EngineConfig, field: str, what: str, quiet: bool = False) -> bool:
@@ -156,13 +157,14 @@ def _apply_pdl(config: EngineConfig) -> None:
     only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
     it stays off without a word: it is on by default, and the kernels are the same without it."""
-    from specpilot.kernels import gemv_fused, pdl
+    from specpilot.kernels import decode_attention, gemv_fused, pdl
 
     want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL", quiet=True)
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger,
                     warn=False)  # on by default: where PDL cannot run (before Hopper) it stays off quietly
     if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only
         gemv_fused.PDL_L2_MAX_BYTES = config.pdl_l2_mb << 20 if pdl.enabled() else 0
+        decode_attention.PDL_KV_L2 = config.pdl_kv_l2 and pdl.enabled()  # the attention's K/V hint, as above
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
@@ -173,6 +175,14 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
     want = _fused_switch_wanted(config, "gemv_prefetch", "the one-row GEMVs it changes are the fused one-token path's")
     if gemv_fused.triton is not None:
         gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
+
+
+def _apply_rope_split(config: EngineConfig) -> None:
+    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, set whenever a model
+    is laid out, as _apply_pdl; 0 (one program for all q heads) off CUDA."""
+    from specpilot.kernels import rope_write
+
+    rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if str(config.device).startswith("cuda") else 0
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

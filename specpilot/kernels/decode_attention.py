@@ -36,6 +36,7 @@ try:
     import triton
     import triton.language as tl
 
+    from specpilot.kernels.gemv_fused import _l2_prefetch_rows  # one bulk L2 prefetch per 64 KiB of rows
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -46,6 +47,13 @@ MAX_T = 16
 # layer on the H200 against 9 us for one token (session 15; ~0.37 ms of a 2.4 ms 16-token step). Row blocks of 32
 # spread them over more programs, each re-reading its slice's K/V (from L2). One token (<= 16 rows) is unchanged.
 ROWS_PER_PROGRAM = 32
+# Under PDL the one-launch kernel (the fused one-token path's) asks L2 for its slice's K and V rows before its wait
+# (EngineConfig.pdl_kv_l2): its programs launch as soon as RoPE + K/V write starts, and the keys below the new
+# token's slot were written by earlier steps, so they can stream from HBM into L2 while RoPE runs; after the wait
+# the slice's loads are L2 hits instead of DRAM round trips. A hint only: the range comes from a read of the
+# positions before the wait, clamped to the pool, and nothing read before the wait is used after it (the kernel
+# re-reads the positions, then every K/V row, behind the wait as before), so the numbers cannot change.
+PDL_KV_L2 = False
 
 
 def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
@@ -62,6 +70,8 @@ def decode_attention_reference(q, k, v, positions, scale: float | None = None) -
 
 
 if triton is not None:
+    MAX_T_C = tl.constexpr(MAX_T)
+    _KV_CHUNK = tl.constexpr(64 * 1024)  # bytes a bulk prefetch asks for
 
     @triton.jit
     def _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -117,6 +127,18 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
             m_i = m_new
         return m_i, l_i, acc
+
+    @triton.jit
+    def _kv_l2_hint(k_ptr, v_ptr, pos_ptr, b, hk, start, sk_b, sk_h, sv_b, sv_h, sp_b, S, T, SPLIT_S,
+                    D: tl.constexpr):
+        """Ask L2 for K and V rows [start, min(start + SPLIT_S, p)) of (b, hk), p the largest position of b's
+        tokens clamped to [0, S) (slot p itself is the one being written). Rows [*, D] lie contiguous (host check)."""
+        t = tl.arange(0, MAX_T_C)
+        p = tl.max(tl.load(pos_ptr + b * sp_b + t, mask=t < T, other=0), axis=0)
+        n = tl.minimum(tl.minimum(p, S - 1) - start, SPLIT_S)
+        if n > 0:
+            _l2_prefetch_rows(k_ptr + b * sk_b + hk * sk_h, start, n, D, _KV_CHUNK)
+            _l2_prefetch_rows(v_ptr + b * sv_b + hk * sv_h, start, n, D, _KV_CHUNK)
 
     @triton.jit
     def _store_partial(o_ptr, m_ptr, l_ptr, part, m_i, l_i, acc, D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -197,7 +219,8 @@ if triton is not None:
                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
                             H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                            UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False):
+                            UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+                            KV_L2: tl.constexpr = False):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -205,14 +228,18 @@ if triton is not None:
         # before the wait: the predecessor may still be running, still reading a buffer the allocator handed us.
         # Every program waits, even those that exit early, so the counters of this launch are never touched
         # before the previous attention launch (which left them at zero) has completed.
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        # KV_L2 (PDL_KV_L2): before the wait, an L2 prefetch of this slice's K/V rows (a hint: see PDL_KV_L2).
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
         pid_s = tl.program_id(1)
         b = pid_bh // NUM_RB // H_KV
         hk = pid_bh // NUM_RB % H_KV
         row0 = pid_bh % NUM_RB * BLOCK_R
+        if USE_PDL:
+            gdc_launch_dependents()
+            if KV_L2:
+                _kv_l2_hint(k_ptr, v_ptr, pos_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sv_b, sv_h, sp_b, S, T,
+                            SPLIT_S, D)
+            gdc_wait()
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         # Who counts: only the n_used slices that do work (pid_s < n_used <=> pid_s * SPLIT_S <= max_pos, the
         # split kernel's own test), so the expected total is n_used, computed as `_combine_kernel` does; slices
@@ -295,10 +322,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     scale = D ** -0.5 if scale is None else scale
     if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
         pdl = launch_options()
+        # the K/V hint needs rows of D contiguous elements and 16-byte-aligned bulk addresses and sizes
+        kv_l2 = (pdl.use_pdl and PDL_KV_L2 and k.stride(2) == D and v.stride(2) == D
+                 and D * k.element_size() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+                 and k.stride(1) * k.element_size() % 16 == 0 and k.stride(0) * k.element_size() % 16 == 0
+                 and v.stride(1) * v.element_size() % 16 == 0 and v.stride(0) * v.element_size() % 16 == 0)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
-            SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, **pdl.kwargs)
+            SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, **pdl.kwargs)
         return out
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
                                            **consts)

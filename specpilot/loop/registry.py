@@ -228,6 +228,16 @@ register(Mechanism(
     "under PDL, a one-row GEMV whose weight fits the size asks L2 for all of it before its wait, so o_proj's weight "
     "streams in while RoPE and attention (latency-bound: HBM idles) run ahead of it"))
 register(Mechanism(
+    "pdl_kv_l2", ("verify", "draft"), {"pdl_kv_l2": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
+    "under PDL, the one-token attention asks L2 for its slice's older K/V rows before its wait, so they stream in "
+    "while RoPE + K/V write runs ahead of it and its loads after the wait hit L2"))
+register(Mechanism(
+    "rope_split", ("verify", "draft"), {"rope_q_heads": [4, 8, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "RoPE + K/V write spreads q's heads over several programs instead of one (with a q/k norm, one program for 32 "
+    "heads is latency on one SM)"))
+register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
