@@ -34,9 +34,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "pdl_kv_l2", "l2_prefetch",
-            "draft_chain_graph", "prefill_graphs",
-            "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
+            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "attn_split", "pdl_kv_l2",
+            "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -480,15 +479,39 @@ def main(only: tuple[str, ...] = ()) -> int:
         from specpilot.kernels import rope_write
 
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        rope_write.Q_HEADS_PER_PROGRAM = 0
         off = [Engine(fast, base).generate(p) for p in prompts]
-        rope_write.Q_HEADS_PER_PROGRAM = 4
-        try:
-            on = [Engine(fast, base).generate(p) for p in prompts]
-            same_tokens((("spec_ngram_rope_split", ngram, fast),))
-        finally:
-            rope_write.Q_HEADS_PER_PROGRAM = 0
-        record("ar_rope_split", on)
-        equals_off("ar_rope_split_equals_off", on, off)
+        for n in (4, 8):  # 8: EngineConfig.rope_q_heads's default
+            rope_write.Q_HEADS_PER_PROGRAM = n
+            try:
+                on = [Engine(fast, base).generate(p) for p in prompts]
+                same_tokens(((f"spec_ngram_rope_split_{n}", ngram, fast),))
+            finally:
+                rope_write.Q_HEADS_PER_PROGRAM = 0
+            record(f"ar_rope_split_{n}", on)
+            equals_off(f"ar_rope_split_{n}_equals_off", on, off)
+
+    def attn_split():
+        # the one-token attention over 64 / 256 keys a program (EngineConfig.attn_split_keys, kernels/
+        # decode_attention.py ONE_LAUNCH_SPLIT): another merge order of the same fp32 partials, so graphed AR (also
+        # 300 new tokens, past several slice boundaries) and n-gram speculation against eager AR's tokens
+        from specpilot.kernels import decode_attention
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
+        long_ref = [Engine(target, long_cfg.with_(cuda_graphs=False)).generate(p).output_ids for p in prompts[:1]]
+        for keys in (64, 256):
+            decode_attention.ONE_LAUNCH_SPLIT = (keys, 64)
+            try:
+                record(f"ar_attn_split_{keys}", [Engine(fast, base).generate(p) for p in prompts])
+                same_tokens(((f"spec_ngram_attn_split_{keys}", ngram, fast),))
+                got = [Engine(fast, long_cfg).generate(p).output_ids for p in prompts[:1]]
+            finally:
+                decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
+            result[f"ar_attn_split_{keys}_300"] = {"equal": got == long_ref}
+            print(f"ar_attn_split_{keys}_300", result[f"ar_attn_split_{keys}_300"], flush=True)
+            if got != long_ref:
+                problems.append(f"ar_attn_split_{keys}_300")
 
     def pdl_kv_l2():
         # the one-token attention's K/V L2 hint before its PDL wait (EngineConfig.pdl_kv_l2, kernels/
@@ -518,7 +541,8 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
-              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "pdl_kv_l2": pdl_kv_l2, "l2_prefetch": l2_prefetch,
+              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
+              "pdl_kv_l2": pdl_kv_l2, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

@@ -36,7 +36,8 @@ l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fus
 `--config=NAME:field=value,field=value` (repeatable) times the graphed step of a fresh random model laid out by
 the engine itself (engine._apply_layout) for `EngineConfig(device="cuda", dtype="bfloat16", field=value, ...)`:
 what `specpilot` runs for that config (without --variants, only those rows), e.g. `--config=default: --config=l2:pdl_l2_mb=36
---config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". Median of
+--config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". `--rounds=N` times every
+config N times in turn (a fresh capture each) and reports the median. Median of
 100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
 stdout line: one JSON object.
 """
@@ -44,6 +45,7 @@ stdout line: one JSON object.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -167,28 +169,32 @@ def main(shapes, flags=()) -> int:
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
-        for cname, fields in configs(flags):  # the engine's own layout for each --config
-            from specpilot.engine import _apply_layout
+        times = {}  # (config name, T) -> ms of each round
+        for rnd in range(rounds(flags)):  # --rounds=N: every config once a round, so drift hits them alike
+            for cname, fields in configs(flags):  # the engine's own layout for each --config
+                from specpilot.engine import _apply_layout
 
-            ecfg = EngineConfig(device="cuda", dtype="bfloat16", **fields)
-            m = random_model(cfg)
-            _apply_layout(m, ecfg)
-            t0 = time.time()
-            runner = ModelRunner(m.eval(), m.new_cache(1, POOL), buckets=tokens, cuda_graphs=True,
-                                 compile=ecfg.compile)
-            setup = time.time() - t0
-            runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
-            for T in tokens:
-                ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
-                ms = median_ms(lambda: runner.step(ids, 512))
-                floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
-                key = f"graphed_cfg_{cname}_T{T}"
-                res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3),
-                            "config": fields, "pdl_on": pdl.enabled()}
-                print(name, key, res[key], f"setup {setup:.1f}s", flush=True)
-            del runner, m
-            reset_switches()
-            torch.cuda.empty_cache()
+                ecfg = EngineConfig(device="cuda", dtype="bfloat16", **fields)
+                m = random_model(cfg)
+                _apply_layout(m, ecfg)
+                t0 = time.time()
+                runner = ModelRunner(m.eval(), m.new_cache(1, POOL), buckets=tokens, cuda_graphs=True,
+                                     compile=ecfg.compile)
+                setup = time.time() - t0
+                runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
+                for T in tokens:
+                    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
+                    times.setdefault((cname, T), []).append(median_ms(lambda: runner.step(ids, 512)))
+                    floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                    ms = statistics.median(times[cname, T])
+                    key = f"graphed_cfg_{cname}_T{T}"
+                    res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3),
+                                "rounds_ms": [round(t, 4) for t in times[cname, T]], "config": fields,
+                                "pdl_on": pdl.enabled()}
+                    print(name, f"round {rnd}", key, res[key], f"setup {setup:.1f}s", flush=True)
+                del runner, m
+                reset_switches()
+                torch.cuda.empty_cache()
         implied = pdl_gap_factor_implied(cfg, hw, res)
         if implied is not None:
             res["pdl_gap_factor_implied"] = implied
@@ -203,6 +209,16 @@ def reset_switches() -> None:
     pdl.set_enabled(False)
     gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.ONE_ROW_PREFETCH = 0, False
     decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
+    decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
+
+
+def rounds(flags) -> int:
+    """--rounds=N (default 1): how many times each --config is laid out, captured and timed, in turn; its row is
+    the median over the rounds (H200, session 27: one config's step moved 2-6% between captures minutes apart)."""
+    got = [f.split("=", 1)[1] for f in flags if f.startswith("--rounds=")]
+    if got and not (got[-1].isdigit() and int(got[-1]) >= 1):
+        raise ValueError(f"--rounds takes a positive integer, got {got[-1]!r}")
+    return int(got[-1]) if got else 1
 
 
 def configs(flags) -> list[tuple[str, dict]]:
@@ -255,11 +271,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
         print(__doc__.strip())
         print(f"\nusage: gpu_step_timing.py [SHAPE ...] [--no-compile] [--compiled-kernel-only] "
               f"[--variants={','.join(VARIANT_NAMES)}] [--tokens=1,4,8,16,32,64] "
-              f"[--config=NAME:field=value,...]")
+              f"[--config=NAME:field=value,...] [--rounds=N]")
         sys.exit(0)
     flags = [a for a in argv if a.startswith("--")]
     try:
-        configs(flags)
+        configs(flags), rounds(flags)
     except Exception as e:  # a bad --config: a clear message, before any GPU time
         print(f"gpu_step_timing.py: {e}", file=sys.stderr)
         sys.exit(2)

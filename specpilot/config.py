@@ -109,10 +109,16 @@ class EngineConfig:
     # Same numbers
     pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
     # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
-    # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers
-    rope_q_heads: int = 0  # CUDA: q heads one RoPE + K/V-write program takes (rounded up to a power of two); 0: all
+    # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers. Off: SLOWER on the
+    # H200 (session 27, random weights: Qwen3-8B step +1.5 / +1.6%, 1.5B +6%; engine check equal)
+    rope_q_heads: int = 8  # CUDA: q heads one RoPE + K/V-write program takes (rounded up to a power of two); 0: all
     # of them in one program (kernels/rope_write.py Q_HEADS_PER_PROGRAM: Qwen3-8B's 32 normed q heads took 5.1 us
-    # on one SM, session 26). Same numbers
+    # on one SM, session 26). Same numbers. 8 since session 27 (H200, graphed one-token step, random weights, each
+    # against the default beside it in the same process: Qwen3-8B -1.2 to -1.7% in four runs, 1.5B -0.5%)
+    attn_split_keys: int = 128  # CUDA: keys a program of the one-token attention takes (kernels/decode_attention.py
+    # ONE_LAUNCH_SPLIT; a power of two, 16-1024; 64 keys an inner step, fewer if fewer): more programs and more
+    # partials to merge, or fewer. Same numbers up to the merge's summation order (fp32). H200, session 27: 64 was
+    # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.8 to +1.4% at 1.5B (2): the loop searches it
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
@@ -218,6 +224,9 @@ class EngineConfig:
         if not isinstance(self.rope_q_heads, int) or isinstance(self.rope_q_heads, bool) or self.rope_q_heads < 0:
             raise ConfigError(f"rope_q_heads must be an integer >= 0 (0: one program for all q heads), got "
                               f"{self.rope_q_heads!r}")
+        if (not isinstance(self.attn_split_keys, int) or isinstance(self.attn_split_keys, bool)
+                or not 16 <= self.attn_split_keys <= 1024 or self.attn_split_keys & (self.attn_split_keys - 1)):
+            raise ConfigError(f"attn_split_keys must be a power of two in [16, 1024], got {self.attn_split_keys!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

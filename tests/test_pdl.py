@@ -242,9 +242,10 @@ def test_the_attention_takes_the_kv_hint_only_under_pdl_and_over_contiguous_rows
     assert [(name, kw["KV_L2"]) for name, kw in log] == [("_split_merge_kernel", on and hint and rows == 16)]
 
 
-def test_the_engine_sets_the_kv_hint_and_the_rope_split_from_the_config(monkeypatch):
+def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from_the_config(monkeypatch):
     """EngineConfig.pdl_kv_l2 -> decode_attention.PDL_KV_L2 (with PDL on only), rope_q_heads ->
-    rope_write.Q_HEADS_PER_PROGRAM (on CUDA only); both validated, both CLI flags, both loop mechanisms."""
+    rope_write.Q_HEADS_PER_PROGRAM and attn_split_keys -> decode_attention.ONE_LAUNCH_SPLIT (on CUDA only); each
+    validated, each a CLI flag, each a loop mechanism."""
     import argparse
 
     from specpilot.cli import add_engine_flags, engine_config
@@ -257,17 +258,24 @@ def test_the_engine_sets_the_kv_hint_and_the_rope_split_from_the_config(monkeypa
     monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
     monkeypatch.setattr(decode_attention, "PDL_KV_L2", False)
     monkeypatch.setattr(rope_write, "Q_HEADS_PER_PROGRAM", 0)
-    assert EngineConfig().pdl_kv_l2 is False and EngineConfig().rope_q_heads == 0  # off until the H200 times them
+    assert EngineConfig().pdl_kv_l2 is False  # slower on the H200 (session 27)
+    assert EngineConfig().rope_q_heads == 8 and EngineConfig().attn_split_keys == 128  # as timed there
     _apply_pdl(EngineConfig(device="cuda", pdl_kv_l2=True))
     assert pdl.enabled() and decode_attention.PDL_KV_L2 is True
     _apply_pdl(EngineConfig(device="cuda"))
     assert decode_attention.PDL_KV_L2 is False
     _apply_pdl(EngineConfig(device="cuda", pdl_kv_l2=True, fused_decode=False))  # no fused path: no PDL, no hint
     assert not pdl.enabled() and decode_attention.PDL_KV_L2 is False
-    _apply_rope_split(EngineConfig(device="cuda", rope_q_heads=4))
-    assert rope_write.Q_HEADS_PER_PROGRAM == 4
-    _apply_rope_split(EngineConfig(rope_q_heads=4))  # CPU: one program, as ever
-    assert rope_write.Q_HEADS_PER_PROGRAM == 0
+    monkeypatch.setattr(decode_attention, "ONE_LAUNCH_SPLIT", (128, 64))
+    _apply_rope_split(EngineConfig(device="cuda", rope_q_heads=4, attn_split_keys=32))
+    assert rope_write.Q_HEADS_PER_PROGRAM == 4 and decode_attention.ONE_LAUNCH_SPLIT == (32, 32)
+    _apply_rope_split(EngineConfig(device="cuda", attn_split_keys=256))
+    assert rope_write.Q_HEADS_PER_PROGRAM == 8 and decode_attention.ONE_LAUNCH_SPLIT == (256, 64)
+    _apply_rope_split(EngineConfig(rope_q_heads=4, attn_split_keys=64))  # CPU: the layouts the CPU tests pin
+    assert rope_write.Q_HEADS_PER_PROGRAM == 0 and decode_attention.ONE_LAUNCH_SPLIT == (128, 64)
+    for bad in (0, 48, 2048, True, 64.0):
+        with pytest.raises(ConfigError, match="attn_split_keys must be a power of two"):
+            EngineConfig(attn_split_keys=bad)
     with pytest.raises(ConfigError, match="pdl_kv_l2 must be true or false"):
         EngineConfig(pdl_kv_l2="false")
     with pytest.raises(ConfigError, match="pdl_kv_l2 needs pdl"):
@@ -278,9 +286,11 @@ def test_the_engine_sets_the_kv_hint_and_the_rope_split_from_the_config(monkeypa
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
     assert engine_config(parser.parse_args(["--pdl-kv-l2"])).pdl_kv_l2
-    assert engine_config(parser.parse_args(["--rope-q-heads", "8"])).rope_q_heads == 8
-    assert {"pdl_kv_l2", "rope_q_heads"} <= set(EngineMeasure.LAYOUT)
-    assert REGISTRY["rope_split"].fields == {"rope_q_heads": [4, 8, 0]}
+    assert engine_config(parser.parse_args(["--rope-q-heads", "0"])).rope_q_heads == 0
+    assert engine_config(parser.parse_args(["--attn-split-keys", "64"])).attn_split_keys == 64
+    assert {"pdl_kv_l2", "rope_q_heads", "attn_split_keys"} <= set(EngineMeasure.LAYOUT)
+    assert REGISTRY["rope_split"].fields == {"rope_q_heads": [4, 16, 0]}
+    assert REGISTRY["attn_split"].fields == {"attn_split_keys": [64, 256, 128]}
     assert REGISTRY["pdl_kv_l2"].fields == {"pdl_kv_l2": [True, False]}
 
 

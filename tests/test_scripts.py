@@ -373,3 +373,26 @@ def test_step_kernels_finds_the_layer_and_prices_each_launch():
     bad = replay(0.0)
     with pytest.raises(ValueError, match="different kernel sequences"):
         mod.summarize([replay(0.0), bad[:-1] + [("other", 0.0, 1.0)]], layers)
+
+
+def test_step_timing_configs_are_engine_configs_checked_before_any_gpu_time():
+    """gpu_step_timing.py --config=NAME:field=value,...: values parsed as their EngineConfig field's type, the
+    config's own checks run at parse time; a bad one (unknown field, bad value, a check failing, --rounds 0) exits 2
+    with the reason, before any GPU time."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_step_timing as g
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert g.configs(["--tokens=1", "--config=base:", "--config=x:pdl_l2_mb=36,pdl_kv_l2=true,pdl_trigger=start,"
+                      "l2_prefetch=0.5"]) == [("base", {}), ("x", {"pdl_l2_mb": 36, "pdl_kv_l2": True,
+                                                               "pdl_trigger": "start", "l2_prefetch": 0.5})]
+    assert g.rounds([]) == 1 and g.rounds(["--rounds=3"]) == 3
+    for bad, why in (("--config=x:nofield=1", "not field=value"), ("--config=x:pdl=maybe", "true or false"),
+                     ("--config=x:pdl=false,pdl_kv_l2=true", "needs pdl"), ("--config=:pdl=true", "NAME:field"),
+                     ("--rounds=0", "positive integer")):
+        r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_step_timing.py"), bad], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)

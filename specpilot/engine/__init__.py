@@ -178,11 +178,15 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 
 def _apply_rope_split(config: EngineConfig) -> None:
-    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, set whenever a model
-    is laid out, as _apply_pdl; 0 (one program for all q heads) off CUDA."""
-    from specpilot.kernels import rope_write
+    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM and attn_split_keys ->
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, set whenever a model is laid out, as _apply_pdl; off CUDA the
+    layouts the CPU tests pin (one program for all q heads; 128 keys a program)."""
+    from specpilot.kernels import decode_attention, rope_write
 
-    rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if str(config.device).startswith("cuda") else 0
+    cuda = str(config.device).startswith("cuda")
+    rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if cuda else 0
+    keys = config.attn_split_keys if cuda else 128
+    decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

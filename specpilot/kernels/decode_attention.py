@@ -52,7 +52,8 @@ ROWS_PER_PROGRAM = 32
 # token's slot were written by earlier steps, so they can stream from HBM into L2 while RoPE runs; after the wait
 # the slice's loads are L2 hits instead of DRAM round trips. A hint only: the range comes from a read of the
 # positions before the wait, clamped to the pool, and nothing read before the wait is used after it (the kernel
-# re-reads the positions, then every K/V row, behind the wait as before), so the numbers cannot change.
+# re-reads the positions, then every K/V row, behind the wait as before), so the numbers cannot change. Off:
+# SLOWER on the H200 (session 27, graphed one-token step: Qwen3-8B +1.5% / +1.6%, 1.5B +6%; exact).
 PDL_KV_L2 = False
 
 
@@ -340,7 +341,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 # keys per program and per inner step of the one-launch op (the fused decode path's attention); the H200 timing
-# that chose them: BENCHMARKS.md (session 12)
+# that chose them: BENCHMARKS.md (session 12). EngineConfig.attn_split_keys sets it (engine._apply_rope_split)
 ONE_LAUNCH_SPLIT = (128, 64)
 
 

@@ -233,10 +233,15 @@ register(Mechanism(
     "under PDL, the one-token attention asks L2 for its slice's older K/V rows before its wait, so they stream in "
     "while RoPE + K/V write runs ahead of it and its loads after the wait hit L2"))
 register(Mechanism(
-    "rope_split", ("verify", "draft"), {"rope_q_heads": [4, 8, 0]},
+    "rope_split", ("verify", "draft"), {"rope_q_heads": [4, 16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "RoPE + K/V write spreads q's heads over several programs instead of one (with a q/k norm, one program for 32 "
     "heads is latency on one SM)"))
+register(Mechanism(
+    "attn_split", ("verify", "draft"), {"attn_split_keys": [64, 256, 128]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's keys per program: more programs and partials to merge (many KV heads), or fewer "
+    "(few KV heads)"))
 register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
