@@ -54,6 +54,7 @@ import torch
 from specpilot.config import EngineConfig
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
+from specpilot.engine import _apply_layout
 from specpilot.engine.runner import ModelRunner
 from specpilot.kernels import decode_attention, gemv_fused, l2_prefetch, pdl, rope_write
 from specpilot.models import fused_decode, random_model
@@ -86,13 +87,12 @@ def main(shapes, flags=()) -> int:
     # --l2-fraction=F: the share of each layer's gate/up weight the fusedl2* variants warm (EngineConfig.l2_prefetch)
     frac = [f.split("=", 1)[1] for f in flags if f.startswith("--l2-fraction=")]
     l2_fraction = float(frac[0]) if frac else 0.5
+    cfgs, n_rounds = configs(flags), rounds(flags)  # --config / --rounds, parsed once
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
     print("hardware", json.dumps(out["hardware"]), flush=True)  # first: a run cut by its time limit keeps it
     for name in shapes:
         cfg = synthetic_config(name)
-        model = random_model(cfg)
-        model.fuse_projections()
         res = {}
         # (compiled, attention kernel); "all": the attention, RMSNorm, RoPE, silu*mul and add+RMSNorm kernels together;
         # "all_gemv": those plus the Triton GEMV (uncompiled only)
@@ -111,8 +111,9 @@ def main(shapes, flags=()) -> int:
         only = [f.split("=", 1)[1].split(",") for f in flags if f.startswith("--variants=")]
         if only:  # e.g. --variants=allkernels,fuseddecode: the tags of _KERNEL_TAG without "_" (plain: "sdpa")
             variants = [v for v in variants if (_KERNEL_TAG[v[1]][1:] or "sdpa") in only[0] and not v[0]]
-        elif configs(flags):  # --config alone: only its rows
+        elif cfgs:  # --config alone: only its rows
             variants = []
+        model = random_model(cfg).fuse_projections() if variants else None  # --config rows make their own
         for compiled, kernel in variants:
             pdl_kinds = ("fused_pdl", "fused_pdlnopf", "fused_pdllate", "fused_pdllatenopf", "fused_pdllatel2",
                          "fused_pdllatel2s")
@@ -170,10 +171,8 @@ def main(shapes, flags=()) -> int:
         del model
         torch.cuda.empty_cache()
         times = {}  # (config name, T) -> ms of each round
-        for rnd in range(rounds(flags)):  # --rounds=N: every config once a round, so drift hits them alike
-            for cname, fields in configs(flags):  # the engine's own layout for each --config
-                from specpilot.engine import _apply_layout
-
+        for rnd in range(n_rounds):  # --rounds=N: every config once a round, so drift hits them alike
+            for cname, fields in cfgs:  # the engine's own layout for each --config
                 ecfg = EngineConfig(device="cuda", dtype="bfloat16", **fields)
                 m = random_model(cfg)
                 _apply_layout(m, ecfg)

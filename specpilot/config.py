@@ -113,12 +113,12 @@ class EngineConfig:
     # H200 (session 27, random weights: Qwen3-8B step +1.5 / +1.6%, 1.5B +6%; engine check equal)
     rope_q_heads: int = 8  # CUDA: q heads one RoPE + K/V-write program takes (rounded up to a power of two); 0: all
     # of them in one program (kernels/rope_write.py Q_HEADS_PER_PROGRAM: Qwen3-8B's 32 normed q heads took 5.1 us
-    # on one SM, session 26). Same numbers. 8 since session 27 (H200, graphed one-token step, random weights, each
-    # against the default beside it in the same process: Qwen3-8B -1.2 to -1.7% in four runs, 1.5B -0.5%)
+    # on one SM, session 26). Same numbers. 8 since session 27 (H200, graphed one-token step, random weights,
+    # interleaved against 0 on two machines: Qwen3-8B -1.4 / -1.6%, 1.5B -0.5 / -0.6%)
     attn_split_keys: int = 128  # CUDA: keys a program of the one-token attention takes (kernels/decode_attention.py
     # ONE_LAUNCH_SPLIT; a power of two, 16-1024; 64 keys an inner step, fewer if fewer): more programs and more
     # partials to merge, or fewer. Same numbers up to the merge's summation order (fp32). H200, session 27: 64 was
-    # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.8 to +1.4% at 1.5B (2): the loop searches it
+    # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.7 to +1.4% at 1.5B (2): the loop searches it
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200

@@ -249,7 +249,7 @@ def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from
     import argparse
 
     from specpilot.cli import add_engine_flags, engine_config
-    from specpilot.engine import _apply_pdl, _apply_rope_split
+    from specpilot.engine import _apply_pdl, _apply_program_splits
     from specpilot.errors import ConfigError
     from specpilot.kernels import decode_attention, rope_write
     from specpilot.loop import EngineMeasure
@@ -267,11 +267,11 @@ def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from
     _apply_pdl(EngineConfig(device="cuda", pdl_kv_l2=True, fused_decode=False))  # no fused path: no PDL, no hint
     assert not pdl.enabled() and decode_attention.PDL_KV_L2 is False
     monkeypatch.setattr(decode_attention, "ONE_LAUNCH_SPLIT", (128, 64))
-    _apply_rope_split(EngineConfig(device="cuda", rope_q_heads=4, attn_split_keys=32))
+    _apply_program_splits(EngineConfig(device="cuda", rope_q_heads=4, attn_split_keys=32))
     assert rope_write.Q_HEADS_PER_PROGRAM == 4 and decode_attention.ONE_LAUNCH_SPLIT == (32, 32)
-    _apply_rope_split(EngineConfig(device="cuda", attn_split_keys=256))
+    _apply_program_splits(EngineConfig(device="cuda", attn_split_keys=256))
     assert rope_write.Q_HEADS_PER_PROGRAM == 8 and decode_attention.ONE_LAUNCH_SPLIT == (256, 64)
-    _apply_rope_split(EngineConfig(rope_q_heads=4, attn_split_keys=64))  # CPU: the layouts the CPU tests pin
+    _apply_program_splits(EngineConfig(rope_q_heads=4, attn_split_keys=64))  # CPU: the layouts the CPU tests pin
     assert rope_write.Q_HEADS_PER_PROGRAM == 0 and decode_attention.ONE_LAUNCH_SPLIT == (128, 64)
     for bad in (0, 48, 2048, True, 64.0):
         with pytest.raises(ConfigError, match="attn_split_keys must be a power of two"):

@@ -134,7 +134,7 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
                           RuntimeWarning, stacklevel=2)
     _apply_pdl(config)
     _apply_gemv_prefetch(config)
-    _apply_rope_split(config)
+    _apply_program_splits(config)
 
 
 def _fused_switch_wanted(config: EngineConfig, field: str, what: str, quiet: bool = False) -> bool:
@@ -177,7 +177,7 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
         gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
 
 
-def _apply_rope_split(config: EngineConfig) -> None:
+def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM and attn_split_keys ->
     kernels/decode_attention.py's ONE_LAUNCH_SPLIT, set whenever a model is laid out, as _apply_pdl; off CUDA the
     layouts the CPU tests pin (one program for all q heads; 128 keys a program)."""

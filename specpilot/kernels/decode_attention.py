@@ -268,6 +268,14 @@ if triton is not None:
                 tl.store(cnt_ptr + pid_bh, 0)
 
 
+def _bulk_rows(t: torch.Tensor) -> bool:
+    """The K/V hint's layout: each (b, head) row block [S, D] contiguous, every address and size a bulk prefetch
+    takes 16-byte aligned."""
+    item = t.element_size()
+    return (t.stride(2) == t.shape[3] and t.data_ptr() % 16 == 0
+            and all(n * item % 16 == 0 for n in (t.shape[3], t.stride(0), t.stride(1))))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -323,11 +331,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     scale = D ** -0.5 if scale is None else scale
     if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
         pdl = launch_options()
-        # the K/V hint needs rows of D contiguous elements and 16-byte-aligned bulk addresses and sizes
-        kv_l2 = (pdl.use_pdl and PDL_KV_L2 and k.stride(2) == D and v.stride(2) == D
-                 and D * k.element_size() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-                 and k.stride(1) * k.element_size() % 16 == 0 and k.stride(0) * k.element_size() % 16 == 0
-                 and v.stride(1) * v.element_size() % 16 == 0 and v.stride(0) * v.element_size() % 16 == 0)
+        kv_l2 = pdl.use_pdl and PDL_KV_L2 and _bulk_rows(k) and _bulk_rows(v)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
@@ -341,7 +345,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 # keys per program and per inner step of the one-launch op (the fused decode path's attention); the H200 timing
-# that chose them: BENCHMARKS.md (session 12). EngineConfig.attn_split_keys sets it (engine._apply_rope_split)
+# that chose them: BENCHMARKS.md (session 12). EngineConfig.attn_split_keys sets it (engine._apply_program_splits)
 ONE_LAUNCH_SPLIT = (128, 64)
 
 

@@ -60,7 +60,7 @@ class EngineMeasure:
               "rope_in_attention", "rope_in_qkv", "l2_prefetch", "gemv_prefetch")
     # (pdl, pdl_trigger, pdl_l2_mb, pdl_kv_l2, rope_q_heads, attn_split_keys and gemv_prefetch change no
     # weights, but their process-wide switches are set when a model is laid out: engine._apply_pdl /
-    # _apply_gemv_prefetch / _apply_rope_split)
+    # _apply_gemv_prefetch / _apply_program_splits)
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
         self.load_target, self.drafter, self.tokenizer = load_target, drafter, tokenizer
