@@ -35,7 +35,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "attn_split", "pdl_kv_l2",
-            "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
+            "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
 def main(only: tuple[str, ...] = ()) -> int:
@@ -538,11 +538,43 @@ def main(only: tuple[str, ...] = ()) -> int:
             pdl.set_enabled(False)
             decode_attention.PDL_KV_L2 = False
 
+    def attn_merge():
+        # the one-token attention's merge in chunks (EngineConfig.attn_merge_chunk, decode_attention.MERGE_CHUNK)
+        # and its positions read before the PDL wait (attn_early_pos, PDL_EARLY_POS), under PDL late, 64 keys a
+        # program so 300 new tokens make 5-6 slices (chunks of 4 loop, of 8 are partly masked): graphed AR and
+        # n-gram speculation against the same engine with the serial merge
+        from specpilot.kernels import decode_attention, pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        if not pdl.set_enabled(True, trigger="late"):
+            problems.append(f"attn_merge: PDL not available here: {pdl.unsupported_reason()}")
+            return
+        decode_attention.ONE_LAUNCH_SPLIT = (64, 64)
+        try:
+            long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
+            off = [Engine(fast, base).generate(p) for p in prompts]
+            long_off = [Engine(fast, long_cfg).generate(p) for p in prompts[:1]]
+            for chunk, early in ((4, True), (8, False), (8, True)):
+                name = f"attn_merge_{chunk}{'_early_pos' if early else ''}"
+                decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = chunk, early
+                cfg = base.with_(attn_merge_chunk=chunk, attn_early_pos=early)
+                on = [Engine(fast, cfg).generate(p) for p in prompts]
+                record(f"ar_{name}", on)
+                equals_off(f"ar_{name}_equals_off", on, off)
+                equals_off(f"ar_{name}_300_equals_off", [Engine(fast, long_cfg).generate(p) for p in prompts[:1]],
+                           long_off)
+                same_tokens(((f"spec_ngram_{name}", ngram.with_(attn_merge_chunk=chunk, attn_early_pos=early),
+                              fast),))
+        finally:
+            pdl.set_enabled(False)
+            decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False
+            decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
+
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
-              "pdl_kv_l2": pdl_kv_l2, "l2_prefetch": l2_prefetch,
+              "pdl_kv_l2": pdl_kv_l2, "attn_merge": attn_merge, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

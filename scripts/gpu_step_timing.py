@@ -209,6 +209,7 @@ def reset_switches() -> None:
     gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.ONE_ROW_PREFETCH = 0, False
     decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
     decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
+    decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False
 
 
 def rounds(flags) -> int:

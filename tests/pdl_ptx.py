@@ -109,12 +109,14 @@ def _cases():
     # q's heads over 8 programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM)
     yield "rope_write_qk_norm_split", rw._rope_write_kernel, dict(D=128, BLOCK_H=8, Q_NORM=True, K_NORM=True,
                                                                   Q_BLOCK=4, QP=8), rope_types
-    yield "attention_one_launch", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
-                                                               UPCAST=False, SPLITS_P2=32, KV_L2=False), attn_types
+    attn = dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32", UPCAST=False, SPLITS_P2=32, KV_L2=False, MERGE_CH=0,
+                MERGE_R=16, EARLY_POS=False)
+    yield "attention_one_launch", da._split_merge_kernel, attn, attn_types
+    # the positions read before the wait (decode_attention.PDL_EARLY_POS) and the merge in chunks (MERGE_CHUNK)
+    yield "attention_one_launch_early_pos", da._split_merge_kernel, {**attn, "EARLY_POS": True, "MERGE_CH": 8,
+                                                                     "MERGE_R": 4}, attn_types
     # the K/V hint before the wait (decode_attention.PDL_KV_L2): a positions load, then bulk L2 prefetches, no write
-    yield "attention_one_launch_kv_hint", da._split_merge_kernel, dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32",
-                                                                       UPCAST=False, SPLITS_P2=32, KV_L2=True), \
-        attn_types
+    yield "attention_one_launch_kv_hint", da._split_merge_kernel, {**attn, "KV_L2": True}, attn_types
 
     def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
         return "fp32" if n == "eps" else attn_types(n)

@@ -74,6 +74,33 @@ def test_decode_attention_one_launch_matches_reference_and_resets_its_counters(B
         assert torch.equal(again, one) and not counters.any()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 4, 8])
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(2, 4, 1, 5, 70, 32), (2, 12, 2, 1, 140, 16), (1, 6, 2, 16, 33, 16)])
+def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, Hkv, T, S, D):
+    """MERGE_CHUNK (EngineConfig.attn_merge_chunk): the last program reads the slices' accumulators `chunk` at a
+    time (fewer or more slices working than a chunk holds, the loop over later chunks, a partial last chunk, and
+    the merge's rows cut to the group's real ones): the reference's attention, within the fp32 merge's rounding of
+    the serial merge, and the counters end at zero."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(B * 10 + T + chunk)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1  # one slice works
+    if B > 1:
+        ends[1] = S - 1  # every slice works: 5-9 of them, so chunks of 1-4 loop and 8 is partly masked
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    want = da.decode_attention_reference(q, k, v, positions)
+    serial = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
+    monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
+    got = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got - serial).abs().max().item() < 1e-5
+    assert not da._COUNTERS[q.device].any()
+
+
 @pytest.mark.parametrize("rows_per_program", [16, 32, 64])
 def test_decode_attention_row_blocks(monkeypatch, rows_per_program):
     """A verify block's rows (GQA group x tokens: 3 x 13 = 39 here) split over programs of `ROWS_PER_PROGRAM` rows:

@@ -115,7 +115,8 @@ def test_registry_applies_and_filters(tmp_path):
                                                              "ngram_window", "cuda_graphs", "fused_projections", "gemv_kernel", "attention_kernel",
                                                              "norm_kernel", "rope_kernel", "act_kernel",
                                                              "add_norm_kernel", "fused_decode", "fused_verify", "pdl",
-                                                             "pdl_l2", "pdl_kv_l2", "rope_split", "attn_split", "gemv_prefetch", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "megakernel",
+                                                             "pdl_l2", "pdl_kv_l2", "rope_split", "attn_split", "attn_merge",
+                                                             "attn_early_pos", "gemv_prefetch", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "megakernel",
                                                              "draft_chain_graph", "l2_prefetch", "pad_shapes",
                                                              "prefill_graphs", "adaptive", "compile"]
     assert REGISTRY["prefill_graphs"].candidates(gpu.config, gpu) == [{"prefill_graphs": 512}, {"prefill_graphs": 0}]

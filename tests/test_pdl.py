@@ -294,6 +294,62 @@ def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from
     assert REGISTRY["pdl_kv_l2"].fields == {"pdl_kv_l2": [True, False]}
 
 
+def test_the_engine_sets_the_attention_merge_chunk_and_early_positions_from_the_config(monkeypatch):
+    """EngineConfig.attn_merge_chunk -> decode_attention.MERGE_CHUNK (CUDA only) and attn_early_pos ->
+    PDL_EARLY_POS (with PDL on only); validated, CLI flags, loop mechanisms; the launch passes the chunk (no wider
+    than the slices), the merge's rows (the GQA group's, as a power of two) and EARLY_POS only under PDL."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.engine import _apply_pdl, _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    monkeypatch.setattr(da, "PDL_EARLY_POS", False)
+    monkeypatch.setattr(da, "MERGE_CHUNK", 0)
+    monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
+    assert EngineConfig().attn_merge_chunk == 0 and EngineConfig().attn_early_pos is False
+    _apply_pdl(EngineConfig(device="cuda", attn_early_pos=True))
+    assert pdl.enabled() and da.PDL_EARLY_POS is True
+    _apply_pdl(EngineConfig(device="cuda", attn_early_pos=True, fused_decode=False))  # no fused path: no PDL
+    assert not pdl.enabled() and da.PDL_EARLY_POS is False
+    _apply_program_splits(EngineConfig(device="cuda", attn_merge_chunk=8))
+    assert da.MERGE_CHUNK == 8
+    _apply_program_splits(EngineConfig(attn_merge_chunk=8))  # CPU: the serial merge the CPU tests pin
+    assert da.MERGE_CHUNK == 0
+    for bad in (-1, 3, 128, True, 8.0):
+        with pytest.raises(ConfigError, match="attn_merge_chunk must be 0 or a power of two"):
+            EngineConfig(attn_merge_chunk=bad)
+    with pytest.raises(ConfigError, match="attn_early_pos must be true or false"):
+        EngineConfig(attn_early_pos="false")
+    with pytest.raises(ConfigError, match="attn_early_pos needs pdl"):
+        EngineConfig(pdl=False, attn_early_pos=True)
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    got = engine_config(parser.parse_args(["--attn-merge-chunk", "4", "--attn-early-pos"]))
+    assert got.attn_merge_chunk == 4 and got.attn_early_pos is True
+    assert {"attn_merge_chunk", "attn_early_pos"} <= set(EngineMeasure.LAYOUT)
+    assert REGISTRY["attn_merge"].fields == {"attn_merge_chunk": [8, 4, 0]}
+    assert REGISTRY["attn_early_pos"].fields == {"attn_early_pos": [True, False]}
+    log = []
+    _record(monkeypatch, log)
+    for on, chunk in ((False, 8), (True, 8), (True, 0)):
+        if on:
+            _force_on(monkeypatch)
+        monkeypatch.setattr(da, "PDL_EARLY_POS", True)
+        monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
+        log.clear()
+        torch.manual_seed(0)
+        q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+        pos = torch.tensor([[20]])
+        out = da.decode_attention(q, k, v, pos, split_s=8, block_s=8, one_launch=True)
+        assert torch.allclose(out, da.decode_attention_reference(q, k, v, pos), atol=1e-5)
+        assert [(kw["EARLY_POS"], kw["MERGE_CH"], kw["MERGE_R"]) for _, kw in log] == [(on, min(chunk, 4), 4)]
+
+
 @pytest.mark.parametrize("trigger", ["start", "late"])
 def test_the_gemvs_take_the_trigger_and_the_latency_bound_launches_keep_theirs(tiny_model_dir, monkeypatch, trigger):
     """EngineConfig.pdl_trigger "late": every GEMV launch of a fused one-token step (one-row kernel) and of a fused
@@ -406,7 +462,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemv_residual_prefetch", "gemv_norm_silu_mul_prefetch", "gemv_norm_silu_mul_paired_prefetch",
             "gemv_norm_bias_late", "gemv_norm_silu_mul_paired_prefetch_late", "gemv_residual_late",
             "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
-            "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint"} <= set(report)
+            "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint",
+            "attention_one_launch_early_pos"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -418,6 +475,12 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             assert on["loads_before_wait"] == 1, (name, on)
             assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == 2, (name, on)
             assert off["l2_prefetches"] == 0 and off["loads_before_wait"] == 0, (name, off)
+            continue
+        if name.endswith("_early_pos"):  # decode_attention.PDL_EARLY_POS: the positions' one load before the wait
+            # (a static graph input nobody writes during the step), no store or atomic before it; none without PDL
+            assert on["launch_dependents"] < on["wait"] < on["first_global_write"], (name, on)
+            assert on["loads_before_wait"] == 1 and off["loads_before_wait"] == 0, (name, on, off)
+            assert on["cg_loads"] > 0 and "atom.global.gpu.acq_rel.add.u32" in on["atomics"], (name, on)
             continue
         if name.endswith("_late"):  # the trigger after the K loop (past its branch), before any store or atomic
             assert on["wait"] < on["first_global_write"] and on["first_branch"] is not None, (name, on)

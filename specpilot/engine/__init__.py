@@ -165,6 +165,7 @@ def _apply_pdl(config: EngineConfig) -> None:
     if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only
         gemv_fused.PDL_L2_MAX_BYTES = config.pdl_l2_mb << 20 if pdl.enabled() else 0
         decode_attention.PDL_KV_L2 = config.pdl_kv_l2 and pdl.enabled()  # the attention's K/V hint, as above
+        decode_attention.PDL_EARLY_POS = config.attn_early_pos and pdl.enabled()  # its positions before the wait
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
@@ -178,15 +179,17 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 
 def _apply_program_splits(config: EngineConfig) -> None:
-    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM and attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, set whenever a model is laid out, as _apply_pdl; off CUDA the
-    layouts the CPU tests pin (one program for all q heads; 128 keys a program)."""
+    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT and attn_merge_chunk -> its MERGE_CHUNK, set whenever a model
+    is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads; 128 keys a
+    program; the merge a slice at a time)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")
     rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if cuda else 0
     keys = config.attn_split_keys if cuda else 128
     decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
+    decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

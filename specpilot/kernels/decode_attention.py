@@ -55,6 +55,19 @@ ROWS_PER_PROGRAM = 32
 # re-reads the positions, then every K/V row, behind the wait as before), so the numbers cannot change. Off:
 # SLOWER on the H200 (session 27, graphed one-token step: Qwen3-8B +1.5% / +1.6%, 1.5B +6%; exact).
 PDL_KV_L2 = False
+# Under PDL the one-launch kernel reads the positions before its wait (EngineConfig.attn_early_pos) and takes from
+# them which slices hold visible keys, so its K/V loads need not wait one DRAM round trip for the positions after the
+# wait. Why that read may precede the wait (kernels/pdl.py's rule keeps activations, the KV cache and positions
+# behind it): the positions are the step's input, written before the CUDA graph is launched (engine/runner.py:
+# a device-side add on the stream ahead of the replay) and by no kernel of the step, so no predecessor can still be
+# writing them; the buffer is a static graph input, never one the allocator hands a later kernel. The kernel still
+# reads them again behind the wait for the masks. Same numbers.
+PDL_EARLY_POS = False
+# The last-arriving program of the one-launch kernel reads the slices' accumulators MERGE_CHUNK at a time (one L2
+# round trip a chunk: `_merge_chunks`) instead of one slice at a time (one round trip a slice: at 512 tokens and
+# 64 keys a program, 8 dependent L2 reads before the output is stored). EngineConfig.attn_merge_chunk; 0: the loop.
+# Another summation order of the same fp32 partials.
+MERGE_CHUNK = 0
 
 
 def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
@@ -150,30 +163,69 @@ if triton is not None:
         tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
 
     @triton.jit
+    def _merge_chunks(o_ptr, m_ptr, l_ptr, pid_bh, n_used, NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                      CACHE: tl.constexpr, SPLITS_P2: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_R: tl.constexpr):
+        """`_merge_store`'s sums with the accumulators read MERGE_CH slices at a time: each chunk is one [MERGE_CH,
+        MERGE_R, D] load, and the first is issued together with the maxima and sums (before any reduction), so
+        n_used <= MERGE_CH slices cost one L2 round trip instead of one a slice (the loop's loads depend on nothing,
+        but each iteration's sum and its CTA barriers kept them apart). MERGE_R (a power of two) >= the block's
+        real rows: the rows past them are padding nobody stores. -> acc [MERGE_R, D], l [MERGE_R] (fp32)."""
+        r = tl.arange(0, MERGE_R)
+        d = tl.arange(0, D)
+        sp = tl.arange(0, SPLITS_P2)
+        rows = (pid_bh * NUM_SPLITS + sp)[:, None] * BLOCK_R + r[None, :]  # [SPLITS_P2, MERGE_R]
+        m_all = tl.load(m_ptr + rows, mask=(sp < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
+        l_all = tl.load(l_ptr + rows, mask=(sp < n_used)[:, None], other=0.0, cache_modifier=CACHE)
+        cs = tl.arange(0, MERGE_CH)
+        c_rows = (pid_bh * NUM_SPLITS + cs)[:, None] * BLOCK_R + r[None, :]  # [MERGE_CH, MERGE_R]
+        m_c = tl.load(m_ptr + c_rows, mask=(cs < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
+        o_c = tl.load(o_ptr + c_rows[:, :, None] * D + d[None, None, :], mask=(cs < n_used)[:, None, None],
+                      other=0.0, cache_modifier=CACHE)
+        m_max = tl.max(m_all, axis=0)  # [MERGE_R]
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
+        l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
+        acc = tl.sum(o_c * tl.exp(m_c - m_use[None, :])[:, :, None], axis=0)  # unused slices: e^-inf = 0
+        for c0 in range(MERGE_CH, n_used, MERGE_CH):  # (new names: c0 may be int64, the positions' type)
+            c = c0 + cs
+            n_rows = (pid_bh * NUM_SPLITS + c)[:, None] * BLOCK_R + r[None, :]
+            m_n = tl.load(m_ptr + n_rows, mask=(c < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
+            o_n = tl.load(o_ptr + n_rows[:, :, None] * D + d[None, None, :], mask=(c < n_used)[:, None, None],
+                          other=0.0, cache_modifier=CACHE)
+            acc += tl.sum(o_n * tl.exp(m_n - m_use[None, :])[:, :, None], axis=0)
+        return acc, l_run
+
+    @triton.jit
     def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
-                     D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr):
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr,
+                     MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16):
         # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
         # the slices at or below the largest query position only (the others exited early). Two passes, so that
         # no step waits on the one before: the slices' maxima and sums in one [SPLITS_P2, BLOCK_R] load (M and
         # the denominator at once), then the weighted sum of the accumulators, whose loads are independent of
         # each other (an online merge chains every slice's exp on the previous running maximum).
         # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
-        r = tl.arange(0, BLOCK_R)
+        # MERGE_CH > 0 (MERGE_CHUNK): `_merge_chunks` instead of the loop below, one dependent L2 round trip a slice.
         d = tl.arange(0, D)
-        sp = tl.arange(0, SPLITS_P2)
-        used = sp < n_used
-        rows = (pid_bh * NUM_SPLITS + sp)[:, None] * BLOCK_R + r[None, :]  # [SPLITS_P2, BLOCK_R]
-        m_all = tl.load(m_ptr + rows, mask=used[:, None], other=float("-inf"), cache_modifier=CACHE)
-        l_all = tl.load(l_ptr + rows, mask=used[:, None], other=0.0, cache_modifier=CACHE)
-        m_max = tl.max(m_all, axis=0)  # [BLOCK_R]
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
-        l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for s in range(0, n_used):
-            part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
-            m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
-            o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
-            acc += o_s * tl.exp(m_s - m_use)[:, None]
+        if MERGE_CH > 0:
+            r = tl.arange(0, MERGE_R)
+            acc, l_run = _merge_chunks(o_ptr, m_ptr, l_ptr, pid_bh, n_used, NUM_SPLITS, D, BLOCK_R, CACHE, SPLITS_P2,
+                                       MERGE_CH, MERGE_R)
+        else:
+            r = tl.arange(0, BLOCK_R)
+            sp = tl.arange(0, SPLITS_P2)
+            used = sp < n_used
+            rows = (pid_bh * NUM_SPLITS + sp)[:, None] * BLOCK_R + r[None, :]  # [SPLITS_P2, BLOCK_R]
+            m_all = tl.load(m_ptr + rows, mask=used[:, None], other=float("-inf"), cache_modifier=CACHE)
+            l_all = tl.load(l_ptr + rows, mask=used[:, None], other=0.0, cache_modifier=CACHE)
+            m_max = tl.max(m_all, axis=0)  # [BLOCK_R]
+            m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
+            l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
+            acc = tl.zeros([BLOCK_R, D], tl.float32)
+            for s in range(0, n_used):
+                part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
+                m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
+                o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
+                acc += o_s * tl.exp(m_s - m_use)[:, None]
         valid = row0 + r < G * T
         out = acc / tl.where(valid, l_run, 1.0)[:, None]
         j = (row0 + r) // T
@@ -221,7 +273,8 @@ if triton is not None:
                             H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale,
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
-                            KV_L2: tl.constexpr = False):
+                            KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
+                            EARLY_POS: tl.constexpr = False):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -230,6 +283,9 @@ if triton is not None:
         # Every program waits, even those that exit early, so the counters of this launch are never touched
         # before the previous attention launch (which left them at zero) has completed.
         # KV_L2 (PDL_KV_L2): before the wait, an L2 prefetch of this slice's K/V rows (a hint: see PDL_KV_L2).
+        # EARLY_POS (PDL_EARLY_POS): the positions are read before the wait and decide which slices work, so a
+        # working program issues its K/V loads right behind the wait, together with q's, instead of one round trip
+        # later (see PDL_EARLY_POS for why that read may precede the wait). MERGE_CH / MERGE_R: `_merge_store`.
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
         pid_s = tl.program_id(1)
         b = pid_bh // NUM_RB // H_KV
@@ -240,8 +296,13 @@ if triton is not None:
             if KV_L2:
                 _kv_l2_hint(k_ptr, v_ptr, pos_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sv_b, sv_h, sp_b, S, T,
                             SPLIT_S, D)
+            if EARLY_POS:
+                r = row0 + tl.arange(0, BLOCK_R)
+                early_max = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < G * T, other=-1), axis=0)
             gdc_wait()
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
+        if USE_PDL and EARLY_POS:
+            max_pos = early_max  # the same values (nothing writes the positions during the step)
         # Who counts: only the n_used slices that do work (pid_s < n_used <=> pid_s * SPLIT_S <= max_pos, the
         # split kernel's own test), so the expected total is n_used, computed as `_combine_kernel` does; slices
         # above max_pos exit without touching the counter. (Counting every grid program instead would make the
@@ -262,7 +323,7 @@ if triton is not None:
                 # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
                 # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
                 _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G,
-                             NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2)
+                             NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R)
                 # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
                 tl.store(cnt_ptr + pid_bh, 0)
@@ -332,10 +393,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
         pdl = launch_options()
         kv_l2 = pdl.use_pdl and PDL_KV_L2 and _bulk_rows(k) and _bulk_rows(v)
+        chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
-            SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, **pdl.kwargs)
+            SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
+            MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, **pdl.kwargs)
         return out
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
                                            **consts)

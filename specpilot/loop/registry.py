@@ -243,6 +243,16 @@ register(Mechanism(
     "the one-token attention's keys per program: more programs and partials to merge (many KV heads), or fewer "
     "(few KV heads)"))
 register(Mechanism(
+    "attn_merge", ("verify", "draft"), {"attn_merge_chunk": [8, 4, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's last program reads the slices' partials a chunk at a time (one L2 round trip a "
+    "chunk) instead of one dependent round trip a slice"))
+register(Mechanism(
+    "attn_early_pos", ("verify", "draft"), {"attn_early_pos": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
+    "under PDL, the one-token attention reads the positions (a graph input no kernel writes) before its wait, so "
+    "its K/V loads follow the wait at once"))
+register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
