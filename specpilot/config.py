@@ -121,10 +121,13 @@ class EngineConfig:
     # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.7 to +1.4% at 1.5B (2): the loop searches it
     attn_merge_chunk: int = 0  # CUDA: the one-token attention's last-arriving program reads the slices' partials
     # this many at a time (one L2 round trip a chunk; kernels/decode_attention.py MERGE_CHUNK; 0: one slice at a
-    # time, a dependent round trip each; else a power of two <= 64). Same numbers up to the merge's fp32 order
-    attn_early_pos: bool = False  # with pdl: the one-token attention reads the positions before its wait, so its
+    # time, a dependent round trip each; else a power of two <= 64). Same numbers up to the merge's fp32 order.
+    # H200, session 28: 8 is -1.5 to -2.9% at Qwen3-8B (8 KV heads, 4 rows a merge) and +1.6 to +3.5% at 1.5B (2
+    # KV heads, 6 rows; 4 there +6.6%): the loop searches it (mechanism attn_merge)
+    attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
-    # says why that read is safe). Same numbers
+    # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step
+    # -0.6 / -1.4 / -0.9% in three runs, Qwen3-8B +0.1 / +0.4 / -0.5%); without pdl it does nothing
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
@@ -238,8 +241,6 @@ class EngineConfig:
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")
         if not isinstance(self.attn_early_pos, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"attn_early_pos must be true or false, got {self.attn_early_pos!r}")
-        if self.attn_early_pos and not self.pdl:
-            raise ConfigError("attn_early_pos needs pdl (the positions are read before the PDL wait)")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

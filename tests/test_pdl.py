@@ -311,9 +311,13 @@ def test_the_engine_sets_the_attention_merge_chunk_and_early_positions_from_the_
     monkeypatch.setattr(da, "PDL_EARLY_POS", False)
     monkeypatch.setattr(da, "MERGE_CHUNK", 0)
     monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
-    assert EngineConfig().attn_merge_chunk == 0 and EngineConfig().attn_early_pos is False
-    _apply_pdl(EngineConfig(device="cuda", attn_early_pos=True))
+    assert EngineConfig().attn_merge_chunk == 0 and EngineConfig().attn_early_pos is True  # as timed (session 28)
+    _apply_pdl(EngineConfig(device="cuda"))
     assert pdl.enabled() and da.PDL_EARLY_POS is True
+    _apply_pdl(EngineConfig(device="cuda", attn_early_pos=False))
+    assert pdl.enabled() and da.PDL_EARLY_POS is False
+    _apply_pdl(EngineConfig(device="cuda", pdl=False))  # a default that needs PDL: nothing without it
+    assert not pdl.enabled() and da.PDL_EARLY_POS is False
     _apply_pdl(EngineConfig(device="cuda", attn_early_pos=True, fused_decode=False))  # no fused path: no PDL
     assert not pdl.enabled() and da.PDL_EARLY_POS is False
     _apply_program_splits(EngineConfig(device="cuda", attn_merge_chunk=8))
@@ -325,12 +329,10 @@ def test_the_engine_sets_the_attention_merge_chunk_and_early_positions_from_the_
             EngineConfig(attn_merge_chunk=bad)
     with pytest.raises(ConfigError, match="attn_early_pos must be true or false"):
         EngineConfig(attn_early_pos="false")
-    with pytest.raises(ConfigError, match="attn_early_pos needs pdl"):
-        EngineConfig(pdl=False, attn_early_pos=True)
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    got = engine_config(parser.parse_args(["--attn-merge-chunk", "4", "--attn-early-pos"]))
-    assert got.attn_merge_chunk == 4 and got.attn_early_pos is True
+    got = engine_config(parser.parse_args(["--attn-merge-chunk", "4", "--no-attn-early-pos"]))
+    assert got.attn_merge_chunk == 4 and got.attn_early_pos is False
     assert {"attn_merge_chunk", "attn_early_pos"} <= set(EngineMeasure.LAYOUT)
     assert REGISTRY["attn_merge"].fields == {"attn_merge_chunk": [8, 4, 0]}
     assert REGISTRY["attn_early_pos"].fields == {"attn_early_pos": [True, False]}
