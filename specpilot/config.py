@@ -127,7 +127,7 @@ class EngineConfig:
     attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step
-    # -0.6 / -1.4 / -0.9% in three runs, Qwen3-8B +0.1 / +0.4 / -0.5%); without pdl it does nothing
+    # -0.6 / -1.4 / -0.9% in three runs of four, Qwen3-8B -0.5 to +0.4%); without pdl it does nothing
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200

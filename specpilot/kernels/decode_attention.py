@@ -165,6 +165,17 @@ if triton is not None:
         tl.store(o_ptr + (part + r)[:, None] * D + d[None, :], acc)
 
     @triton.jit
+    def _chunk_partials(o_ptr, m_ptr, pid_bh, c, r, d, n_used, NUM_SPLITS, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                        CACHE: tl.constexpr):
+        """Slices c [MERGE_CH] (those >= n_used masked): their maxima [MERGE_CH, R] (-inf) and accumulators
+        [MERGE_CH, R, D] (0) at rows r [R], in one load each."""
+        rows = (pid_bh * NUM_SPLITS + c)[:, None] * BLOCK_R + r[None, :]
+        m_c = tl.load(m_ptr + rows, mask=(c < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
+        o_c = tl.load(o_ptr + rows[:, :, None] * D + d[None, None, :], mask=(c < n_used)[:, None, None], other=0.0,
+                      cache_modifier=CACHE)
+        return m_c, o_c
+
+    @triton.jit
     def _merge_chunks(o_ptr, m_ptr, l_ptr, pid_bh, n_used, NUM_SPLITS, D: tl.constexpr, BLOCK_R: tl.constexpr,
                       CACHE: tl.constexpr, SPLITS_P2: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_R: tl.constexpr):
         """`_merge_store`'s sums with the accumulators read MERGE_CH slices at a time: each chunk is one [MERGE_CH,
@@ -179,20 +190,13 @@ if triton is not None:
         m_all = tl.load(m_ptr + rows, mask=(sp < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
         l_all = tl.load(l_ptr + rows, mask=(sp < n_used)[:, None], other=0.0, cache_modifier=CACHE)
         cs = tl.arange(0, MERGE_CH)
-        c_rows = (pid_bh * NUM_SPLITS + cs)[:, None] * BLOCK_R + r[None, :]  # [MERGE_CH, MERGE_R]
-        m_c = tl.load(m_ptr + c_rows, mask=(cs < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
-        o_c = tl.load(o_ptr + c_rows[:, :, None] * D + d[None, None, :], mask=(cs < n_used)[:, None, None],
-                      other=0.0, cache_modifier=CACHE)
+        m_c, o_c = _chunk_partials(o_ptr, m_ptr, pid_bh, cs, r, d, n_used, NUM_SPLITS, BLOCK_R, D, CACHE)
         m_max = tl.max(m_all, axis=0)  # [MERGE_R]
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
         l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
         acc = tl.sum(o_c * tl.exp(m_c - m_use[None, :])[:, :, None], axis=0)  # unused slices: e^-inf = 0
         for c0 in range(MERGE_CH, n_used, MERGE_CH):  # (new names: c0 may be int64, the positions' type)
-            c = c0 + cs
-            n_rows = (pid_bh * NUM_SPLITS + c)[:, None] * BLOCK_R + r[None, :]
-            m_n = tl.load(m_ptr + n_rows, mask=(c < n_used)[:, None], other=float("-inf"), cache_modifier=CACHE)
-            o_n = tl.load(o_ptr + n_rows[:, :, None] * D + d[None, None, :], mask=(c < n_used)[:, None, None],
-                          other=0.0, cache_modifier=CACHE)
+            m_n, o_n = _chunk_partials(o_ptr, m_ptr, pid_bh, c0 + cs, r, d, n_used, NUM_SPLITS, BLOCK_R, D, CACHE)
             acc += tl.sum(o_n * tl.exp(m_n - m_use[None, :])[:, :, None], axis=0)
         return acc, l_run
 
@@ -206,7 +210,7 @@ if triton is not None:
         # the denominator at once), then the weighted sum of the accumulators, whose loads are independent of
         # each other (an online merge chains every slice's exp on the previous running maximum).
         # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
-        # MERGE_CH > 0 (MERGE_CHUNK): `_merge_chunks` instead of the loop below, one dependent L2 round trip a slice.
+        # MERGE_CH > 0 (MERGE_CHUNK): `_merge_chunks`, a round trip a chunk, instead of the loop below (one a slice).
         d = tl.arange(0, D)
         if MERGE_CH > 0:
             r = tl.arange(0, MERGE_R)

@@ -12,8 +12,10 @@ The rule a kernel launched with PDL must keep: NOTHING before its `gdc_wait()` m
 (activations, the KV cache, positions) or write anything at all; only index arithmetic and loads of weights (never
 written by anyone) may come first. The predecessor may still be running, and the caching allocator (or a CUDA
 graph's memory pool) may have handed this kernel an output buffer the predecessor still reads, since stream order
-no longer separates them. Every kernel of the chain waits unconditionally, so "N+1 waited for N" implies "N-1 had
-completed too": the ordering is transitive along the stream.
+no longer separates them. (One input is outside the rule: the step's positions, a static graph input written on
+the stream before the replay and by no kernel of the step; the attention reads them before its wait,
+kernels/decode_attention.py PDL_KV_L2 / PDL_EARLY_POS.) Every kernel of the chain waits unconditionally, so
+"N+1 waited for N" implies "N-1 had completed too": the ordering is transitive along the stream.
 
 Where a kernel lets its dependents launch (`trigger`, EngineConfig.pdl_trigger): "start" calls
 `gdc_launch_dependents()` first thing, so kernel N+1's programs may become resident while N still has programs to
