@@ -206,7 +206,7 @@ def main(shapes, flags=()) -> int:
 def reset_switches() -> None:
     """The process-wide switches a config's layout sets (engine._apply_pdl etc.) back to off."""
     pdl.set_enabled(False)
-    gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.ONE_ROW_PREFETCH = 0, False
+    gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.PDL_L2_PART, gemv_fused.ONE_ROW_PREFETCH = 0, 64, False
     decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
     decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
     decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False

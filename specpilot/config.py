@@ -107,6 +107,9 @@ class EngineConfig:
     # prefetches of each program's rows) before its wait, so it streams in while the kernel ahead runs: o_proj behind
     # RoPE + attention, latency-bound launches in which HBM idles (kernels/gemv_fused.py PDL_L2_MAX_BYTES). 0: off.
     # Same numbers
+    pdl_l2_share: float = 1.0  # with pdl_l2_mb: the share of each warmed weight asked of L2 (every program's first
+    # share of its rows' bytes; a multiple of 1/64 in (0, 1]): no more traffic than the idle window ahead can hold,
+    # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers
     pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
     # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
     # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers. Off: SLOWER on the
@@ -226,6 +229,12 @@ class EngineConfig:
             raise ConfigError(f"pdl_l2_mb must be an integer >= 0 (MiB), got {self.pdl_l2_mb!r}")
         if self.pdl_l2_mb and not self.pdl:
             raise ConfigError("pdl_l2_mb needs pdl (the prefetch is issued before the PDL wait)")
+        share = self.pdl_l2_share
+        if (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1
+                or share * 64 != int(share * 64)):
+            raise ConfigError(f"pdl_l2_share must be a multiple of 1/64 in (0, 1] (e.g. 0.25), got {share!r}")
+        if share != 1 and not self.pdl_l2_mb:
+            raise ConfigError("pdl_l2_share needs pdl_l2_mb (the weights it warms: without it nothing is warmed)")
         if not isinstance(self.pdl_kv_l2, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"pdl_kv_l2 must be true or false, got {self.pdl_kv_l2!r}")
         if self.pdl_kv_l2 and not self.pdl:

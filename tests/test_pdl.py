@@ -93,6 +93,14 @@ def test_config_field_validates_and_round_trips():
             EngineConfig(pdl=True, pdl_l2_mb=bad)
     with pytest.raises(ConfigError, match="pdl_l2_mb needs pdl"):
         EngineConfig(pdl=False, pdl_l2_mb=36)
+    assert EngineConfig().pdl_l2_share == 1.0 and EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.25).pdl_l2_share == 0.25
+    share = EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.125)
+    assert EngineConfig.from_dict(share.to_dict()) == share
+    for bad in (0, 0.0, -0.25, 1.5, 0.3, True, "0.25"):  # 0.3: not a multiple of 1/64
+        with pytest.raises(ConfigError, match="pdl_l2_share must be"):
+            EngineConfig(pdl_l2_mb=36, pdl_l2_share=bad)
+    with pytest.raises(ConfigError, match="pdl_l2_share needs pdl_l2_mb"):
+        EngineConfig(pdl_l2_share=0.25)  # a share of nothing warmed: an error, not a silent no-op
 
 
 def test_cli_derives_the_pdl_flag():
@@ -107,6 +115,7 @@ def test_cli_derives_the_pdl_flag():
     assert engine_config(parser.parse_args([])).pdl_trigger == "late"
     assert engine_config(parser.parse_args(["--pdl-trigger", "start"])).pdl_trigger == "start"
     assert engine_config(parser.parse_args(["--pdl-l2-mb", "8"])).pdl_l2_mb == 8
+    assert engine_config(parser.parse_args(["--pdl-l2-mb", "8", "--pdl-l2-share", "0.25"])).pdl_l2_share == 0.25
 
 
 def test_engine_sets_the_switch_from_the_config(monkeypatch):
@@ -124,8 +133,11 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     assert pdl.enabled() and not pdl.launch_options().late
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=36))
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20  # the L2 warming follows the config, and only with PDL on
+    assert gemv_fused.PDL_L2_PART == 64  # all of each warmed weight unless a share is asked for
+    _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=36, pdl_l2_share=0.25))
+    assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20 and gemv_fused.PDL_L2_PART == 16
     _apply_pdl(EngineConfig(device="cuda"))
-    assert gemv_fused.PDL_L2_MAX_BYTES == 0
+    assert gemv_fused.PDL_L2_MAX_BYTES == 0 and gemv_fused.PDL_L2_PART == 64
     _apply_pdl(EngineConfig(device="cuda", pdl=False))  # the newest config decides
     assert not pdl.enabled() and not pdl.launch_options().late
     # on by default, so where it cannot act it stays off without a word: without fused_decode, before Hopper
@@ -137,6 +149,26 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
         monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: "the CUDA device is sm_80")
         _apply_pdl(EngineConfig(device="cuda"))
         assert not pdl.enabled()
+
+
+def test_the_l2_warming_takes_the_weights_that_fit_and_the_share(monkeypatch):
+    """gemv_fused.l2_warming: L2_PF only under PDL, for weights of at most PDL_L2_MAX_BYTES whose rows are whole
+    16-byte granules; L2_PART the configured share there and 64 (the one variant) everywhere else."""
+    from specpilot.kernels import gemv_fused as gf
+
+    small, big, odd = torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(1024, 64), torch.empty(64, 10)
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64 * 64 * 2)
+    monkeypatch.setattr(gf, "PDL_L2_PART", 16)
+    assert gf.l2_warming(small, True) == {"L2_PF": True, "L2_PART": 16}
+    assert gf.l2_warming(small, False) == {"L2_PF": False, "L2_PART": 64}  # no PDL: nothing before a wait
+    assert gf.l2_warming(big, True) == {"L2_PF": False, "L2_PART": 64}  # larger than the limit
+    assert gf.l2_warming(odd, True) == {"L2_PF": False, "L2_PART": 64}  # rows of 40 bytes: granules cross rows
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 0)
+    assert gf.l2_warming(small, True) == {"L2_PF": False, "L2_PART": 64}
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(gf, "PDL_L2_PART", 0)
+    with pytest.raises(ValueError, match="PDL_L2_PART"):
+        gf.l2_warming(small, True)
 
 
 def test_laying_out_a_model_applies_the_switch(tiny_model_dir, monkeypatch):

@@ -107,6 +107,13 @@ PDL_PREFETCH = True
 # numbers are unchanged. 0: off (EngineConfig.pdl_l2_mb sets it; the L2 holds 50 MB on the H100/H200, so weights
 # larger than about half of it would evict their own first lines before they are read).
 PDL_L2_MAX_BYTES = 0
+# The share of each warmed weight asked of L2 before the wait, in 64ths (EngineConfig.pdl_l2_share): every program
+# warms only the first PDL_L2_PART / 64 of its own rows' bytes. Why: warming all of o_proj's 32 MiB at Qwen3-8B was
+# slower (session 27, +1.4%): ~7.5 us of HBM traffic issued while the attention ahead still waits on its own K/V
+# reads, i.e. the critical path's loads queue behind it. A share the idle window can hold (RoPE + attention at 8B,
+# ~10 us; the tail of down_proj before qkv) takes that much of the weight off the GEMV's own DRAM time and no more.
+# 64: all of it (as before the share existed). A hint: the same numbers.
+PDL_L2_PART = 64
 L2_CHUNK = 64 * 1024  # bytes a bulk prefetch asks for (a multiple of 16)
 
 
@@ -176,11 +183,14 @@ if triton is not None:
     _L2_CHUNK_C = tl.constexpr(L2_CHUNK)
 
     @triton.jit
-    def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr):
+    def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr, PART: tl.constexpr = 64):
         """Ask L2 for weight rows [row0, row0 + rows) of a contiguous [*, K] matrix (K * itemsize a multiple of 16:
-        the host checks), CHUNK bytes per bulk prefetch; nothing comes back."""
+        the host checks), CHUNK bytes per bulk prefetch; nothing comes back. PART < 64: only the first PART / 64 of
+        those bytes (rounded down to 16, the bulk prefetch's granule)."""
         base = (w_ptr + row0.to(tl.int64) * K).to(tl.pointer_type(tl.int8), bitcast=True)
         nbytes = rows.to(tl.int64) * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        if PART < 64:
+            nbytes = nbytes * PART // 64 // 16 * 16
         for off in range(0, nbytes, CHUNK):
             size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
             tl.inline_asm_elementwise(_L2_BULK_PTX, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False,
@@ -245,7 +255,8 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
-                           PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False):
+                           PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
+                           L2_PART: tl.constexpr = 64):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -257,7 +268,8 @@ if triton is not None:
         predecessor may still be running and may still read the buffer the allocator gave us as y. PDL_LATE
         (kernels/pdl.py trigger "late"): the next kernel may launch only once this program's K loop is done.
         L2_PF (with PDL; PDL_L2_MAX_BYTES): before the wait, this program's weight rows (gate and up) are asked of
-        L2 by bulk prefetches, so they stream in while the kernel ahead still runs.
+        L2 by bulk prefetches, so they stream in while the kernel ahead still runs; L2_PART (PDL_L2_PART): only the
+        first L2_PART / 64 of their bytes.
 
         PREFETCH (with PDL or ONE_ROW_PREFETCH on a GPU; the tests set it under the interpreter): the first K
         block's weight tile(s) are
@@ -290,9 +302,9 @@ if triton is not None:
         if USE_PDL and L2_PF:  # weights only, nothing comes back (see the docstring)
             n0 = tl.program_id(0) * BLOCK_N
             mine = tl.minimum(N - n0, BLOCK_N)
-            _l2_prefetch_rows(w_ptr, n0, mine, K, _L2_CHUNK_C)
+            _l2_prefetch_rows(w_ptr, n0, mine, K, _L2_CHUNK_C, L2_PART)
             if SILU_MUL:
-                _l2_prefetch_rows(w_ptr, N + n0, mine, K, _L2_CHUNK_C)
+                _l2_prefetch_rows(w_ptr, N + n0, mine, K, _L2_CHUNK_C, L2_PART)
         if USE_PDL:
             gdc_wait()
         if HAS_NORM:
@@ -554,14 +566,23 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
         else:
-            l2 = (pdl.use_pdl and PDL_L2_MAX_BYTES > 0  # (the size test only where the warming is on at all)
-                  and weight.numel() * weight.element_size() <= PDL_L2_MAX_BYTES
-                  and K * weight.element_size() % 16 == 0)
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
-                                                                         L2_PF=l2)
+                                                                         **l2_warming(weight, pdl.use_pdl))
     return y if normed is None else (y, normed)
+
+
+def l2_warming(weight: torch.Tensor, use_pdl: bool) -> dict:
+    """The one-row kernel's L2 warming constexprs for this weight: L2_PF where PDL is on, the weight is at most
+    PDL_L2_MAX_BYTES and its rows are whole 16-byte granules (the bulk prefetch's); L2_PART, the share of each
+    program's rows it warms (PDL_L2_PART / 64), where it does (64 otherwise: one compiled variant)."""
+    nbytes = weight.numel() * weight.element_size()
+    on = bool(use_pdl and PDL_L2_MAX_BYTES > 0 and nbytes <= PDL_L2_MAX_BYTES
+              and weight.shape[-1] * weight.element_size() % 16 == 0)
+    if on and not 1 <= PDL_L2_PART <= 64:
+        raise ValueError(f"gemv_fused: PDL_L2_PART must be in [1, 64] (64ths of the weight), got {PDL_L2_PART}")
+    return {"L2_PF": on, "L2_PART": PDL_L2_PART if on else 64}
 
 
 def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, norm_args: tuple,
