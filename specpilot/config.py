@@ -103,10 +103,12 @@ class EngineConfig:
     # "start" (first thing: the next grid's programs may sit in their wait holding slots the GEMV's later programs
     # need, and the chain runs on behind them) or "late" (after the K loop: the next kernel launches during the
     # GEMV's tail). Same numbers either way
-    pdl_l2_mb: int = 0  # with pdl: a one-row GEMV whose weight is at most this many MiB asks L2 for all of it (bulk
+    pdl_l2_mb: int = 8  # with pdl: a one-row GEMV whose weight is at most this many MiB asks L2 for all of it (bulk
     # prefetches of each program's rows) before its wait, so it streams in while the kernel ahead runs: o_proj behind
     # RoPE + attention, latency-bound launches in which HBM idles (kernels/gemv_fused.py PDL_L2_MAX_BYTES). 0: off.
-    # Same numbers
+    # Same numbers. 8 since session 29 (H200, graphed one-token step, interleaved: Qwen2.5-1.5B -6.5 / -9.4 / -6.5%
+    # in three runs, o_proj's 4.5 MiB alone as much; session 26 -5.3%, session 27 +0.5%; Qwen2.5-0.5B within noise;
+    # at Qwen3-8B no weight is that small: warming its o_proj's 32 MiB was +1.4%). Without pdl it does nothing
     pdl_l2_share: float = 1.0  # with pdl_l2_mb: the share of each warmed weight asked of L2 (every program's first
     # share of its rows' bytes; a multiple of 1/64 in (0, 1]): no more traffic than the idle window ahead can hold,
     # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers
@@ -227,8 +229,6 @@ class EngineConfig:
             raise ConfigError(f"pdl_trigger must be 'start' or 'late', got {self.pdl_trigger!r}")
         if not isinstance(self.pdl_l2_mb, int) or isinstance(self.pdl_l2_mb, bool) or self.pdl_l2_mb < 0:
             raise ConfigError(f"pdl_l2_mb must be an integer >= 0 (MiB), got {self.pdl_l2_mb!r}")
-        if self.pdl_l2_mb and not self.pdl:
-            raise ConfigError("pdl_l2_mb needs pdl (the prefetch is issued before the PDL wait)")
         share = self.pdl_l2_share
         if (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1
                 or share * 64 != int(share * 64)):

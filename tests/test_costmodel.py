@@ -673,6 +673,42 @@ def test_pdl_gives_back_part_of_each_fused_launchs_gap_in_graphed_one_token_pass
     assert gain > 1.0 > back
 
 
+def test_l2_warmed_weights_leave_a_one_token_passs_predicted_stream_and_stay_in_its_floor():
+    """EngineConfig.pdl_l2_mb / pdl_l2_share: a fused one-token pass under PDL warms its GEMV weights of at most
+    that many MiB in L2 while the kernel ahead runs; the prediction streams the rest only (the floor still counts
+    every byte). At Qwen2.5-1.5B 8 MiB takes qkv (6 MiB) and o_proj (4.5 MiB); Qwen3-8B has none that small."""
+    from specpilot.config import EngineConfig
+    from specpilot.costmodel.gaps import engine_fields
+    from specpilot.costmodel.shapes import l2_fields
+    from specpilot.loop import _knobs
+
+    cfg = synthetic_config("qwen2.5-1.5b")
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    qkv_o = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * h
+             + cfg.num_attention_heads * cfg.head_dim * h) * 2
+    flags = dict(fused=True, fused_decode=True, pdl=True, pdl_late=True)
+    cold, warm = forward_cost(cfg, 1, 512, **flags), forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=8)
+    assert cold.l2_warm_bytes == 0 and warm.l2_warm_bytes == L * qkv_o
+    assert forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=8, pdl_l2_share=0.25).l2_warm_bytes == L * qkv_o / 4
+    assert forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=5).l2_warm_bytes == L * cfg.num_attention_heads * \
+        cfg.head_dim * h * 2  # o_proj alone
+    assert dataclasses.replace(warm, l2_warm_bytes=0.0) == cold  # nothing else changes
+    assert pass_floor_s(warm, FAKE_HW) == pass_floor_s(cold, FAKE_HW)
+    streamed = FAKE_HW.weights_s(cold.weight_bytes, L, 1, cold.head_bytes) - FAKE_HW.weights_s(
+        cold.weight_bytes - warm.l2_warm_bytes, L, 1, cold.head_bytes)
+    assert pass_predicted_s(cold, FAKE_HW) - pass_predicted_s(warm, FAKE_HW) == pytest.approx(streamed, rel=1e-9)
+    assert streamed > 0
+    # only where the engine warms: PDL on, a one-token fused pass of 16-bit weights
+    for other in (dict(flags, pdl=False, pdl_late=False), dict(flags, lossless12=True), dict(fused=True, pdl=True)):
+        assert forward_cost(cfg, 1, 512, **other, pdl_l2_mb=8).l2_warm_bytes == 0, other
+    assert forward_cost(cfg, 5, 512, **flags, fused_verify=True, pdl_l2_mb=8).l2_warm_bytes == 0  # M-row GEMVs
+    assert forward_cost(synthetic_config("qwen3-8b"), 1, 512, **flags, pdl_l2_mb=8).l2_warm_bytes == 0
+    # from the config: the default warms, and nothing without PDL
+    assert l2_fields(EngineConfig()) == {"pdl_l2_mb": 8, "pdl_l2_share": 1.0}
+    assert l2_fields(EngineConfig(pdl=False))["pdl_l2_mb"] == 0
+    assert engine_fields(EngineConfig())["pdl_l2_mb"] == 8 and _knobs(EngineConfig()).pdl_l2_mb == 8
+
+
 def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():
     """After a step the drafter's cache lacks the target's bonus / correction token, and the last draft only when
     every draft was accepted: 1 or 2 tokens (a one-token pass runs fused_decode's six launches a layer)."""

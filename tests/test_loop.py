@@ -138,7 +138,8 @@ def test_registry_applies_and_filters(tmp_path):
     assert REGISTRY["pdl"].candidates(start, gpu) == [{"pdl": True, "pdl_trigger": "late"},
                                                       {"pdl": False, "pdl_trigger": "late"}]
     assert REGISTRY["pdl_l2"].candidates(gpu.config, gpu) == [  # no share without a size (EngineConfig rejects it)
-        {"pdl_l2_mb": mb, "pdl_l2_share": share} for mb in (16, 36, 64) for share in (0.25, 1.0)]
+        {"pdl_l2_mb": 0, "pdl_l2_share": 1.0}, *({"pdl_l2_mb": mb, "pdl_l2_share": share} for mb in (16, 36)
+                                                 for share in (0.25, 1.0)), {"pdl_l2_mb": 8, "pdl_l2_share": 0.25}]
     assert "pdl_l2" not in [m.name for m in applicable(gpu, gpu.config.with_(pdl=False))]
     assert REGISTRY["drafter_kind"].candidates(gpu.config, gpu) == [{"drafter_kind": "ngram"}]
     flash = Deployment("t", "ckpt", EngineConfig(drafter_kind="dflash"), "cpu")

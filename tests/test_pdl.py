@@ -87,12 +87,11 @@ def test_config_field_validates_and_round_trips():
     with pytest.raises(ConfigError, match="pdl_trigger"):
         EngineConfig(pdl=True, pdl_trigger="end")
     assert not EngineConfig(pdl=False).pdl_late  # a trigger without PDL says nothing
-    assert EngineConfig(pdl=True, pdl_l2_mb=36).pdl_l2_mb == 36 and EngineConfig().pdl_l2_mb == 0
+    assert EngineConfig(pdl=True, pdl_l2_mb=36).pdl_l2_mb == 36 and EngineConfig().pdl_l2_mb == 8  # session 29
     for bad in (-1, 1.5, True, "36"):
         with pytest.raises(ConfigError, match="pdl_l2_mb"):
             EngineConfig(pdl=True, pdl_l2_mb=bad)
-    with pytest.raises(ConfigError, match="pdl_l2_mb needs pdl"):
-        EngineConfig(pdl=False, pdl_l2_mb=36)
+    assert EngineConfig(pdl=False).pdl_l2_mb == 8  # on by default, so without PDL it is allowed and does nothing
     assert EngineConfig().pdl_l2_share == 1.0 and EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.25).pdl_l2_share == 0.25
     share = EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.125)
     assert EngineConfig.from_dict(share.to_dict()) == share
@@ -100,7 +99,7 @@ def test_config_field_validates_and_round_trips():
         with pytest.raises(ConfigError, match="pdl_l2_share must be"):
             EngineConfig(pdl_l2_mb=36, pdl_l2_share=bad)
     with pytest.raises(ConfigError, match="pdl_l2_share needs pdl_l2_mb"):
-        EngineConfig(pdl_l2_share=0.25)  # a share of nothing warmed: an error, not a silent no-op
+        EngineConfig(pdl_l2_mb=0, pdl_l2_share=0.25)  # a share of nothing warmed: an error, not a silent no-op
 
 
 def test_cli_derives_the_pdl_flag():
@@ -131,15 +130,17 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     assert pdl.enabled() and pdl.launch_options().late
     _apply_pdl(EngineConfig(device="cuda", pdl_trigger="start"))
     assert pdl.enabled() and not pdl.launch_options().late
+    assert gemv_fused.PDL_L2_MAX_BYTES == 8 << 20  # the default warms GEMVs of <= 8 MiB (session 29)
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=36))
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20  # the L2 warming follows the config, and only with PDL on
     assert gemv_fused.PDL_L2_PART == 64  # all of each warmed weight unless a share is asked for
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=36, pdl_l2_share=0.25))
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20 and gemv_fused.PDL_L2_PART == 16
-    _apply_pdl(EngineConfig(device="cuda"))
+    _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=0))
     assert gemv_fused.PDL_L2_MAX_BYTES == 0 and gemv_fused.PDL_L2_PART == 64
     _apply_pdl(EngineConfig(device="cuda", pdl=False))  # the newest config decides
     assert not pdl.enabled() and not pdl.launch_options().late
+    assert gemv_fused.PDL_L2_MAX_BYTES == 0  # no warming without PDL (it is issued before the PDL wait)
     # on by default, so where it cannot act it stays off without a word: without fused_decode, before Hopper
     with warnings.catch_warnings():
         warnings.simplefilter("error")

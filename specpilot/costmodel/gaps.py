@@ -23,7 +23,7 @@ from typing import Literal
 
 from specpilot.costmodel.hardware import HardwareCeilings
 from specpilot.costmodel.shapes import (PassCost, dflash_pass_cost, draft_kernel_flags, forward_cost, kernel_flags,
-                                       param_count)
+                                        l2_fields, param_count)
 from specpilot.errors import ConfigError
 from specpilot.models.config import ModelConfig
 
@@ -62,7 +62,7 @@ def pass_predicted_s(cost: PassCost, hw: HardwareCeilings, graphed: bool = True,
     high). Attention at <= 16 tokens is latency-bound: the measured per-layer time of the split-KV kernel when
     `attention_kernel` (and it was measured), else masked SDPA's over the keys it covers.
     """
-    memory_s = (hw.weights_s(cost.weight_bytes, cost.num_layers, cost.num_tokens, cost.head_bytes)
+    memory_s = (hw.weights_s(cost.weight_bytes - cost.l2_warm_bytes, cost.num_layers, cost.num_tokens, cost.head_bytes)
                 / cost.weight_rate + (cost.kv_bytes + cost.activation_bytes) / hw.hbm_bytes_per_s)
     compute_s = cost.flops / hw.bf16_flops_per_s
     if graphed:
@@ -121,6 +121,8 @@ class StepProfile:
     norm_epilogue: bool = False  # their norms written by the residual GEMVs (EngineConfig.norm_epilogue)
     rope_in_attention: bool = False  # one-token layers' RoPE + K/V write in the attention launch (EngineConfig.*)
     rope_in_qkv: bool = False  # one-token layers' RoPE + K/V write in the qkv GEMV's launch (EngineConfig.*)
+    pdl_l2_mb: int = 0  # with pdl: one-token GEMVs of at most this many MiB warm their weight in L2 (EngineConfig.*)
+    pdl_l2_share: float = 1.0  # ... this share of it (EngineConfig.pdl_l2_share)
     fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
     # EngineConfig.early_draft (DFlash): the draft pass is launched before the step's sync, so its device time is
     # measured in the commit ("other") stage while the host commits, and the draft stage launches nothing
@@ -153,7 +155,7 @@ def engine_fields(cfg) -> dict:
             "draft_kv_pool_len": None if cfg.draft_attention_kernel else pool,
             "draft_attention_kernel": cfg.draft_attention_kernel,
             "fused_accept": cfg.fused_accept and cfg.sampling.greedy,
-            "fused_projections": cfg.fused_projections, **kernel_flags(cfg),
+            "fused_projections": cfg.fused_projections, **kernel_flags(cfg), **l2_fields(cfg),
             "early_draft": bool(getattr(cfg, "early_draft", False)) and early_draft_applies(cfg)}
 
 
@@ -262,7 +264,7 @@ def _draft_passes(drafter_cfg, profile: StepProfile, kind: str, target_cfg: Mode
     # a small model drafter is laid out like the target (engine.build_drafter applies the same EngineConfig to
     # it): its one-token passes are fused decode passes, its catch-up pass of 2-16 tokens a fused verify one
     return [forward_cost(drafter_cfg, t, profile.context_len, pool_len=profile.kv_pool_len,
-                         fused=profile.fused_projections, **kernel_flags(profile))
+                         fused=profile.fused_projections, **kernel_flags(profile), **l2_fields(profile))
             for t in profile.pass_tokens()]
 
 
@@ -277,7 +279,7 @@ def _stage_costs(target_cfg, drafter_cfg, profile, hw, kind, graphed, draft_host
                  draft_launches=0.0) -> dict[str, StageCost]:
     drafts = _draft_passes(drafter_cfg, profile, kind, target_cfg)
     verify = forward_cost(target_cfg, profile.num_draft_tokens + 1, profile.context_len, pool_len=profile.kv_pool_len,
-                          **kernel_flags(profile))
+                          **kernel_flags(profile), **l2_fields(profile))
     kern = profile.attention_kernel
     draft_kern = profile.draft_attention_kernel if kind == "dflash" else kern
     pass_floor = sum(pass_floor_s(c, hw) for c in drafts)

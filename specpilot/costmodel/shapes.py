@@ -96,6 +96,10 @@ class PassCost:
     # the rate the weights stream at, relative to the measured 16-bit GEMV chains' (lossless 12-bit GEMVs decode as
     # they go: LOSSLESS12_RATE); the floor (pass_floor_s) counts the bytes alone
     weight_rate: float = 1.0
+    # of weight_bytes, those a one-token fused pass warms in L2 before the GEMVs' PDL waits (EngineConfig.pdl_l2_mb
+    # / pdl_l2_share): streamed while the latency-bound kernel ahead runs, so off the pass's critical path
+    # (gaps.pass_predicted_s does not count them; the floor does)
+    l2_warm_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -152,6 +156,18 @@ def _weight_bytes(cfg: ModelConfig, T: int, dtype_bytes: int, linear_bytes: floa
     return linear * (dtype_bytes if linear_bytes is None else linear_bytes) + other * dtype_bytes
 
 
+def _l2_warm_bytes(cfg: ModelConfig, dtype_bytes: int, pdl_l2_mb: float, pdl_l2_share: float) -> float:
+    """Bytes of a one-token fused pass's GEMV weights warmed in L2 before their PDL wait: each fused projection
+    (qkv, o, gate/up, down) of at most pdl_l2_mb MiB, times the share warmed, over the layers (the LM head is never
+    that small in practice, and is left out)."""
+    h, q, kv, i = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                   cfg.intermediate_size)
+    limit = pdl_l2_mb * (1 << 20)
+    per_layer = sum(n for n in ((q + 2 * kv) * h * dtype_bytes, q * h * dtype_bytes, 2 * i * h * dtype_bytes,
+                                i * h * dtype_bytes) if n <= limit)
+    return cfg.num_hidden_layers * per_layer * pdl_l2_share
+
+
 def _kv_bytes(cfg: ModelConfig, T: int, context_len: int, dtype_bytes: int) -> float:
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes  # K and V
     return per_token * ((context_len + T) + T)  # read the span, write the T new tokens
@@ -180,6 +196,13 @@ _DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossles
 def kernel_flags(obj) -> dict[str, bool]:
     """The KERNEL_FLAGS of a config, profile or knobs object (missing ones: off), to pass on as keywords."""
     return {f: bool(getattr(obj, f, False)) for f in KERNEL_FLAGS}
+
+
+def l2_fields(obj) -> dict[str, float]:
+    """A config's, profile's or knobs object's L2 warming (EngineConfig.pdl_l2_mb / pdl_l2_share; missing: off),
+    as forward_cost's keywords: nothing without PDL, where the engine warms nothing."""
+    on = bool(getattr(obj, "pdl", False))
+    return {"pdl_l2_mb": getattr(obj, "pdl_l2_mb", 0) if on else 0, "pdl_l2_share": getattr(obj, "pdl_l2_share", 1.0)}
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
@@ -235,7 +258,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  norm_kernel: bool = False, rope_kernel: bool = False, act_kernel: bool = False,
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
-                 rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False) -> PassCost:
+                 rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False,
+                 pdl_l2_mb: float = 0, pdl_l2_share: float = 1.0) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -248,7 +272,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS); `rope_in_attention` a one-token
     fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS);
     `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too; not for a q/k-norm model, whose
-    layer the engine leaves as it is)."""
+    layer the engine leaves as it is); `pdl_l2_mb` / `pdl_l2_share` (with pdl, a one-token fused pass of 16-bit
+    weights) the GEMV weights it warms in L2 before their waits (`PassCost.l2_warm_bytes`)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -273,6 +298,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         if pdl:
             pdl_kernels = (L * per_layer + _PDL_HEAD_KERNELS if one_token_fused
                            else L * _PDL_VERIFY_KERNELS_PER_LAYER)
+    warm = (_l2_warm_bytes(cfg, dtype_bytes, pdl_l2_mb, pdl_l2_share)
+            if pdl_kernels and one_token_fused and linear_bytes is None and pdl_l2_mb > 0 else 0.0)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,
@@ -289,6 +316,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         weight_rate=LOSSLESS12_RATE if linear_bytes is not None else 1.0,
         num_pdl_kernels=pdl_kernels,
         pdl_late=bool(pdl_kernels) and pdl_late,
+        l2_warm_bytes=warm,
     )
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from specpilot.costmodel.gaps import StepProfile, pass_predicted_s
 from specpilot.costmodel.hardware import HardwareCeilings
-from specpilot.costmodel.shapes import PassCost, dflash_pass_cost, draft_kernel_flags, forward_cost, kernel_flags
+from specpilot.costmodel.shapes import (PassCost, dflash_pass_cost, draft_kernel_flags, forward_cost, kernel_flags,
+                                        l2_fields)
 from specpilot.models.config import ModelConfig
 
 
@@ -51,6 +52,8 @@ class StepKnobs:
     norm_epilogue: bool = False  # norm_epilogue (a fused pass's norms written by its residual GEMVs: fewer launches)
     rope_in_attention: bool = False  # rope_in_attention (a one-token layer's RoPE + K/V write in its attention)
     rope_in_qkv: bool = False  # rope_in_qkv (a one-token layer's RoPE + K/V write in its qkv GEMV)
+    pdl_l2_mb: int = 0  # pdl_l2_mb (with pdl: one-token GEMVs of at most this many MiB warm their weight in L2)
+    pdl_l2_share: float = 1.0  # pdl_l2_share (the share of each such weight warmed)
     early_draft: bool = False  # early_draft (DFlash: the pass launched before the sync, the host's work beside it)
 
 
@@ -97,11 +100,11 @@ def _passes(target_cfg: ModelConfig, drafter_cfg, kind: str, knobs: StepKnobs, p
     k, ctx = knobs.num_draft_tokens, profile.context_len
     pool = knobs.pool_len if knobs.pool_len is not None else None if knobs.attention_kernel else profile.kv_pool_len
     out = [forward_cost(target_cfg, k + 1, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
-                        **kernel_flags(knobs))]
+                        **kernel_flags(knobs), **l2_fields(knobs))]
     if kind == "model" and drafter_cfg is not None and k > 0:  # the catch-up pass, then 1 token per pass
         first = catch_up_tokens(tau, k)
         out += [forward_cost(drafter_cfg, t, ctx, pool_len=pool, fused=knobs.fused, compiled=knobs.compiled,
-                             **kernel_flags(knobs))
+                             **kernel_flags(knobs), **l2_fields(knobs))
                 for t in (first,) + (1,) * (k - 1)]
     elif kind == "dflash" and drafter_cfg is not None:  # one block pass whatever k is
         draft_pool = None if knobs.draft_attention_kernel else knobs.draft_pool_len

@@ -56,10 +56,11 @@ class EngineMeasure:
 
     LAYOUT = ("dtype", "device", "fused_projections", "gemv_kernel", "attention_kernel", "norm_kernel",
               "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl",
-              "pdl_trigger", "pdl_l2_mb", "pdl_kv_l2", "rope_q_heads", "attn_split_keys", "attn_merge_chunk",
-              "attn_early_pos", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "l2_prefetch", "gemv_prefetch")
-    # (pdl, pdl_trigger, pdl_l2_mb, pdl_kv_l2, rope_q_heads, attn_split_keys, attn_merge_chunk, attn_early_pos
-    # and gemv_prefetch change no weights, but their process-wide switches are set when a model is laid out:
+              "pdl_trigger", "pdl_l2_mb", "pdl_l2_share", "pdl_kv_l2", "rope_q_heads", "attn_split_keys",
+              "attn_merge_chunk", "attn_early_pos", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "l2_prefetch",
+              "gemv_prefetch")
+    # (pdl, pdl_trigger, pdl_l2_mb, pdl_l2_share, pdl_kv_l2, rope_q_heads, attn_split_keys, attn_merge_chunk,
+    # attn_early_pos and gemv_prefetch change no weights, but their process-wide switches are set when a model is laid out:
     # engine._apply_pdl / _apply_gemv_prefetch / _apply_program_splits)
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
@@ -109,14 +110,14 @@ def _step_profile(cfg: EngineConfig, stage_s: dict, tau: float, context_len: int
 
 def _knobs(cfg: EngineConfig):
     from specpilot.costmodel.gaps import early_draft_applies
-    from specpilot.costmodel.shapes import kernel_flags
+    from specpilot.costmodel.shapes import kernel_flags, l2_fields
     from specpilot.costmodel.whatif import StepKnobs
 
     sdpa_pool = cfg.cuda_graphs and not cfg.attention_kernel  # graphed SDPA reads the whole pool
     return StepKnobs(cfg.num_draft_tokens if cfg.drafter_kind != "none" else 0, cfg.cuda_graphs, cfg.compile,
                      cfg.fused_projections, cfg.attention_kernel, cfg.max_seq_len if sdpa_pool else None,
                      cfg.draft_attention_kernel, cfg.max_seq_len if cfg.cuda_graphs else None,
-                     **kernel_flags(cfg), early_draft=cfg.early_draft and early_draft_applies(cfg))
+                     **kernel_flags(cfg), **l2_fields(cfg), early_draft=cfg.early_draft and early_draft_applies(cfg))
 
 
 class CostHooks(NamedTuple):

@@ -223,7 +223,7 @@ register(Mechanism(
     "let the next kernel launch first thing or after their K loop (pdl_trigger)",
     valid=lambda dep, delta: delta.get("pdl", True) or delta.get("pdl_trigger", "late") == "late"))
 register(Mechanism(
-    "pdl_l2", ("verify", "draft"), {"pdl_l2_mb": [16, 36, 64, 0], "pdl_l2_share": [0.25, 1.0]},
+    "pdl_l2", ("verify", "draft"), {"pdl_l2_mb": [0, 16, 36, 8], "pdl_l2_share": [0.25, 1.0]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl,
     "under PDL, a one-row GEMV whose weight fits the size asks L2 for all of it (or a share) before its wait, so "
     "o_proj's weight streams in while RoPE and attention (latency-bound: HBM idles) run ahead of it, qkv's in "
