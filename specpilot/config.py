@@ -111,7 +111,8 @@ class EngineConfig:
     # at Qwen3-8B no weight is that small: warming its o_proj's 32 MiB was +1.4%). Without pdl it does nothing
     pdl_l2_share: float = 1.0  # with pdl_l2_mb: the share of each warmed weight asked of L2 (every program's first
     # share of its rows' bytes; a multiple of 1/64 in (0, 1]): no more traffic than the idle window ahead can hold,
-    # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers
+    # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers.
+    # 1.0: a share was slower or neutral at both shapes on the H200 (session 29); the loop may search 0.25
     pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
     # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
     # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers. Off: SLOWER on the

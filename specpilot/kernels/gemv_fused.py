@@ -104,15 +104,18 @@ PDL_PREFETCH = True
 # prefetch (cp.async.bulk.prefetch.L2, sm_90) per L2_CHUNK bytes of its own rows, before its wait: where the kernel
 # ahead is latency-bound (o_proj behind RoPE + attention, ~13 us at Qwen3-8B in which HBM idles) the weight then
 # streams into L2 meanwhile and the GEMV reads it from there. No data comes back to the program, so registers and
-# numbers are unchanged. 0: off (EngineConfig.pdl_l2_mb sets it; the L2 holds 50 MB on the H100/H200, so weights
-# larger than about half of it would evict their own first lines before they are read).
+# numbers are unchanged. 0: off (EngineConfig.pdl_l2_mb sets it, 8 MiB by default since session 29: at 1.5B
+# o_proj's 4.5 MiB warmed behind RoPE + attention took 4.5-9% off the step; the L2 holds 50 MB on the H100/H200,
+# so weights larger than about half of it would evict their own first lines before they are read).
 PDL_L2_MAX_BYTES = 0
 # The share of each warmed weight asked of L2 before the wait, in 64ths (EngineConfig.pdl_l2_share): every program
 # warms only the first PDL_L2_PART / 64 of its own rows' bytes. Why: warming all of o_proj's 32 MiB at Qwen3-8B was
 # slower (session 27, +1.4%): ~7.5 us of HBM traffic issued while the attention ahead still waits on its own K/V
 # reads, i.e. the critical path's loads queue behind it. A share the idle window can hold (RoPE + attention at 8B,
 # ~10 us; the tail of down_proj before qkv) takes that much of the weight off the GEMV's own DRAM time and no more.
-# 64: all of it (as before the share existed). A hint: the same numbers.
+# 64: all of it (as before the share existed). A hint: the same numbers. Measured (H200, session 29): slower or
+# neutral everywhere (Qwen3-8B o_proj 1/8-1/4: -0.05 / +1.5%; 1.5B 1/4-3/4: -0.1 to +1.2% where all of it was
+# -4.5 to -6.2%): what warming buys is a GEMV reading L2 only, no DRAM ramp, not bytes off its stream. 64 it stays.
 PDL_L2_PART = 64
 L2_CHUNK = 64 * 1024  # bytes a bulk prefetch asks for (a multiple of 16)
 
