@@ -130,6 +130,13 @@ class EngineConfig:
     # time, a dependent round trip each; else a power of two <= 64). Same numbers up to the merge's fp32 order.
     # H200, session 28: 8 is -1.5 to -2.9% at Qwen3-8B (8 KV heads, 4 rows a merge) and +1.6 to +3.5% at 1.5B (2
     # KV heads, 6 rows; 4 there +6.6%): the loop searches it (mechanism attn_merge)
+    verify_l2_mb: int = 0  # CUDA, with fused_verify: a 2-16-token verify block's attention (the split + merge
+    # pair) warms o_proj's weight in L2 when it is at most this many MiB, so the o_proj GEMV after it reads L2
+    # instead of ramping on DRAM (kernels/decode_attention.py VERIFY_WARM_MAX_BYTES; the one-token path's twin is
+    # pdl_l2_mb, which at 1.5B took 4.5-9% off the step). A hint: same numbers. 0: off until the H200 says it pays
+    gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
+    # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
+    # up to a power of two). Same numbers up to the fp32 summation order of the tiling
     attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step
@@ -246,6 +253,11 @@ class EngineConfig:
         if (not isinstance(self.attn_split_keys, int) or isinstance(self.attn_split_keys, bool)
                 or not 16 <= self.attn_split_keys <= 1024 or self.attn_split_keys & (self.attn_split_keys - 1)):
             raise ConfigError(f"attn_split_keys must be a power of two in [16, 1024], got {self.attn_split_keys!r}")
+        if (not isinstance(self.gemm_bucket_min, int) or isinstance(self.gemm_bucket_min, bool)
+                or self.gemm_bucket_min not in (0, 2, 4, 8, 16)):
+            raise ConfigError(f"gemm_bucket_min must be 0, 2, 4, 8 or 16, got {self.gemm_bucket_min!r}")
+        if not isinstance(self.verify_l2_mb, int) or isinstance(self.verify_l2_mb, bool) or self.verify_l2_mb < 0:
+            raise ConfigError(f"verify_l2_mb must be an integer >= 0 (MiB), got {self.verify_l2_mb!r}")
         if (not isinstance(self.attn_merge_chunk, int) or isinstance(self.attn_merge_chunk, bool)
                 or not 0 <= self.attn_merge_chunk <= 64 or self.attn_merge_chunk & (self.attn_merge_chunk - 1)):
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")

@@ -181,9 +181,9 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT and attn_merge_chunk -> its MERGE_CHUNK, set whenever a model
-    is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads; 128 keys a
-    program; the merge a slice at a time)."""
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK and verify_l2_mb -> its
+    VERIFY_WARM_MAX_BYTES, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin
+    (one program for all q heads; 128 keys a program; the merge a slice at a time; no warming)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")
@@ -191,6 +191,10 @@ def _apply_program_splits(config: EngineConfig) -> None:
     keys = config.attn_split_keys if cuda else 128
     decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
+    decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
+    from specpilot.kernels import gemv_fused
+
+    gemv_fused.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

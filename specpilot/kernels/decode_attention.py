@@ -70,6 +70,14 @@ PDL_EARLY_POS = False
 # Another summation order of the same fp32 partials. H200 (session 28): 8 faster at Qwen3-8B (-1.5 to -2.9%), slower
 # at 1.5B (+1.6 to +3.5%): off by default, searched by the loop.
 MERGE_CHUNK = 0
+# A verify block's attention (the two-launch split + merge path, T > 1) warms the NEXT GEMV's weight (o_proj, which
+# the caller hands over as `warm`) in L2 when it is at most this many bytes: every split program issues bulk L2
+# prefetches of its share of it first thing, so the weight streams in while the attention (latency-bound: HBM
+# mostly idle) runs, and o_proj's M-row GEMV reads it from L2. The one-token path does this from o_proj's side
+# (kernels/gemv_fused.py PDL_L2_MAX_BYTES: its programs are resident under PDL); the verify path's attention pair
+# launches without PDL, so o_proj cannot. A hint: nothing comes back, the numbers cannot change.
+# EngineConfig.verify_l2_mb sets it (engine._apply_pdl); 0: off.
+VERIFY_WARM_MAX_BYTES = 0
 
 
 def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
@@ -242,14 +250,20 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
-                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale,
+                      H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale, warm_ptr, warm_span, warm_bytes,
                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, WARM: tl.constexpr = False):
         # operands stay in the model's dtype (bf16: tensor cores, exact products), accumulation is fp32; PREC
         # "ieee" keeps fp32 models exact instead of TF32. UPCAST (the CPU interpreter only, whose dot mishandles
-        # bf16) computes in fp32.
+        # bf16) computes in fp32. WARM (VERIFY_WARM_MAX_BYTES): first, this program's warm_span bytes of the next
+        # GEMV's weight (warm_bytes in all, 16-byte multiples) asked of L2 -- every program, those that exit early too.
         pid_bh = tl.program_id(0)  # (b, kv head, row block)
         pid_s = tl.program_id(1)
+        if WARM:
+            lo = (pid_bh * tl.num_programs(1) + pid_s).to(tl.int64) * warm_span
+            n = tl.minimum(warm_bytes - lo, warm_span)
+            if n > 0:
+                _l2_prefetch_rows(warm_ptr, lo, n, 1, _KV_CHUNK)  # rows of one byte: the span [lo, lo + n)
         b = pid_bh // NUM_RB // H_KV
         hk = pid_bh // NUM_RB % H_KV
         row0 = pid_bh % NUM_RB * BLOCK_R
@@ -357,9 +371,25 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS.at_least(device, n)
 
 
+def warm_args(warm: torch.Tensor | None, programs: int, device: torch.device) -> tuple:
+    """The split kernel's L2 warming arguments for `warm` (the next GEMV's weight, or None) over `programs`
+    programs -> (pointer, bytes a program, bytes in all, WARM): on where VERIFY_WARM_MAX_BYTES is set, the weight
+    is at most that, contiguous, 16-byte aligned and a whole number of 16-byte granules, on the kernel's device,
+    and the kernel is compiled (the interpreter has no inline PTX); else a dummy pointer and WARM False."""
+    nbytes = 0 if warm is None else warm.numel() * warm.element_size()
+    on = (warm is not None and 0 < nbytes <= VERIFY_WARM_MAX_BYTES and warm.is_contiguous()
+          and warm.device == device and warm.data_ptr() % 16 == 0 and nbytes % 16 == 0
+          and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    if not on:
+        return torch.empty(0, dtype=torch.int8, device=device), 0, 0, False
+    span = -(-nbytes // (16 * programs)) * 16  # each program's share, whole granules
+    return warm.view(-1).view(torch.int8), span, nbytes, True
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float | None = None, *, split_s: int = 128, block_s: int = 64,
-                     one_launch: bool = False, token_major: bool = False) -> torch.Tensor:
+                     one_launch: bool = False, token_major: bool = False,
+                     warm: torch.Tensor | None = None) -> torch.Tensor:
     """Masked (key slot <= query position) attention of q [B, H, T, D] over k/v [B, Hkv, S, D] -> [B, H, T, D].
 
     T <= MAX_T, H a multiple of Hkv, D a power of two >= 16; `split_s` keys per program (a multiple of
@@ -367,7 +397,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     to finish instead of a second kernel (same numbers; see `_counters` for the one rule it adds). `token_major`:
     the output lies in memory as [B, T, H, D] (returned as its [B, H, T, D] transpose), so the o_proj input
     `out.transpose(1, 2).reshape(B * T, H * D)` is a view, not a copy kernel (models/fused_decode.py, T > 1).
-    Static shapes, no host sync: safe inside CUDA graphs."""
+    `warm` (the two-launch path): the next GEMV's weight, warmed in L2 by the split kernel where
+    VERIFY_WARM_MAX_BYTES allows (`warm_args`). Static shapes, no host sync: safe inside CUDA graphs."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     B, H, T, D = q.shape
@@ -406,8 +437,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, **pdl.kwargs)
         return out
+    w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q.device)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
-                                           **consts)
+                                           w_ptr, w_span, w_bytes, **consts, WARM=w_on)
     _combine_kernel[(B * Hkv * nrb,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
                                       Hkv, T, G, split_s, splits, nrb, D=D, BLOCK_R=rows, SPLITS_P2=_pow2(splits))
     return out
@@ -437,14 +469,15 @@ def _register_op():
                                 one_launch=True)
 
     @torch.library.custom_op("specpilot::decode_attention_token_major", mutates_args=())
-    def decode_attention_token_major_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-                                        ) -> torch.Tensor:
-        return decode_attention(q, k, v, positions, token_major=True)
+    def decode_attention_token_major_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                                        warm: torch.Tensor | None = None) -> torch.Tensor:
+        return decode_attention(q, k, v, positions, token_major=True, warm=warm)
 
     for op in (decode_attention_op, decode_attention_one_op):
         op.register_fake(lambda q, k, v, positions: torch.empty_like(q, memory_format=torch.contiguous_format))
     decode_attention_token_major_op.register_fake(  # the real output's strides: [B, T, H, D] memory
-        lambda q, k, v, positions: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
+        lambda q, k, v, positions, warm=None: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        .transpose(1, 2))
     return decode_attention_op, decode_attention_one_op, decode_attention_token_major_op
 
 

@@ -118,6 +118,13 @@ PDL_L2_MAX_BYTES = 0
 # -4.5 to -6.2%): what warming buys is a GEMV reading L2 only, no DRAM ramp, not bytes off its stream. 64 it stays.
 PDL_L2_PART = 64
 L2_CHUNK = 64 * 1024  # bytes a bulk prefetch asks for (a multiple of 16)
+# The M-row kernel's autotuning key M_BUCKET is M rounded up to a power of two, and at least this (0: M's own).
+# Every bucket runs the same BLOCK_M = MAX_ROWS tile, so the key only decides which tuned tiling a launch takes;
+# the tunings are timed one launch at a time, outside a graph and without PDL, and at 1.5B the 5-8-row bucket's
+# chose worse than the 16-row one's there (H200, session 29: the graphed 5-token verify step 2.005 ms, the 9-token
+# 1.866). EngineConfig.gemm_bucket_min sets it. Numbers: another tiling's fp32 summation order, as any autotuning
+# choice of this kernel.
+M_BUCKET_MIN = 0
 
 
 def _check(x, weight, bias, norm_weight, residual, act, max_rows: int = MAX_ROWS) -> tuple[int, int, str]:
@@ -598,7 +605,7 @@ def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: in
     if sizes is not None:
         ws, cnt = split_k_scratch(x.device, *sizes)
     args = (*ptrs, ws, cnt, M, out_n, K, x.stride(0), stride_wn, stride_rm, y.stride(0), float(eps),
-            triton.next_power_of_2(M), *norm_args)
+            max(triton.next_power_of_2(M), M_BUCKET_MIN), *norm_args)
     if _INTERPRET:  # BLOCK_N 16, BLOCK_K 64: the tests' N and K are not multiples of either
         _gemm_kernel[(triton.cdiv(out_n, 16), INTERPRET_SPLIT_K)](*args, **flags, BLOCK_M=MAX_ROWS, BLOCK_N=16,
                                                                   BLOCK_K=64, SPLIT_K=INTERPRET_SPLIT_K)

@@ -254,6 +254,16 @@ register(Mechanism(
     "under PDL, the one-token attention reads the positions (a graph input no kernel writes) before its wait, so "
     "its K/V loads follow the wait at once"))
 register(Mechanism(
+    "verify_l2", ("verify",), {"verify_l2_mb": [8, 16, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
+    "a verify block's attention warms o_proj's weight in L2 while it runs (latency-bound: HBM idles), so the "
+    "o_proj GEMV after it reads L2"))
+register(Mechanism(
+    "gemm_bucket", ("verify",), {"gemm_bucket_min": [16, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
+    "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "
+    "alone, outside a graph: a 5-8-row bucket's choice was slower in the graphed step at 1.5B)"))
+register(Mechanism(
     "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "

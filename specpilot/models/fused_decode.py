@@ -161,7 +161,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     else:
         q = rope_write(q, k, v, cos, sin, positions, cache.k[i], cache.v[i], qn, kn, eps)  # [1, n, T, d]
         keys, values = cache.read(i, kv_len)
-        out = attend(q, keys, values, positions)  # [1, n, T, d]; T > 1: token-major in memory
+        # [1, n, T, d]; T > 1: token-major in memory, o_proj's weight handed over to be warmed in L2 (a hint:
+        # kernels/decode_attention.py VERIFY_WARM_MAX_BYTES says where it is taken)
+        out = attend(q, keys, values, positions) if T == 1 else attend(q, keys, values, positions, attn.o_proj.weight)
     return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side)
 
 
