@@ -133,10 +133,13 @@ class EngineConfig:
     verify_l2_mb: int = 0  # CUDA, with fused_verify: a 2-16-token verify block's attention (the split + merge
     # pair) warms o_proj's weight in L2 when it is at most this many MiB, so the o_proj GEMV after it reads L2
     # instead of ramping on DRAM (kernels/decode_attention.py VERIFY_WARM_MAX_BYTES; the one-token path's twin is
-    # pdl_l2_mb, which at 1.5B took 4.5-9% off the step). A hint: same numbers. 0: off until the H200 says it pays
+    # pdl_l2_mb, which at 1.5B took 4.5-9% off the step). A hint: same numbers. 0: off (H200, session 29: neutral,
+    # 5 / 16 tokens +0.3 / +0.4%)
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
     # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
-    # up to a power of two). Same numbers up to the fp32 summation order of the tiling
+    # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
+    # -5.6% at 5 / 8 tokens on one H200 (session 29, 1.5B), to be confirmed (a 5-token step cost 7% more than a
+    # 9-token one on another)
     attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step

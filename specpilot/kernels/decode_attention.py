@@ -76,7 +76,8 @@ MERGE_CHUNK = 0
 # mostly idle) runs, and o_proj's M-row GEMV reads it from L2. The one-token path does this from o_proj's side
 # (kernels/gemv_fused.py PDL_L2_MAX_BYTES: its programs are resident under PDL); the verify path's attention pair
 # launches without PDL, so o_proj cannot. A hint: nothing comes back, the numbers cannot change.
-# EngineConfig.verify_l2_mb sets it (engine._apply_pdl); 0: off.
+# EngineConfig.verify_l2_mb sets it (engine._apply_program_splits); 0: off. Neutral on the H200 (session 29, 1.5B
+# graphed verify steps: 5 tokens +0.3%, 16 tokens +0.4%): off, searched by the loop.
 VERIFY_WARM_MAX_BYTES = 0
 
 
