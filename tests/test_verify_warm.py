@@ -41,7 +41,7 @@ def test_the_field_validates_reaches_the_kernel_module_on_cuda_only_and_has_a_fl
 def test_warm_args_take_a_small_contiguous_weight_on_the_device_and_split_it_in_whole_granules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as compiled on a GPU (nothing is launched here)
     monkeypatch.setattr(da, "VERIFY_WARM_MAX_BYTES", 1 << 20)
-    cpu = torch.device("cpu")
+    cpu = torch.empty(0)  # the kernel's dummy pointer (its device: the kernel's)
     w = torch.empty(64, 64, dtype=torch.bfloat16)  # 8192 bytes
     ptr, span, total, on = da.warm_args(w, 3, cpu)
     assert on and total == 8192 and span % 16 == 0 and 2 * span < total <= 3 * span  # every byte, whole granules
@@ -50,7 +50,8 @@ def test_warm_args_take_a_small_contiguous_weight_on_the_device_and_split_it_in_
     assert da.warm_args(w.t(), 3, cpu)[1:] == (0, 0, False)  # not contiguous
     assert da.warm_args(torch.empty(1, 7, dtype=torch.bfloat16), 3, cpu)[1:] == (0, 0, False)  # 14 bytes
     assert da.warm_args(torch.empty(1024, 1024), 3, cpu)[1:] == (0, 0, False)  # 4 MiB > the limit
-    assert da.warm_args(w, 3, torch.device("meta"))[1:] == (0, 0, False)  # another device than the kernel's
+    assert da.warm_args(w, 3, torch.empty(0, device="meta"))[1:] == (0, 0, False)  # not the kernel's device
+    assert da.warm_args(None, 3, cpu)[0] is cpu  # off: the dummy itself, nothing allocated
     monkeypatch.setattr(da, "VERIFY_WARM_MAX_BYTES", 0)
     assert da.warm_args(w, 3, cpu)[1:] == (0, 0, False)
     monkeypatch.setattr(da, "VERIFY_WARM_MAX_BYTES", 1 << 20)
@@ -67,9 +68,9 @@ def test_a_fused_verify_step_hands_each_layers_o_proj_weight_to_its_attention(ti
     seen = []
     real = da.warm_args
 
-    def spy(warm, programs, device):
+    def spy(warm, programs, dummy):
         seen.append(warm)
-        return real(warm, programs, device)
+        return real(warm, programs, dummy)
 
     def step(m, tokens):
         cache = m.new_cache(1, 32)

@@ -36,7 +36,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _l2_prefetch_rows  # one bulk L2 prefetch per 64 KiB of rows
+    from specpilot.kernels.gemv_fused import _l2_prefetch_bytes, _l2_prefetch_rows  # bulk L2 prefetches
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
@@ -264,7 +264,7 @@ if triton is not None:
             lo = (pid_bh * tl.num_programs(1) + pid_s).to(tl.int64) * warm_span
             n = tl.minimum(warm_bytes - lo, warm_span)
             if n > 0:
-                _l2_prefetch_rows(warm_ptr, lo, n, 1, _KV_CHUNK)  # rows of one byte: the span [lo, lo + n)
+                _l2_prefetch_bytes(warm_ptr + lo, n, _KV_CHUNK)
         b = pid_bh // NUM_RB // H_KV
         hk = pid_bh // NUM_RB % H_KV
         row0 = pid_bh % NUM_RB * BLOCK_R
@@ -372,17 +372,18 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS.at_least(device, n)
 
 
-def warm_args(warm: torch.Tensor | None, programs: int, device: torch.device) -> tuple:
+def warm_args(warm: torch.Tensor | None, programs: int, dummy: torch.Tensor) -> tuple:
     """The split kernel's L2 warming arguments for `warm` (the next GEMV's weight, or None) over `programs`
     programs -> (pointer, bytes a program, bytes in all, WARM): on where VERIFY_WARM_MAX_BYTES is set, the weight
-    is at most that, contiguous, 16-byte aligned and a whole number of 16-byte granules, on the kernel's device,
-    and the kernel is compiled (the interpreter has no inline PTX); else a dummy pointer and WARM False."""
+    is at most that, contiguous, 16-byte aligned and a whole number of 16-byte granules, on `dummy`'s device (the
+    kernel's), and the kernel is compiled (the interpreter has no inline PTX); else `dummy` (never read: no
+    allocation a call) and WARM False."""
     nbytes = 0 if warm is None else warm.numel() * warm.element_size()
     on = (warm is not None and 0 < nbytes <= VERIFY_WARM_MAX_BYTES and warm.is_contiguous()
-          and warm.device == device and warm.data_ptr() % 16 == 0 and nbytes % 16 == 0
+          and warm.device == dummy.device and warm.data_ptr() % 16 == 0 and nbytes % 16 == 0
           and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
     if not on:
-        return torch.empty(0, dtype=torch.int8, device=device), 0, 0, False
+        return dummy, 0, 0, False
     span = -(-nbytes // (16 * programs)) * 16  # each program's share, whole granules
     return warm.view(-1).view(torch.int8), span, nbytes, True
 
@@ -438,7 +439,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, **pdl.kwargs)
         return out
-    w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q.device)
+    w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
                                            w_ptr, w_span, w_bytes, **consts, WARM=w_on)
     _combine_kernel[(B * Hkv * nrb,)](o, m, l, pos, out, out.stride(0), out.stride(1), out.stride(2), pos.stride(0),

@@ -193,18 +193,24 @@ if triton is not None:
     _L2_CHUNK_C = tl.constexpr(L2_CHUNK)
 
     @triton.jit
-    def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr, PART: tl.constexpr = 64):
-        """Ask L2 for weight rows [row0, row0 + rows) of a contiguous [*, K] matrix (K * itemsize a multiple of 16:
-        the host checks), CHUNK bytes per bulk prefetch; nothing comes back. PART < 64: only the first PART / 64 of
-        those bytes (rounded down to 16, the bulk prefetch's granule)."""
-        base = (w_ptr + row0.to(tl.int64) * K).to(tl.pointer_type(tl.int8), bitcast=True)
-        nbytes = rows.to(tl.int64) * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        if PART < 64:
-            nbytes = nbytes * PART // 64 // 16 * 16
+    def _l2_prefetch_bytes(base, nbytes, CHUNK: tl.constexpr):
+        """Ask L2 for the nbytes (a multiple of 16) at the byte pointer `base` (16-byte aligned), CHUNK bytes per
+        bulk prefetch; nothing comes back."""
         for off in range(0, nbytes, CHUNK):
             size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
             tl.inline_asm_elementwise(_L2_BULK_PTX, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False,
                                       pack=1)
+
+    @triton.jit
+    def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr, PART: tl.constexpr = 64):
+        """Ask L2 for weight rows [row0, row0 + rows) of a contiguous [*, K] matrix (K * itemsize a multiple of 16:
+        the host checks), CHUNK bytes per bulk prefetch. PART < 64: only the first PART / 64 of those bytes
+        (rounded down to 16, the bulk prefetch's granule)."""
+        base = (w_ptr + row0.to(tl.int64) * K).to(tl.pointer_type(tl.int8), bitcast=True)
+        nbytes = rows.to(tl.int64) * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        if PART < 64:
+            nbytes = nbytes * PART // 64 // 16 * 16
+        _l2_prefetch_bytes(base, nbytes, CHUNK)
 
     @triton.jit
     def _norm_h(h, nw, rstd, dt: tl.constexpr, ON_GPU: tl.constexpr):
