@@ -162,12 +162,12 @@ class EngineConfig:
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
     # latency). Same numbers. Off: SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.573 ms, Qwen3-8B
     # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
-    rope_in_qkv: bool = False  # CUDA, with fused_decode, models without a q/k norm (Qwen2/2.5, Llama): a one-token
-    # fused layer's RoPE and K/V-cache write run in its qkv GEMV's epilogue (kernels/qkv_rope.py) instead of a launch
-    # of their own: 6 -> 5 launches a layer (H200, session 24: the launch it removes is 2.6 us + a 0.4 us boundary
-    # of a 45.6 us 1.5B layer). Same numbers. Not with rope_in_attention (both move the same work); with lossless12
-    # the 12-bit qkv GEMV keeps the RoPE launch. Off until the
-    # H200 says it pays (scripts/gpu_step_timing.py fusedropeqkv)
+    rope_in_qkv: bool = False  # CUDA, with fused_decode: a one-token fused layer's RoPE and K/V-cache write (and
+    # Qwen3's per-head q/k norm, done by each head's last program) run in its qkv GEMV's epilogue
+    # (kernels/qkv_rope.py) instead of a launch of their own: 6 -> 5 launches a layer (H200, session 24: the launch
+    # it removes is 2.6 us + a 0.4 us boundary of a 45.6 us 1.5B layer; at Qwen3-8B 3-5 us of ~117). Same numbers.
+    # Not with rope_in_attention (both move the same work); with lossless12 the 12-bit qkv GEMV keeps the RoPE
+    # launch. Off until the H200 says it pays (scripts/gpu_step_timing.py --config=NAME:rope_in_qkv=true)
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
     # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did

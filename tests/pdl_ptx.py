@@ -29,6 +29,7 @@ def _cases():
     from specpilot.kernels import decode_attention as da
     from specpilot.kernels import gemv12 as g12
     from specpilot.kernels import gemv_fused as gf
+    from specpilot.kernels import qkv_rope as qr
     from specpilot.kernels import rope_attention as ra
     from specpilot.kernels import rope_write as rw
 
@@ -121,6 +122,18 @@ def _cases():
                                                                      "MERGE_R": 4}, attn_types
     # the K/V hint before the wait (decode_attention.PDL_KV_L2): a positions load, then bulk L2 prefetches, no write
     yield "attention_one_launch_kv_hint", da._split_merge_kernel, {**attn, "KV_L2": True}, attn_types
+
+    def qkv_rope_types(n):  # EngineConfig.rope_in_qkv: the positions, the q/k heads' arrival counters
+        return {"pos_ptr": "*i64", "cnt_ptr": "*i32"}.get(n) or ("*bf16" if n.endswith("_ptr") else "fp32"
+                                                                 if n in ("eps", "qk_eps") else "i32")
+
+    qkv = dict(HAS_BIAS=True, HAS_NORM=True, ON_GPU=True, K_P2=2048, D=128, BLOCK_P=8, BLOCK_K=256, QK_NORM=False,
+               PDL_LATE=True, L2_PF=False)
+    yield "qkv_rope_late", qr._qkv_rope_kernel, qkv, qkv_rope_types
+    # Qwen3's per-head q/k norm: stores, the arrival atomic and the last program's L2-only reads after the wait
+    yield "qkv_rope_qk_norm_late", qr._qkv_rope_kernel, {**qkv, "HAS_BIAS": False, "QK_NORM": True}, qkv_rope_types
+    # L2_PF (qkv's weight under PDL_L2_MAX_BYTES, the 1.5B's): its two row ranges' bulk prefetches before the wait
+    yield "qkv_rope_l2_late", qr._qkv_rope_kernel, {**qkv, "L2_PF": True}, qkv_rope_types
 
     def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
         return "fp32" if n == "eps" else attn_types(n)

@@ -498,7 +498,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemv_norm_bias_late", "gemv_norm_silu_mul_paired_prefetch_late", "gemv_residual_late",
             "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
             "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint",
-            "attention_one_launch_early_pos"} <= set(report)
+            "attention_one_launch_early_pos", "qkv_rope_late", "qkv_rope_qk_norm_late",
+            "qkv_rope_l2_late"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -528,7 +529,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             assert on["launch_dependents"] < on["wait"] < on["first_global_access"], (name, on)
             assert on["loads_before_wait"] == 0, (name, on)
         # L2_PF: the bulk prefetches (gate and up: two loops) come before the wait; nowhere else, and never without PDL
-        expected = (2 if "silu" in name else 1) * ("_l2" in name)
+        expected = (2 if "silu" in name or name.startswith("qkv_rope") else 1) * ("_l2" in name)  # (qkv_rope: a
+        # program's two row ranges, columns j and j + D / 2)
         assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == expected, (name, on)
         assert off["l2_prefetches"] == 0, (name, off)
         if "_l2" in name:  # the prefetch loop branches before the wait: the wait is then not in the entry block
@@ -541,3 +543,7 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 assert "atom.global.gpu.acq_rel.add.u32" in case["atomics"] and case["cg_loads"] > 0, (name, case)
             elif name.startswith(("gemv", "gemm")) and "split_k" not in name:
                 assert case["atomics"] == [] and case["cg_loads"] == 0, (name, case)
+            elif name.startswith("qkv_rope"):  # the q/k heads' arrival and the last program's L2-only reads
+                norm = "qk_norm" in name  # with Qwen3's per-head norm only
+                assert ("atom.global.gpu.acq_rel.add.u32" in case["atomics"]) == norm, (name, case)
+                assert (case["cg_loads"] > 0) == norm, (name, case)

@@ -271,8 +271,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     K loop); and `norm_epilogue` takes a fused pass's
     norm launches into its residual GEMVs (_FUSED_VERIFY_EPILOGUE_LAYER_KERNELS); `rope_in_attention` a one-token
     fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS);
-    `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too; not for a q/k-norm model, whose
-    layer the engine leaves as it is); `pdl_l2_mb` / `pdl_l2_share` (with pdl, a one-token fused pass of 16-bit
+    `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too, a q/k-norm model's as well);
+    `pdl_l2_mb` / `pdl_l2_share` (with pdl, a one-token fused pass of 16-bit
     weights) the GEMV weights it warms in L2 before their waits (`PassCost.l2_warm_bytes`)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
@@ -287,7 +287,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         L = cfg.num_hidden_layers
         norms = _NORM_KERNEL_LAUNCHES if norm_kernel else _NORM_KERNELS  # the final norm's
         per_layer = _FUSED_DECODE_LAYER_KERNELS if one_token_fused else _FUSED_VERIFY_LAYER_KERNELS
-        if one_token_fused and (rope_in_attention or rope_in_qkv and not cfg.qk_norm):
+        if one_token_fused and (rope_in_attention or rope_in_qkv):
             per_layer = _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS
         eager = 0 if norm_kernel else _NORM_KERNELS
         if norm_epilogue:  # the final norm comes out of the last down GEMV; a block keeps layer 0's input norm

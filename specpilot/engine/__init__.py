@@ -114,10 +114,6 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         if not model.fused_decode:
             warnings.warn("rope_in_qkv needs fused_decode (and the fused_projections it reads): RoPE and the K/V "
                           "write keep their own launch", RuntimeWarning, stacklevel=2)
-        elif model.model.layers[0].self_attn.q_norm is not None:
-            warnings.warn("rope_in_qkv: this model normalizes q and k per head before RoPE, which the qkv GEMV's "
-                          "epilogue cannot do: RoPE and the K/V write keep their own launch", RuntimeWarning,
-                          stacklevel=2)
         else:
             model.use_rope_in_qkv()
     if _kernel_on(config, "l2_prefetch"):  # the fused layer's gate/up weight warmed in L2: with it or not at all

@@ -10,8 +10,22 @@ The pairing: RoPE (rotate-half) mixes output column j of a head with column j + 
 pairs of one head and loads their weight rows as one [2 BLOCK_P, BLOCK_K] tile, interleaved (j, j + D/2, j + 1,
 ...), as kernels/gemv_fused.py's PAIRED layout does for gate/up; after the K loop the sums split into the two halves
 and the epilogue rotates them. Heads [0, H) are q, [H, H + Hkv) k (rotated, then written at slot = position), the
-rest v (written as is). Models with a per-head q/k RMSNorm (Qwen3) are not served: the norm needs the whole head
-before the rotation (their layer keeps kernels/rope_write.py).
+rest v (written as is).
+
+Per-head q/k RMSNorm (Qwen3, QK_NORM): the norm needs the whole head before the rotation, and a program holds only
+BLOCK_P of its pairs. So each program of a q or k head stores its un-normed outputs where the head's result goes
+(rotated q's tensor, k's cache slot: nothing reads either before this launch ends), then counts itself in on the
+head's counter (a CTA barrier, then one acq_rel atomic, as kernels/decode_attention.py's one-launch merge); the
+last of the head's D / (2 BLOCK_P) programs reads the whole head back from L2 (".cg") and normalizes, rotates and
+stores it over the same place with rope_write's own per-head code (kernels/rope.py `_norm_rope_rows`), then zeroes
+the counter for the next launch. The counters are one grow-only buffer per device (kernels/scratch.py), so a
+launch inside a CUDA graph needs one eager launch first. Why: at Qwen3-8B the RoPE launch was ~3-5 us of a ~117 us
+layer (session 26-27, H200) for no bytes; what replaces it is one L2 round trip in the last program of each head.
+
+PDL (kernels/pdl.py, as gemv_fused's one-row kernel): USE_PDL waits for the previous kernel before anything but
+weights is read; PDL_LATE lets the next kernel (the attention) launch once a program's K loop is done; L2_PF warms
+the program's two row ranges in L2 before the wait (gemv_fused `l2_warming`: qkv's 6 MiB at 1.5B is under the 8 MiB
+default).
 
 Numbers: the eager path's, as the two launches it replaces give them: the GEMV's (gemv_fused: the norm prologue,
 fp32 sums, + bias in fp32, one rounding to the dtype) then `apply_rope`'s (each product rounded to the dtype, then
@@ -27,40 +41,50 @@ import os
 
 import torch
 
-from specpilot.kernels.gemv_fused import gemv_fused_reference
+from specpilot.kernels.gemv_fused import gemv_fused_reference, l2_warming
 from specpilot.kernels.rope_write import rope_write_reference
+from specpilot.kernels.scratch import DeviceBuffers
 
 try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _norm_h, _norm_rstd  # the norm prologue, shared with the plain GEMV
+    from specpilot.kernels.gemv_fused import _L2_CHUNK_C, _l2_prefetch_rows, _norm_h, _norm_rstd  # shared with
+    # the plain GEMV: its norm prologue and L2 warming
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
+    from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # rope_write's per-head norm + rotation
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_COUNTERS = DeviceBuffers("qkv_rope head counters", torch.int32)  # QK_NORM: one arrival counter a q / k head
 
 
-def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache,
-                       num_heads: int) -> torch.Tensor:
+def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads: int,
+                       q_norm_weight=None, k_norm_weight=None, qk_eps: float = 1e-6) -> torch.Tensor:
     """The two launches this one replaces, in plain PyTorch: the fused qkv GEMV (its norm prologue and bias), then
-    RoPE + K/V write (kernels/rope_write.py's reference) -> rotated q [1, H, 1, D]; k/v written in place."""
+    q/k norm + RoPE + K/V write (kernels/rope_write.py's reference) -> rotated q [1, H, 1, D]; k/v written in
+    place."""
     D, Hkv = k_cache.shape[-1], k_cache.shape[1]
     qkv = gemv_fused_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)  # [1, (H + 2 Hkv) D]
     q, k, v = qkv.split((num_heads * D, Hkv * D, Hkv * D), dim=-1)
     q, k, v = (t.view(1, 1, -1, D).transpose(1, 2) for t in (q, k, v))
-    return rope_write_reference(q, k, v, cos, sin, positions, k_cache, v_cache)
+    return rope_write_reference(q, k, v, cos, sin, positions, k_cache, v_cache, q_norm_weight, k_norm_weight, qk_eps)
 
 
 if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
-                         K, stride_wn, eps, skc_h, skc_s, svc_h, svc_s, S, H, HKV,
+                         qnw_ptr, knw_ptr, cnt_ptr, K, stride_wn, eps, qk_eps, skc_h, skc_s, svc_h, svc_s, S, H, HKV,
                          HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ON_GPU: tl.constexpr,
-                         K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                         K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                         QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                         PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64):
         HALF: tl.constexpr = D // 2
+        if USE_PDL and not PDL_LATE:
+            gdc_launch_dependents()
         dt = qo_ptr.dtype.element_ty
         p0 = tl.program_id(0) * BLOCK_P  # this program's first pair; BLOCK_P divides D / 2: one head
         head = p0 // HALF
@@ -68,6 +92,12 @@ if triton is not None:
         pi = tl.arange(0, 2 * BLOCK_P)  # tile row i: column j[i // 2] (+ D / 2 when i is odd)
         cols = p0 % HALF + pi // 2 + (pi % 2) * HALF
         rows = (head * D + cols).to(tl.int64)[:, None] * stride_wn  # [2 BP, 1]
+        if USE_PDL and L2_PF:  # weights only, nothing comes back (gemv_fused's warming): the two row ranges
+            n_rows = tl.full([], BLOCK_P, tl.int32)
+            _l2_prefetch_rows(w_ptr, head * D + p0 % HALF, n_rows, K, _L2_CHUNK_C, L2_PART)
+            _l2_prefetch_rows(w_ptr, head * D + HALF + p0 % HALF, n_rows, K, _L2_CHUNK_C, L2_PART)
+        if USE_PDL:  # nothing but weights read before it, nothing written (gemv_fused's rule)
+            gdc_wait()
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
@@ -79,15 +109,38 @@ if triton is not None:
                 h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
             w = tl.load(w_ptr + rows + k_offs[None, :], mask=k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * h[None, :]
+        if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
+            gdc_launch_dependents()
         y1, y2 = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_P, 2)))  # columns j and j + D / 2
         if HAS_BIAS:
             y1 += tl.load(b_ptr + head * D + j).to(tl.float32)
             y2 += tl.load(b_ptr + head * D + HALF + j).to(tl.float32)
         y1 = _to_dtype(y1, dt).to(tl.float32)  # nn.Linear's output in the dtype
         y2 = _to_dtype(y2, dt).to(tl.float32)
-        slot = tl.full([BLOCK_P], 0, tl.int64) + tl.load(pos_ptr).to(tl.int64)  # the cache slot (a tensor: the
-        in_pool = (slot >= 0) & (slot < S)  # interpreter rejects scalar & tensor masks)
-        if head < H + HKV:  # q or k: apply_rope, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        p = tl.load(pos_ptr).to(tl.int64)  # the cache slot
+        slot = tl.full([BLOCK_P], 0, tl.int64) + p  # (a tensor: the interpreter rejects scalar & tensor masks)
+        in_pool = (slot >= 0) & (slot < S)
+        if QK_NORM and head < H + HKV:  # q or k with a per-head norm: the head's last program finishes it
+            if head < H:
+                dst = qo_ptr + head * D
+                nrm = qnw_ptr
+                ok = slot == slot  # q is always stored
+            else:
+                dst = kc_ptr + (head - H).to(tl.int64) * skc_h + p * skc_s
+                nrm = knw_ptr
+                ok = in_pool
+            tl.store(dst + j, _to_dtype(y1, dt), mask=ok)  # un-normed, in the dtype (the linear's output)
+            tl.store(dst + HALF + j, _to_dtype(y2, dt), mask=ok)
+            tl.debug_barrier()  # every thread's stores, then one release at gpu scope (decode_attention's pattern)
+            arrived = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if arrived == HALF // BLOCK_P - 1:  # the head is whole in L2: norm, rotate, store over it
+                c, s_signed, dcols, partner = _cos_sin_row(cos_ptr, sin_ptr, 0, 0, 0, 0, 0, 0, D)
+                n_ok = tl.max(ok.to(tl.int32), axis=0)  # 1 head, or 0 when k's slot is outside the pool
+                out, valid = _norm_rope_rows(dst, nrm, n_ok, D, c, s_signed, dcols, partner, qk_eps, D, 1, True,
+                                             ".cg")
+                tl.store(dst + tl.arange(0, 1)[:, None] * D + dcols[None, :], out, mask=valid)
+                tl.store(cnt_ptr + head, 0)  # every arrival of this launch is in: zero for the next launch
+        elif head < H + HKV:  # q or k: apply_rope, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
             c1 = tl.load(cos_ptr + j).to(tl.float32)
             c2 = tl.load(cos_ptr + HALF + j).to(tl.float32)
             s1 = tl.load(sin_ptr + j).to(tl.float32)
@@ -106,21 +159,25 @@ if triton is not None:
             tl.store(vc + j, _to_dtype(y1, dt), mask=in_pool)
             tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
 
-    # gemv_fused's one-row tiles, counted in pairs (a tile holds 2 BLOCK_P weight rows)
+    # gemv_fused's one-row tiles, counted in pairs (a tile holds 2 BLOCK_P weight rows); + its wider 8-warp ones
+    # (32 rows: QK_NORM's heads then have 4 programs to count in, not 8)
     _CONFIGS = [triton.Config({"BLOCK_P": bp, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                 for bp, bk in ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512))
-                for w in (2, 4) for s in (1, 3)]
+                for w in (2, 4) for s in (1, 3)] + [
+                triton.Config({"BLOCK_P": 16, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bk in (256, 512) for w in (4, 8) for s in (1, 3)]
 
     def _prune(configs, named_args, **kwargs):  # a program's pairs must stay within one head
         half = kwargs.get("D", named_args.get("D")) // 2
         return [c for c in configs if half % c.kwargs["BLOCK_P"] == 0] or configs[:1]
 
     _kernel = _qkv_rope_kernel if _INTERPRET else triton.autotune(
-        configs=_CONFIGS, key=["K", "H", "HKV", "HAS_BIAS", "HAS_NORM", "D"],
+        configs=_CONFIGS, key=["K", "H", "HKV", "HAS_BIAS", "HAS_NORM", "D", "QK_NORM"],
         prune_configs_by={"early_config_prune": _prune})(_qkv_rope_kernel)
 
 
-def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads) -> str | None:
+def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,
+             k_norm_weight) -> str | None:
     """-> what is wrong with the arguments, or None."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         return f"x must be one row [1, K] with unit stride, got {tuple(x.shape)}"
@@ -134,7 +191,10 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
     N, K = (num_heads + 2 * Hkv) * D, x.shape[1]
     if weight.dim() != 2 or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
         return f"weight must be the contiguous fused qkv [(H + 2 Hkv) D, K] = [{N}, {K}], got {tuple(weight.shape)}"
-    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,))):
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        return "q_norm_weight and k_norm_weight come together (a model normalizes both q and k, or neither)"
+    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,)),
+                           ("q_norm_weight", q_norm_weight, (D,)), ("k_norm_weight", k_norm_weight, (D,))):
         if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
             return f"{name} must be [{shape[0]}] with unit stride, got {tuple(t.shape)}"
     for name, t in (("cos", cos), ("sin", sin)):
@@ -143,7 +203,8 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
     if positions.numel() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         return f"positions must be one integer position [1, 1], got {positions.dtype} {tuple(positions.shape)}"
     dts = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
-                                   ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache))
+                                   ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache),
+                                   ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
            if t is not None}
     if len(set(dts.values())) != 1:
         return f"all tensors must share x's dtype (the eager path's numbers), got {dts}"
@@ -152,25 +213,33 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
              eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """One token: q = RoPE(RMSNorm(x) @ Wq^T + bq), k likewise into k_cache[0, :, position], v into v_cache; ->
-    rotated q [1, H, 1, D] (a new tensor). x [1, K]; weight the fused qkv [(H + 2 Hkv) D, K]; bias [N] and
-    norm_weight [K] optional; cos/sin the token's [.., D] row; positions [1, 1]; caches [1, Hkv, S, D]. A position
-    outside [0, S) is not written. Static shapes, no host sync: safe inside CUDA graphs (once autotuned outside
-    capture)."""
+             v_cache: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor | None = None,
+             k_norm_weight: torch.Tensor | None = None, qk_eps: float = 1e-6) -> torch.Tensor:
+    """One token: q = RoPE(qnorm(RMSNorm(x) @ Wq^T + bq)), k likewise into k_cache[0, :, position], v into v_cache;
+    -> rotated q [1, H, 1, D] (a new tensor). x [1, K]; weight the fused qkv [(H + 2 Hkv) D, K]; bias [N] and
+    norm_weight [K] optional; q_norm_weight / k_norm_weight [D] the per-head norms (Qwen3; both or neither, eps
+    qk_eps); cos/sin the token's [.., D] row; positions [1, 1]; caches [1, Hkv, S, D]. A position outside [0, S)
+    is not written. Static shapes, no host sync: safe inside CUDA graphs (once autotuned outside capture, and with
+    the per-head norms launched once eagerly: their counters are allocated then)."""
     if triton is None:
         raise RuntimeError("qkv_rope needs triton")
-    problem = _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads)
+    problem = _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads,
+                       q_norm_weight, k_norm_weight)
     if problem:
         raise ValueError(f"qkv_rope: {problem}")
     _, Hkv, S, D = k_cache.shape
     K = x.shape[1]
+    qk_norm = q_norm_weight is not None
     q = torch.empty(1, num_heads, 1, D, dtype=x.dtype, device=x.device)
+    counters = _COUNTERS.at_least(x.device, num_heads + Hkv) if qk_norm else weight  # (unused pointer: a dummy)
+    qnw, knw = (q_norm_weight, k_norm_weight) if qk_norm else (weight, weight)
     args = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, cos, sin,
-            positions, q, k_cache, v_cache, K, weight.stride(0), float(eps), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(1), v_cache.stride(2), S, num_heads, Hkv)
+            positions, q, k_cache, v_cache, qnw, knw, counters, K, weight.stride(0), float(eps), float(qk_eps),
+            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), S, num_heads, Hkv)
+    pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, ON_GPU=not _INTERPRET,
-                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D)
+                 K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D, QK_NORM=qk_norm,
+                 USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
         _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64)
@@ -186,12 +255,15 @@ def _register_op():
     @torch.library.custom_op("specpilot::qkv_rope", mutates_args=("k_cache", "v_cache"))
     def qkv_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    num_heads: int) -> torch.Tensor:
-        return qkv_rope(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads)
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                    qk_eps: float = 1e-6) -> torch.Tensor:
+        return qkv_rope(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads,
+                        q_norm_weight, k_norm_weight, qk_eps)
 
     @qkv_rope_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads):
+    def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight=None,
+          k_norm_weight=None, qk_eps=1e-6):
         return x.new_empty(1, num_heads, 1, k_cache.shape[-1])
 
     return qkv_rope_op

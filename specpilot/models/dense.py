@@ -407,17 +407,14 @@ class DenseLM(nn.Module):
 
     def use_rope_in_qkv(self, on: bool = True) -> "DenseLM":
         """A one-token fused layer (models/fused_decode.py) runs RoPE and the K/V-cache write in its qkv GEMV's
-        epilogue (kernels/qkv_rope.py) instead of the launch after it: five launches a layer instead of six. Same
-        numbers. Needs fused_decode (the only path it changes; verify blocks keep their launch) and heads without
-        a q/k norm (Qwen3's needs the whole head before the rotation); not with rope_in_attention."""
+        epilogue (kernels/qkv_rope.py; a per-head q/k norm too, Qwen3's, in each head's last program) instead of
+        the launch after it: five launches a layer instead of six. Same numbers. Needs fused_decode (the only path
+        it changes; verify blocks keep their launch); not with rope_in_attention."""
         if on:
             if not self.fused_decode:
                 raise ConfigError("rope_in_qkv needs fused_decode: only the fused one-token layer has it")
             if self.rope_in_attention:
                 raise ConfigError("rope_in_qkv and rope_in_attention both move the RoPE + K/V write: choose one")
-            if self.model.layers[0].self_attn.q_norm is not None:
-                raise ConfigError("rope_in_qkv needs heads without a q/k norm (this model normalizes q and k per "
-                                  "head before RoPE: kernels/rope_write.py keeps that launch)")
             require_kernel("qkv_rope", "qkv GEMV + RoPE + K/V write kernel")
         self.rope_in_qkv = on
         return self

@@ -117,9 +117,9 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     `rope_in_attention` (EngineConfig.rope_in_attention, kernels/rope_attention.py), T = 1 only: the attention
     launch also does q/k norm, RoPE and the K/V write (five launches); T > 1 keeps rope_write's launch.
 
-    `rope_in_qkv` (EngineConfig.rope_in_qkv, kernels/qkv_rope.py), T = 1, no q/k norm, the qkv GEMV over its own
-    weights (not a 12-bit copy): that GEMV's epilogue does RoPE and the K/V write (five launches); otherwise
-    rope_write's launch stays.
+    `rope_in_qkv` (EngineConfig.rope_in_qkv, kernels/qkv_rope.py), T = 1, the qkv GEMV over its own weights (not a
+    12-bit copy): that GEMV's epilogue does the q/k norm (Qwen3: each head's last program), RoPE and the K/V write
+    (five launches); otherwise rope_write's launch stays.
 
     `l2_prefetch` (EngineConfig.l2_prefetch, kernels/l2_prefetch.py): that fraction of gate/up's weight is read
     into L2 on a side stream while qkv, RoPE, attention and o_proj run (latency-bound launches that leave HBM
@@ -134,13 +134,15 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     pre = layer.input_layernorm
     x2 = x.view(T, h)
     i = attn.layer_idx
-    if (rope_in_qkv and T == 1 and attn.q_norm is None
-            and getattr(attn.qkv_proj, "packed12", None) is None):  # one launch: GEMV + RoPE + K/V write
+    if rope_in_qkv and T == 1 and getattr(attn.qkv_proj, "packed12", None) is None:  # one launch: GEMV (+ q/k
+        # norm) + RoPE + K/V write
         from specpilot.models.dense import kernel_op
 
         x_in, nw = (x2, pre.weight) if normed is None else (normed.view(T, h), None)
+        qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None,
+                                                                                                         pre.eps)
         q = kernel_op("qkv_rope")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin, positions,
-                                  cache.k[i], cache.v[i], n)  # [1, n, 1, d]
+                                  cache.k[i], cache.v[i], n, *qk)  # [1, n, 1, d]
         keys, values = cache.read(i, kv_len)
         return _after_attention(layer, attend(q, keys, values, positions), x2, T, h, n, d, norm_epilogue, next_norm,
                                 side)
