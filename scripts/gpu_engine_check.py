@@ -34,7 +34,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "gemv_prefetch", "rope_split", "attn_split", "pdl_kv_l2",
+            "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "rope_split", "attn_split",
+            "pdl_kv_l2",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -314,6 +315,28 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("spec_other_rope_in_qkv", [Engine(riq, model, build_drafter(model, drafter, riq)).generate(p)
                                           for p in prompts])
 
+    def rope_in_qkv_qk_norm():
+        # the same on a Qwen3-shaped model (2 layers at the 8B's widths, a small vocabulary): each q/k head's last
+        # qkv program normalizes, rotates and stores it (kernels/qkv_rope.py QK_NORM); graphed AR against eager AR
+        # and against graphed AR without it (past a 128-key slice boundary too), n-gram speculation through it
+        cfg3 = dataclasses.replace(synthetic_config("qwen3-8b"), num_hidden_layers=2, vocab_size=4096)
+        q3 = random_model(cfg3, dtype=torch.float32, seed=2)
+        ref3 = [Engine(q3, base.with_(cuda_graphs=False)).generate(p).output_ids for p in prompts]
+        fast = copy.deepcopy(q3).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        riq = copy.deepcopy(fast).use_rope_in_qkv()
+        off_cfg = base.with_(fused_verify=True)
+        on_cfg = off_cfg.with_(rope_in_qkv=True)
+        for name, c, model in (("ar_qk_norm_rope_in_qkv", on_cfg, riq), ("ar_qk_norm_rope_in_qkv_off", off_cfg, fast),
+                               ("spec_ngram_qk_norm_rope_in_qkv", on_cfg.with_(drafter_kind="ngram"), riq)):
+            outs = [Engine(model, c, build_drafter(c, None, model)).generate(p) for p in prompts]
+            result[name] = {"equal": all(o.output_ids == r for o, r in zip(outs, ref3))}
+            print(name, result[name], flush=True)
+            if not result[name]["equal"]:
+                problems.append(name)
+        long_cfg = on_cfg.with_(max_new_tokens=300, max_seq_len=512)
+        equals_off("ar_qk_norm_rope_in_qkv_300_equals_off", [Engine(riq, long_cfg).generate(prompts[0])],
+                   [Engine(fast, long_cfg.with_(rope_in_qkv=False)).generate(prompts[0])])
+
     def l2_prefetch():
         # gate/up's weight read into L2 on a side stream during the layer's first launches (EngineConfig.
         # l2_prefetch, kernels/l2_prefetch.py), in each mode ("prefetch" and "bulk" are inline PTX: an illegal
@@ -573,6 +596,7 @@ def main(only: tuple[str, ...] = ()) -> int:
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
+              "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "attn_merge": attn_merge, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,

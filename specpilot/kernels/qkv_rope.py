@@ -137,7 +137,7 @@ if triton is not None:
                 c, s_signed, dcols, partner = _cos_sin_row(cos_ptr, sin_ptr, 0, 0, 0, 0, 0, 0, D)
                 n_ok = tl.max(ok.to(tl.int32), axis=0)  # 1 head, or 0 when k's slot is outside the pool
                 out, valid = _norm_rope_rows(dst, nrm, n_ok, D, c, s_signed, dcols, partner, qk_eps, D, 1, True,
-                                             ".cg")
+                                             True)
                 tl.store(dst + tl.arange(0, 1)[:, None] * D + dcols[None, :], out, mask=valid)
                 tl.store(cnt_ptr + head, 0)  # every arrival of this launch is in: zero for the next launch
         elif head < H + HKV:  # q or k: apply_rope, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]

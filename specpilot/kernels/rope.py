@@ -54,16 +54,19 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_rows(base, w_ptr, n_heads, sxh, c, s_signed, cols, partner, eps, D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr = ""):
+                        BLOCK_H: tl.constexpr, NORM: tl.constexpr, CG: tl.constexpr = False):
         """Heads [BLOCK_H, D] at base + head * sxh + col: optionally RMSNormed (kernels/rope_write.py, Qwen3's q/k
-        norm), then rotated; in the input dtype. -> (rotated heads, the valid-head mask [BLOCK_H, 1]). CACHE: the
-        loads' cache modifier (".cg": L2 only, for heads other programs of the launch just wrote: qkv_rope.py)."""
+        norm), then rotated; in the input dtype. -> (rotated heads, the valid-head mask [BLOCK_H, 1]). CG: the
+        loads read L2 only (".cg"), for heads other programs of the launch just wrote (kernels/qkv_rope.py)."""
         heads = tl.arange(0, BLOCK_H)
         valid = heads[:, None] < n_heads
         rows = base + heads[:, None] * sxh
-        x = tl.load(rows + cols[None, :], mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
-        xp = tl.load(rows + partner[None, :], mask=valid, other=0.0,
-                     cache_modifier=CACHE).to(tl.float32)  # rotate_half's partner
+        if CG:
+            x = tl.load(rows + cols[None, :], mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
+            xp = tl.load(rows + partner[None, :], mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            x = tl.load(rows + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+            xp = tl.load(rows + partner[None, :], mask=valid, other=0.0).to(tl.float32)  # rotate_half's partner
         dtype = base.dtype.element_ty
         if NORM:  # RMSNorm.forward per head: fp32 statistics, round to dtype, times the weight, round again
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # the partner is in the same head: same rstd
