@@ -268,7 +268,7 @@ def main(only: tuple[str, ...] = ()) -> int:
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
         ria = copy.deepcopy(fast).use_rope_in_attention()
         off_cfg = base.with_(fused_verify=True)
-        on_cfg = off_cfg.with_(rope_in_attention=True)
+        on_cfg = off_cfg.with_(rope_in_attention=True, rope_in_qkv=False)
         off = [Engine(fast, off_cfg).generate(p) for p in prompts]
         on = [Engine(ria, on_cfg).generate(p) for p in prompts]
         record("ar_rope_in_attention", on)

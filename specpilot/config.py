@@ -162,12 +162,13 @@ class EngineConfig:
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
     # latency). Same numbers. Off: SLOWER on the H200 (session 19, random weights: 1.5B 1.442 -> 1.573 ms, Qwen3-8B
     # 4.647 -> 4.692; scripts/gpu_step_timing.py fusedropeattn)
-    rope_in_qkv: bool = False  # CUDA, with fused_decode: a one-token fused layer's RoPE and K/V-cache write (and
+    rope_in_qkv: bool = True  # CUDA, with fused_decode: a one-token fused layer's RoPE and K/V-cache write (and
     # Qwen3's per-head q/k norm, done by each head's last program) run in its qkv GEMV's epilogue
-    # (kernels/qkv_rope.py) instead of a launch of their own: 6 -> 5 launches a layer (H200, session 24: the launch
-    # it removes is 2.6 us + a 0.4 us boundary of a 45.6 us 1.5B layer; at Qwen3-8B 3-5 us of ~117). Same numbers.
-    # Not with rope_in_attention (both move the same work); with lossless12 the 12-bit qkv GEMV keeps the RoPE
-    # launch. Off until the H200 says it pays (scripts/gpu_step_timing.py --config=NAME:rope_in_qkv=true)
+    # (kernels/qkv_rope.py) instead of a launch of their own: 6 -> 5 launches a layer. Same numbers (GPU engine
+    # check, Qwen2 and Qwen3 shapes). On since session 31: graphed one-token step, PDL late, interleaved 4 rounds,
+    # 1.5B -4.0% (session 30) and -2.0% (session 31, a second machine), Qwen3-8B -0.2% / 0.0% (neutral). Not with
+    # rope_in_attention (both move the same work: set this false to try that); with lossless12 the 12-bit qkv GEMV
+    # keeps the RoPE launch
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
     # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did
@@ -285,8 +286,9 @@ class EngineConfig:
         if not isinstance(self.rope_in_qkv, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"rope_in_qkv must be true or false, got {self.rope_in_qkv!r}")
         if self.rope_in_qkv and self.rope_in_attention:
-            raise ConfigError("rope_in_qkv and rope_in_attention both move a layer's RoPE + K/V write (into the qkv "
-                              "GEMV, into the attention): choose one")
+            raise ConfigError("rope_in_qkv (on by default) and rope_in_attention both move a layer's RoPE + K/V write "
+                              "(into the qkv GEMV, into the attention): choose one; with rope_in_attention set "
+                              "rope_in_qkv false (--no-rope-in-qkv)")
         if not isinstance(self.megakernel, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"megakernel must be true or false, got {self.megakernel!r}")
         if not isinstance(self.draft_chain_graph, bool):  # as pdl: "false" from a file must not turn it on

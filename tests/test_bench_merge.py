@@ -116,7 +116,7 @@ def test_merge_refuses_what_is_not_one_measurement(tmp_path):
         merge_runs([a, tmp_path / "bad.json"])
 
 
-@pytest.mark.parametrize("extra, same", [({"rope_in_qkv": False}, True), ({"rope_in_qkv": True}, False),
+@pytest.mark.parametrize("extra, same", [({"norm_epilogue": False}, True), ({"norm_epilogue": True}, False),
                                          ({"no_such_field": 1}, False), ({"num_draft_tokens": 3}, False)])
 def test_merge_takes_a_newer_config_field_at_its_default_as_the_older_runs(tmp_path, extra, same):
     """A run made before EngineConfig gained a field pools with a newer run only if that one has the field at its

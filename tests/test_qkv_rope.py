@@ -210,16 +210,24 @@ def test_rope_in_qkv_field_setter_loop_and_cost_model(tiny_model_dir, monkeypatc
     from specpilot.models import load_model
     from specpilot.models.config import ModelConfig
 
-    assert EngineConfig().rope_in_qkv is False  # off until measured on the H200
-    for bad, message in (("false", "true or false"), (True, "choose one")):
+    assert EngineConfig().rope_in_qkv is True  # on since session 31 (H200: 1.5B -2 to -4%, Qwen3-8B neutral)
+    for bad, message in (("false", "true or false"), (True, "--no-rope-in-qkv")):
         with pytest.raises(ConfigError, match=message):
             EngineConfig(rope_in_qkv=bad, rope_in_attention=bad is True)
+    assert EngineConfig(rope_in_attention=True, rope_in_qkv=False).rope_in_attention
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--rope-in-qkv"])).rope_in_qkv
+    assert engine_config(parser.parse_args([])).rope_in_qkv
+    assert not engine_config(parser.parse_args(["--no-rope-in-qkv"])).rope_in_qkv
     assert "rope_in_qkv" in EngineMeasure.LAYOUT and "rope_in_qkv" in KERNEL_FLAGS
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert REGISTRY["rope_in_qkv"].candidates(gpu.config, gpu) == [{"rope_in_qkv": True}]
+    # the loop: from the default it tries rope_in_qkv off, and rope_in_attention only with rope_in_qkv off
+    assert REGISTRY["rope_in_qkv"].candidates(gpu.config, gpu) == [{"rope_in_qkv": False, "rope_in_attention": False}]
+    assert REGISTRY["rope_in_attention"].candidates(gpu.config, gpu) == [{"rope_in_attention": True,
+                                                                         "rope_in_qkv": False}]
+    in_attention = gpu.config.with_(rope_in_attention=True, rope_in_qkv=False)
+    assert REGISTRY["rope_in_qkv"].candidates(in_attention, gpu) == [{"rope_in_qkv": False, "rope_in_attention": False},
+                                                                     {"rope_in_qkv": True, "rope_in_attention": False}]
     assert "rope_in_qkv" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     assert _knobs(EngineConfig(rope_in_qkv=True)).rope_in_qkv
     # the setter and the engine's layout: needs fused_decode (a q/k norm is served)

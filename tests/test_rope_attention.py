@@ -237,22 +237,24 @@ def test_rope_in_attention_field_setter_and_loop_mechanism(tiny_model_dir, monke
         EngineConfig(rope_in_attention="false")
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--rope-in-attention"])).rope_in_attention
+    assert engine_config(parser.parse_args(["--rope-in-attention", "--no-rope-in-qkv"])).rope_in_attention
+    with pytest.raises(ConfigError, match="--no-rope-in-qkv"):  # rope_in_qkv is on by default: one must go
+        engine_config(parser.parse_args(["--rope-in-attention"]))
     assert not engine_config(parser.parse_args([])).rope_in_attention
     assert "rope_in_attention" in EngineMeasure.LAYOUT
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
     assert "rope_in_attention" in [m.name for m in applicable(gpu, gpu.config)]
-    assert REGISTRY["rope_in_attention"].candidates(gpu.config, gpu) == [{"rope_in_attention": True}]
+    assert REGISTRY["rope_in_attention"].candidates(gpu.config, gpu) == [{"rope_in_attention": True, "rope_in_qkv": False}]
     assert "rope_in_attention" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     cpu = Deployment("t", "d", EngineConfig(), "cpu")
     assert "rope_in_attention" not in [m.name for m in applicable(cpu, cpu.config)]
     with pytest.raises(ConfigError, match="rope_in_attention needs fused_decode"):
         load_model(tiny_model_dir("qwen2")).use_rope_in_attention()
     model = load_model(tiny_model_dir("qwen2"))
-    eng._apply_layout(model, EngineConfig(rope_in_attention=True))  # a CPU config: CUDA-only, stays off
+    eng._apply_layout(model, EngineConfig(rope_in_attention=True, rope_in_qkv=False))  # a CPU config: CUDA-only, stays off
     assert not model.rope_in_attention
     monkeypatch.setattr(eng, "_kernel_on", lambda config, field="attention_kernel": getattr(config, field))
-    on = EngineConfig(norm_kernel=False, rope_kernel=False, rope_in_attention=True)
+    on = EngineConfig(norm_kernel=False, rope_kernel=False, rope_in_attention=True, rope_in_qkv=False)
     eng._apply_layout(model, on)  # pretending to be on CUDA
     assert model.fused_decode and model.rope_in_attention
     alone = load_model(tiny_model_dir("qwen2"))
@@ -293,7 +295,7 @@ def test_cost_model_sees_the_switch_through_the_profile_and_the_loop_knobs():
     from specpilot.loop import _knobs
 
     assert "rope_in_attention" in KERNEL_FLAGS and "rope_in_attention" not in draft_kernel_flags(EC())
-    on = EC(rope_in_attention=True)
+    on = EC(rope_in_attention=True, rope_in_qkv=False)
     prof = StepProfile(draft_s=0.0, verify_s=1e-3, accept_s=0.0, other_s=0.0, tau=1.0, num_draft_tokens=0,
                        drafter_passes=0, context_len=64, **engine_fields(on))
     assert kernel_flags(prof)["rope_in_attention"] and _knobs(on).rope_in_attention

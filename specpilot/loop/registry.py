@@ -275,15 +275,15 @@ register(Mechanism(
     "program to finish normalizes the finished rows): qkv, gate_up and the LM head run norm-free, a verify block "
     "loses its two RMSNorm launches a layer and every fused pass the final norm's"))
 register(Mechanism(
-    "rope_in_attention", ("draft", "verify"), {"rope_in_attention": [True, False]},
+    "rope_in_attention", ("draft", "verify"), {"rope_in_attention": [True], "rope_in_qkv": [False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
-    "rope_in_qkv", ("draft", "verify"), {"rope_in_qkv": [True, False]},
+    "rope_in_qkv", ("draft", "verify"), {"rope_in_qkv": [False, True], "rope_in_attention": [False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "a one-token fused layer's RoPE and K/V-cache write run in its qkv GEMV's epilogue (each program holds the "
-    "pairs of columns RoPE mixes): five launches a layer instead of six, models without a q/k norm"))
+    "pairs of columns RoPE mixes; a q/k norm in each head's last program): five launches a layer instead of six"))
 register(Mechanism(
     "megakernel", ("draft", "other"), {"megakernel": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_projections and not cfg.compile,
