@@ -113,6 +113,10 @@ class EngineConfig:
     # share of its rows' bytes; a multiple of 1/64 in (0, 1]): no more traffic than the idle window ahead can hold,
     # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers.
     # 1.0: a share was slower or neutral at both shapes on the H200 (session 29); the loop may search 0.25
+    pdl_l2_next_mb: int = 0  # with pdl: o_proj's one-token GEMV also asks L2, before its wait, for this many MiB
+    # of the head of gate/up's weight (the first rows of both halves, which gate/up's first programs read), while the
+    # latency-bound attention ahead leaves HBM idle (kernels/gemv_fused.py PDL_L2_NEXT_BYTES). A hint: same numbers.
+    # 0: off until the H200 times it (session 33)
     pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
     # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
     # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers. Off: SLOWER on the
@@ -247,6 +251,9 @@ class EngineConfig:
             raise ConfigError(f"pdl_l2_share must be a multiple of 1/64 in (0, 1] (e.g. 0.25), got {share!r}")
         if share != 1 and not self.pdl_l2_mb:
             raise ConfigError("pdl_l2_share needs pdl_l2_mb (the weights it warms: without it nothing is warmed)")
+        if (not isinstance(self.pdl_l2_next_mb, int) or isinstance(self.pdl_l2_next_mb, bool)
+                or self.pdl_l2_next_mb < 0):
+            raise ConfigError(f"pdl_l2_next_mb must be an integer >= 0 (MiB), got {self.pdl_l2_next_mb!r}")
         if not isinstance(self.pdl_kv_l2, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"pdl_kv_l2 must be true or false, got {self.pdl_kv_l2!r}")
         if self.pdl_kv_l2 and not self.pdl:

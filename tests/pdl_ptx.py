@@ -50,7 +50,8 @@ def _cases():
         return ptr.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "scale" else "i32"
 
     gemv = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, BLOCK_N=4,
-                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=False, L2_PF=False)
+                BLOCK_K=256, PAIRED=False, NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=False, L2_PF=False,
+                NX_PF=False)
     yield "gemv_norm_bias", gf._gemv_fused_kernel, {**gemv, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemv_types
     yield "gemv_residual", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True}, gemv_types
@@ -84,6 +85,9 @@ def _cases():
     yield "gemv_norm_silu_mul_l2_late", gf._gemv_fused_kernel, {**gemv, "HAS_NORM": True, "K_P2": 2048,
                                                                 "SILU_MUL": True, "PDL_LATE": True, "L2_PF": True}, \
         gemv_types
+    # NX_PF (PDL_L2_NEXT_BYTES, EngineConfig.pdl_l2_next_mb): o_proj also warms the heads of gate/up's two halves
+    yield "gemv_residual_l2_next_late", gf._gemv_fused_kernel, {**gemv, "HAS_RES": True, "PDL_LATE": True,
+                                                                "L2_PF": True, "NX_PF": True}, gemv_types
     # L2_PART (PDL_L2_PART, EngineConfig.pdl_l2_share): a quarter of each program's rows, the same placement
     yield "gemv_norm_silu_mul_l2_share_late", gf._gemv_fused_kernel, {
         **gemv, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True, "PDL_LATE": True, "L2_PF": True, "L2_PART": 16}, \
@@ -92,7 +96,7 @@ def _cases():
     def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
         return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
 
-    gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH", "L2_PF", "L2_PART")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
+    gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
     yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemm_types
     yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
@@ -106,7 +110,7 @@ def _cases():
                                                                     "SPLIT_K": 4}, gemm_types
     yield "gemm_residual_split_k_late", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
                                                                 "PDL_LATE": True}, gemm_types
-    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF", "L2_PART")} | dict(BLOCK_G=64, EXC_BLOCK=16)
+    gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "gemv12_residual_late", g12._gemv12_kernel, {**gemv12, "HAS_RES": True, "PDL_LATE": True}, gemv12_types
     yield "rope_write_qk_norm", rw._rope_write_kernel, dict(D=128, BLOCK_H=16, Q_NORM=True, K_NORM=True, Q_BLOCK=0,

@@ -481,3 +481,45 @@ def test_gpu_launch_prefetches_by_the_pdl_and_one_row_switches(monkeypatch, pdl_
     x, w, kw = _inputs("norm", 64, 24, torch.float32, seed=3)
     gemv_fused(x, w, **kw)
     assert seen == [(expected, pdl_on)]
+
+
+@pytest.mark.parametrize("pdl_on, budget, expected", [(True, 1 << 10, True), (False, 1 << 10, False),
+                                                      (True, 0, False)])
+def test_gpu_launch_warms_the_next_weights_heads_under_pdl_only(monkeypatch, pdl_on, budget, expected):
+    """warm_next (EngineConfig.pdl_l2_next_mb, o_proj -> gate/up): the GPU launch (faked: no kernel runs) passes
+    NX_PF and the heads of the two halves (pointer, the up half's byte offset, the bytes of each) as its last
+    arguments only under PDL with a budget; otherwise NX_PF is off and the arguments are dummies."""
+    import specpilot.kernels.gemv_fused as gf
+    from specpilot.kernels.pdl import LaunchOptions
+
+    seen = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((args[-3:], kw["NX_PF"]))
+
+    monkeypatch.setattr(gf, "_INTERPRET", False)
+    monkeypatch.setattr(gf, "_kernel", Launcher())
+    monkeypatch.setattr(gf, "launch_options",
+                        lambda: LaunchOptions({"launch_pdl": True} if pdl_on else {}, pdl_on, True))
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", budget)
+    x, w, kw = _inputs("residual", 64, 24, torch.float32, seed=3)
+    gate_up = torch.zeros(2 * 48, 64)  # halves of 48 x 64 x 4 = 12288 bytes
+    gemv_fused(x, w, **kw, warm_next=gate_up, warm_next_halves=True)
+    (args, nx_pf), = seen
+    assert nx_pf == expected
+    if expected:
+        assert args[0] is gate_up and args[1:] == (12288, 512)  # half of the 1 KiB budget from each half's head
+    else:
+        assert args[1:] == (0, 0) and args[0] is not gate_up
+
+
+def test_warm_next_through_the_op_gives_the_same_bits():
+    """The custom op's warm_next argument (o_proj handing gate/up's weight over) is only a hint: the same output,
+    here where it cannot act (the interpreter, no PDL) -- and the op takes it positionally, as fused_decode passes it."""
+    x, w, kw = _inputs("residual", 40, 24, torch.float32, seed=2)
+    gate_up = torch.randn(2 * 16, 40)
+    plain = gemv_fused_op(x, w, None, None, EPS, kw["residual"], "")
+    warmed = gemv_fused_op(x, w, None, None, EPS, kw["residual"], "", gate_up)
+    assert torch.equal(plain, warmed)
+    assert (plain - gemv_fused_reference(x, w, residual=kw["residual"])).abs().max().item() < 1e-5

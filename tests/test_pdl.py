@@ -92,6 +92,9 @@ def test_config_field_validates_and_round_trips():
         with pytest.raises(ConfigError, match="pdl_l2_mb"):
             EngineConfig(pdl=True, pdl_l2_mb=bad)
     assert EngineConfig(pdl=False).pdl_l2_mb == 8  # on by default, so without PDL it is allowed and does nothing
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ConfigError, match="pdl_l2_next_mb"):
+            EngineConfig(pdl_l2_next_mb=bad)
     assert EngineConfig().pdl_l2_share == 1.0 and EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.25).pdl_l2_share == 0.25
     share = EngineConfig(pdl_l2_mb=36, pdl_l2_share=0.125)
     assert EngineConfig.from_dict(share.to_dict()) == share
@@ -115,6 +118,8 @@ def test_cli_derives_the_pdl_flag():
     assert engine_config(parser.parse_args(["--pdl-trigger", "start"])).pdl_trigger == "start"
     assert engine_config(parser.parse_args(["--pdl-l2-mb", "8"])).pdl_l2_mb == 8
     assert engine_config(parser.parse_args(["--pdl-l2-mb", "8", "--pdl-l2-share", "0.25"])).pdl_l2_share == 0.25
+    assert engine_config(parser.parse_args(["--pdl-l2-next-mb", "16"])).pdl_l2_next_mb == 16
+    assert engine_config(parser.parse_args([])).pdl_l2_next_mb == 0
 
 
 def test_engine_sets_the_switch_from_the_config(monkeypatch):
@@ -138,9 +143,14 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20 and gemv_fused.PDL_L2_PART == 16
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=0))
     assert gemv_fused.PDL_L2_MAX_BYTES == 0 and gemv_fused.PDL_L2_PART == 64
+    assert gemv_fused.PDL_L2_NEXT_BYTES == 0  # off by default
+    _apply_pdl(EngineConfig(device="cuda", pdl_l2_next_mb=16))
+    assert gemv_fused.PDL_L2_NEXT_BYTES == 16 << 20
     _apply_pdl(EngineConfig(device="cuda", pdl=False))  # the newest config decides
     assert not pdl.enabled() and not pdl.launch_options().late
     assert gemv_fused.PDL_L2_MAX_BYTES == 0  # no warming without PDL (it is issued before the PDL wait)
+    _apply_pdl(EngineConfig(device="cuda", pdl=False, pdl_l2_next_mb=16))
+    assert gemv_fused.PDL_L2_NEXT_BYTES == 0
     # on by default, so where it cannot act it stays off without a word: without fused_decode, before Hopper
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -150,6 +160,50 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
         monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: "the CUDA device is sm_80")
         _apply_pdl(EngineConfig(device="cuda"))
         assert not pdl.enabled()
+
+
+def test_next_warming_splits_the_budget_over_gate_and_up_and_stays_off_where_it_cannot_act(monkeypatch):
+    """gemv_fused.next_warming (EngineConfig.pdl_l2_next_mb): under PDL the head of each half of a [2I, K] gate/up
+    weight, half of the budget each in whole 16-byte granules and never past the half; off (dummies, NX_PF False)
+    without PDL, without a budget or a weight, or where granules would not be whole."""
+    from specpilot.kernels import gemv_fused as gf
+
+    dummy = torch.zeros(4, dtype=torch.bfloat16)
+    gate_up = torch.zeros(2 * 64, 32, dtype=torch.bfloat16)  # halves of 64 x 32 x 2 = 4096 bytes
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1000)
+    (ptr, off, each), on = gf.next_warming(gate_up, True, True, dummy)
+    assert on and ptr is gate_up and off == 4096 and each == 496  # 500 rounded down to granules
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1 << 30)  # more than the weight: each half whole, no further
+    assert gf.next_warming(gate_up, True, True, dummy) == ((gate_up, 4096, 4096), True)
+    assert gf.next_warming(gate_up, False, True, dummy) == ((gate_up, 0, 8192), True)  # one range: all of it
+    for args in ((gate_up, True, False), (None, True, True)):  # no PDL (nothing precedes a wait), no weight
+        assert gf.next_warming(*args, dummy) == ((dummy, 0, 0), False), args
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 0)
+    assert gf.next_warming(gate_up, True, True, dummy) == ((dummy, 0, 0), False)
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1 << 20)
+    odd = torch.zeros(2 * 3, 5, dtype=torch.bfloat16)  # halves of 30 bytes: not whole granules
+    assert gf.next_warming(odd, True, True, dummy) == ((dummy, 0, 0), False)
+    assert gf.next_warming(gate_up.t(), True, True, dummy) == ((dummy, 0, 0), False)  # not contiguous
+    with pytest.raises(ValueError, match="warm_next_halves"):
+        gf.next_warming(torch.zeros(3, 16, dtype=torch.bfloat16), True, True, dummy)
+
+
+def test_o_proj_hands_gate_up_over_only_for_one_token_with_the_warming_on(monkeypatch):
+    """models/fused_decode._next_warm: gate/up's bf16 weight for o_proj's one-token launch when
+    PDL_L2_NEXT_BYTES > 0; None for verify blocks, with the warming off, or for a 12-bit gate/up."""
+    from types import SimpleNamespace
+
+    from specpilot.kernels import gemv_fused as gf
+    from specpilot.models.fused_decode import _next_warm
+
+    w = torch.zeros(8, 4)
+    mlp = SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w))
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 8 << 20)
+    assert _next_warm(mlp, 1) is w
+    assert _next_warm(mlp, 5) is None
+    assert _next_warm(SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w, packed12=object())), 1) is None
+    monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 0)
+    assert _next_warm(mlp, 1) is None
 
 
 def test_the_l2_warming_takes_the_weights_that_fit_and_the_share(monkeypatch):
@@ -499,7 +553,7 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
             "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint",
             "attention_one_launch_early_pos", "qkv_rope_late", "qkv_rope_qk_norm_late",
-            "qkv_rope_l2_late"} <= set(report)
+            "qkv_rope_l2_late", "gemv_residual_l2_next_late"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -531,6 +585,7 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
         # L2_PF: the bulk prefetches (gate and up: two loops) come before the wait; nowhere else, and never without PDL
         expected = (2 if "silu" in name or name.startswith("qkv_rope") else 1) * ("_l2" in name)  # (qkv_rope: a
         # program's two row ranges, columns j and j + D / 2)
+        expected += 2 * ("_next" in name)  # NX_PF: the heads of the next weight's two halves (gate and up)
         assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == expected, (name, on)
         assert off["l2_prefetches"] == 0, (name, off)
         if "_l2" in name:  # the prefetch loop branches before the wait: the wait is then not in the entry block

@@ -123,6 +123,7 @@ class StepProfile:
     rope_in_qkv: bool = False  # one-token layers' RoPE + K/V write in the qkv GEMV's launch (EngineConfig.*)
     pdl_l2_mb: int = 0  # with pdl: one-token GEMVs of at most this many MiB warm their weight in L2 (EngineConfig.*)
     pdl_l2_share: float = 1.0  # ... this share of it (EngineConfig.pdl_l2_share)
+    pdl_l2_next_mb: int = 0  # with pdl: MiB of gate/up's head o_proj's launch warms (EngineConfig.*)
     fused_projections: bool = False  # q/k/v and gate/up fused (EngineConfig.fused_projections): GEMM launch counts
     # EngineConfig.early_draft (DFlash): the draft pass is launched before the step's sync, so its device time is
     # measured in the commit ("other") stage while the host commits, and the draft stage launches nothing

@@ -156,16 +156,22 @@ def _weight_bytes(cfg: ModelConfig, T: int, dtype_bytes: int, linear_bytes: floa
     return linear * (dtype_bytes if linear_bytes is None else linear_bytes) + other * dtype_bytes
 
 
-def _l2_warm_bytes(cfg: ModelConfig, dtype_bytes: int, pdl_l2_mb: float, pdl_l2_share: float) -> float:
+def _l2_warm_bytes(cfg: ModelConfig, dtype_bytes: int, pdl_l2_mb: float, pdl_l2_share: float,
+                   pdl_l2_next_mb: float = 0) -> float:
     """Bytes of a one-token fused pass's GEMV weights warmed in L2 before their PDL wait: each fused projection
-    (qkv, o, gate/up, down) of at most pdl_l2_mb MiB, times the share warmed, over the layers (the LM head is never
-    that small in practice, and is left out)."""
+    (qkv, o, gate/up, down) of at most pdl_l2_mb MiB, times the share warmed, plus (pdl_l2_next_mb) the head of
+    gate/up's weight that o_proj's launch warms (at most what is not warmed already), over the layers (the LM head
+    is never that small in practice, and is left out)."""
     h, q, kv, i = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
                    cfg.intermediate_size)
     limit = pdl_l2_mb * (1 << 20)
-    per_layer = sum(n for n in ((q + 2 * kv) * h * dtype_bytes, q * h * dtype_bytes, 2 * i * h * dtype_bytes,
-                                i * h * dtype_bytes) if n <= limit)
-    return cfg.num_hidden_layers * per_layer * pdl_l2_share
+    gate_up = 2 * i * h * dtype_bytes
+    sizes = ((q + 2 * kv) * h * dtype_bytes, q * h * dtype_bytes, gate_up, i * h * dtype_bytes)
+    per_layer = sum(n for n in sizes if n <= limit) * pdl_l2_share
+    if pdl_l2_next_mb > 0:  # kernels/gemv_fused.py PDL_L2_NEXT_BYTES (16-byte granules; bytes already warm count once)
+        left = gate_up * (1 - pdl_l2_share) if gate_up <= limit else gate_up
+        per_layer += min(pdl_l2_next_mb * (1 << 20), left)
+    return cfg.num_hidden_layers * per_layer
 
 
 def _kv_bytes(cfg: ModelConfig, T: int, context_len: int, dtype_bytes: int) -> float:
@@ -199,10 +205,12 @@ def kernel_flags(obj) -> dict[str, bool]:
 
 
 def l2_fields(obj) -> dict[str, float]:
-    """A config's, profile's or knobs object's L2 warming (EngineConfig.pdl_l2_mb / pdl_l2_share; missing: off),
+    """A config's, profile's or knobs object's L2 warming (EngineConfig.pdl_l2_mb / pdl_l2_share /
+    pdl_l2_next_mb; missing: off),
     as forward_cost's keywords: nothing without PDL, where the engine warms nothing."""
     on = bool(getattr(obj, "pdl", False))
-    return {"pdl_l2_mb": getattr(obj, "pdl_l2_mb", 0) if on else 0, "pdl_l2_share": getattr(obj, "pdl_l2_share", 1.0)}
+    return {"pdl_l2_mb": getattr(obj, "pdl_l2_mb", 0) if on else 0, "pdl_l2_share": getattr(obj, "pdl_l2_share", 1.0),
+            "pdl_l2_next_mb": getattr(obj, "pdl_l2_next_mb", 0) if on else 0}
 
 
 def draft_kernel_flags(obj) -> dict[str, bool]:
@@ -259,7 +267,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  add_norm_kernel: bool = False, fused_decode: bool = False, fused_verify: bool = False,
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
                  rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False,
-                 pdl_l2_mb: float = 0, pdl_l2_share: float = 1.0) -> PassCost:
+                 pdl_l2_mb: float = 0, pdl_l2_share: float = 1.0, pdl_l2_next_mb: float = 0) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -273,7 +281,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     fused layer's RoPE + K/V write launch into its attention's (_FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS);
     `rope_in_qkv` the same launch into its qkv GEMV's (one launch fewer too, a q/k-norm model's as well);
     `pdl_l2_mb` / `pdl_l2_share` (with pdl, a one-token fused pass of 16-bit
-    weights) the GEMV weights it warms in L2 before their waits (`PassCost.l2_warm_bytes`)."""
+    weights) the GEMV weights it warms in L2 before their waits (`PassCost.l2_warm_bytes`), `pdl_l2_next_mb` the
+    head of gate/up's weight o_proj's launch warms."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -298,8 +307,9 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         if pdl:
             pdl_kernels = (L * per_layer + _PDL_HEAD_KERNELS if one_token_fused
                            else L * _PDL_VERIFY_KERNELS_PER_LAYER)
-    warm = (_l2_warm_bytes(cfg, dtype_bytes, pdl_l2_mb, pdl_l2_share)
-            if pdl_kernels and one_token_fused and linear_bytes is None and pdl_l2_mb > 0 else 0.0)
+    warm = (_l2_warm_bytes(cfg, dtype_bytes, pdl_l2_mb, pdl_l2_share, pdl_l2_next_mb)
+            if pdl_kernels and one_token_fused and linear_bytes is None and (pdl_l2_mb > 0 or pdl_l2_next_mb > 0)
+            else 0.0)
     return PassCost(
         num_tokens=num_tokens,
         context_len=context_len,

@@ -161,6 +161,7 @@ def _apply_pdl(config: EngineConfig) -> None:
     if gemv_fused.triton is not None:  # the L2 warming before the wait (EngineConfig.pdl_l2_mb): PDL launches only
         gemv_fused.PDL_L2_MAX_BYTES = config.pdl_l2_mb << 20 if pdl.enabled() else 0
         gemv_fused.PDL_L2_PART = round(config.pdl_l2_share * 64)  # the share of each weight it warms
+        gemv_fused.PDL_L2_NEXT_BYTES = config.pdl_l2_next_mb << 20 if pdl.enabled() else 0  # gate/up's head, by o_proj
         decode_attention.PDL_KV_L2 = config.pdl_kv_l2 and pdl.enabled()  # the attention's K/V hint, as above
         decode_attention.PDL_EARLY_POS = config.attn_early_pos and pdl.enabled()  # its positions before the wait
 

@@ -117,6 +117,17 @@ PDL_L2_MAX_BYTES = 0
 # neutral everywhere (Qwen3-8B o_proj 1/8-1/4: -0.05 / +1.5%; 1.5B 1/4-3/4: -0.1 to +1.2% where all of it was
 # -4.5 to -6.2%): what warming buys is a GEMV reading L2 only, no DRAM ramp, not bytes off its stream. 64 it stays.
 PDL_L2_PART = 64
+# Under PDL, o_proj's one-row GEMV also asks L2, before its wait, for the head of the NEXT GEMV's weight (gate/up:
+# the first rows of its gate half and of its up half, the rows its first programs read), this many bytes in all; 0:
+# off (EngineConfig.pdl_l2_next_mb sets it). Why: o_proj's programs are resident while the attention ahead runs (it
+# triggers first thing), a latency-bound launch in which HBM idles, and with its own weight warmed (PDL_L2_MAX_BYTES)
+# o_proj reads L2 too; the largest weight of the layer then starts from L2 instead of one DRAM ramp for all of it.
+# Session 21 warmed gate/up from a side stream over qkv, RoPE, attention and o_proj (slower: its traffic queued
+# behind qkv's own DRAM stream and the streams' joins cost launches); here the warming is issued inside the window
+# that is idle and by programs already waiting in it. The first PDL_L2_NEXT_PROGRAMS programs share the bytes (the
+# lowest program ids are the ones resident early). A hint: the same numbers.
+PDL_L2_NEXT_BYTES = 0
+PDL_L2_NEXT_PROGRAMS = 128
 L2_CHUNK = 64 * 1024  # bytes a bulk prefetch asks for (a multiple of 16)
 # The M-row kernel's autotuning key M_BUCKET is M rounded up to a power of two, and at least this (0: M's own).
 # Every bucket runs the same BLOCK_M = MAX_ROWS tile, so the key only decides which tuned tiling a launch takes;
@@ -201,6 +212,24 @@ if triton is not None:
             tl.inline_asm_elementwise(_L2_BULK_PTX, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False,
                                       pack=1)
 
+    _NX_PROGRAMS_C = tl.constexpr(PDL_L2_NEXT_PROGRAMS)
+
+    @triton.jit
+    def _l2_prefetch_next(nx_ptr, nx_off, nx_bytes, PROGRAMS: tl.constexpr):
+        """This program's share of [nx_ptr, nx_ptr + nx_bytes) (and of the same span at nx_off, where nx_off > 0)
+        asked of L2: the first min(grid, PROGRAMS) programs split the bytes in 16-byte-rounded spans."""
+        pid = tl.program_id(0)
+        p = tl.minimum(tl.num_programs(0), PROGRAMS)
+        if pid < p:
+            span = (tl.cdiv(nx_bytes, p) + 15) // 16 * 16
+            lo = pid.to(tl.int64) * span
+            n = tl.minimum(nx_bytes - lo, span)
+            if n > 0:
+                base = nx_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+                _l2_prefetch_bytes(base + lo, n, _L2_CHUNK_C)
+                if nx_off > 0:
+                    _l2_prefetch_bytes(base + nx_off + lo, n, _L2_CHUNK_C)
+
     @triton.jit
     def _l2_prefetch_rows(w_ptr, row0, rows, K, CHUNK: tl.constexpr, PART: tl.constexpr = 64):
         """Ask L2 for weight rows [row0, row0 + rows) of a contiguous [*, K] matrix (K * itemsize a multiple of 16:
@@ -266,13 +295,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps, on_ptr, onw_ptr,
-                           ocnt_ptr, out_eps, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                           ocnt_ptr, out_eps, nx_ptr, nx_off, nx_bytes, HAS_BIAS: tl.constexpr,
+                           HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr = False,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
                            PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
-                           L2_PART: tl.constexpr = 64):
+                           L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -285,7 +315,10 @@ if triton is not None:
         (kernels/pdl.py trigger "late"): the next kernel may launch only once this program's K loop is done.
         L2_PF (with PDL; PDL_L2_MAX_BYTES): before the wait, this program's weight rows (gate and up) are asked of
         L2 by bulk prefetches, so they stream in while the kernel ahead still runs; L2_PART (PDL_L2_PART): only the
-        first L2_PART / 64 of their bytes.
+        first L2_PART / 64 of their bytes. NX_PF (with PDL; PDL_L2_NEXT_BYTES): before the wait, the first
+        PDL_L2_NEXT_PROGRAMS programs also ask L2 for nx_bytes of the next GEMV's weight at the byte pointer nx_ptr
+        and, where nx_off > 0, as many at nx_ptr + nx_off (gate/up: the heads of its gate and up halves), an equal
+        16-byte-rounded span each.
 
         PREFETCH (with PDL or ONE_ROW_PREFETCH on a GPU; the tests set it under the interpreter): the first K
         block's weight tile(s) are
@@ -321,6 +354,8 @@ if triton is not None:
             _l2_prefetch_rows(w_ptr, n0, mine, K, _L2_CHUNK_C, L2_PART)
             if SILU_MUL:
                 _l2_prefetch_rows(w_ptr, N + n0, mine, K, _L2_CHUNK_C, L2_PART)
+        if USE_PDL and NX_PF:  # the next GEMV's weight only, nothing comes back (see the docstring)
+            _l2_prefetch_next(nx_ptr, nx_off, nx_bytes, _NX_PROGRAMS_C)
         if USE_PDL:
             gdc_wait()
         if HAS_NORM:
@@ -549,7 +584,8 @@ def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-               act: str | None = None, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6):
+               act: str | None = None, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6,
+               warm_next: torch.Tensor | None = None, warm_next_halves: bool = False):
     """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for M = 1..16 rows, in one launch.
 
     x [M, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps, per row);
@@ -557,6 +593,8 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     [2I, K], output [M, I]). All one dtype (fp32 / bf16 / fp16). -> a new [M, N] (or [M, I]) tensor in x's dtype;
     with out_norm_weight [N] (the norm epilogue, kernels/norm_epilogue.py) -> (y, RMSNorm(y; out_norm_weight,
     out_eps)), the second the bits kernels/rmsnorm.py gives for y.
+    warm_next (M == 1 under PDL, PDL_L2_NEXT_BYTES > 0): the next GEMV's weight, whose head this launch asks L2 for
+    before its wait (`next_warming`; warm_next_halves: a gate/up weight, the heads of both halves). A hint only.
     M == 1 runs the one-row kernel, M >= 2 the tl.dot kernel. Static shapes, no host sync: safe inside CUDA graphs
     (once autotuned outside capture, and with the norm epilogue run once eagerly: its counter is allocated then)."""
     if triton is None:
@@ -577,7 +615,8 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps,
                      norm_args, flags)
     else:
-        args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args)
+        nx_args, nx_on = next_warming(warm_next, warm_next_halves, pdl.use_pdl, weight)
+        args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args, *nx_args)
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
@@ -585,7 +624,8 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
-                                                                         **l2_warming(weight, pdl.use_pdl))
+                                                                         **l2_warming(weight, pdl.use_pdl),
+                                                                         NX_PF=nx_on)
     return y if normed is None else (y, normed)
 
 
@@ -599,6 +639,27 @@ def l2_warming(weight: torch.Tensor, use_pdl: bool) -> dict:
     if on and not 1 <= PDL_L2_PART <= 64:
         raise ValueError(f"gemv_fused: PDL_L2_PART must be in [1, 64] (64ths of the weight), got {PDL_L2_PART}")
     return {"L2_PF": on, "L2_PART": PDL_L2_PART if on else 64}
+
+
+def next_warming(nxt: torch.Tensor | None, halves: bool, use_pdl: bool, dummy: torch.Tensor) -> tuple[tuple, bool]:
+    """The one-row kernel's (nx_ptr, nx_off, nx_bytes) and NX_PF for warming the head of the next GEMV's weight
+    `nxt` (contiguous; PDL_L2_NEXT_BYTES in all, at most the whole weight; `halves`: a [2I, K] gate/up weight, half
+    of the bytes from the head of each half) -> ((dummy, 0, 0), False) where it does not apply: no weight, PDL off
+    or the budget 0, or byte counts that are not whole 16-byte granules (the bulk prefetch's)."""
+    off = ((dummy, 0, 0), False)
+    if nxt is None or not use_pdl or PDL_L2_NEXT_BYTES <= 0 or not nxt.is_contiguous():
+        return off
+    total = nxt.numel() * nxt.element_size()
+    if halves:
+        if nxt.dim() != 2 or nxt.shape[0] % 2:
+            raise ValueError(f"gemv_fused: warm_next_halves needs a [2I, K] weight, got {tuple(nxt.shape)}")
+        half = total // 2
+        each = min(PDL_L2_NEXT_BYTES // 2, half) // 16 * 16
+        if half % 16 or each <= 0:
+            return off
+        return (nxt, half, each), True
+    each = min(PDL_L2_NEXT_BYTES, total) // 16 * 16
+    return ((nxt, 0, each), True) if each > 0 else off
 
 
 def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, norm_args: tuple,
@@ -656,11 +717,13 @@ def _register_op():
     @torch.library.custom_op("specpilot::gemv_fused", mutates_args=())
     def gemv_fused_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
-                      act: str) -> torch.Tensor:
-        return gemv_fused(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act)
+                      act: str, warm_next: torch.Tensor | None = None) -> torch.Tensor:
+        """gemv_fused; warm_next: a gate/up weight whose halves' heads are warmed in L2 (see gemv_fused)."""
+        return gemv_fused(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act,
+                          warm_next=warm_next, warm_next_halves=True)
 
     @gemv_fused_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, residual, act):
+    def _(x, weight, bias, norm_weight, eps, residual, act, warm_next=None):
         _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
         return x.new_empty(x.shape[0], out_n)
 

@@ -229,6 +229,11 @@ register(Mechanism(
     "o_proj's weight streams in while RoPE and attention (latency-bound: HBM idles) run ahead of it, qkv's in "
     "down_proj's tail"))
 register(Mechanism(
+    "pdl_l2_next", ("verify", "draft"), {"pdl_l2_next_mb": [0, 8, 16]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
+    "under PDL, o_proj's one-token GEMV also asks L2 for the head of gate/up's weight before its wait, while the "
+    "attention ahead (latency-bound: HBM idles) runs, so the layer's largest GEMV starts from L2"))
+register(Mechanism(
     "pdl_kv_l2", ("verify", "draft"), {"pdl_kv_l2": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
     "under PDL, the one-token attention asks L2 for its slice's older K/V rows before its wait, so they stream in "

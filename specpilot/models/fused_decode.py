@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.kernels import gemv_fused as kernels_gemv
 from specpilot.kernels import l2_prefetch as kernels_l2
 from specpilot.kernels.gemv12 import gemv12_call
 from specpilot.models.cache import KVCache
@@ -82,12 +83,13 @@ PRENORM_12BIT = False
 PRENORM_ROWS = True
 
 
-def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str, out_norm=None):
+def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str, out_norm=None, warm_next=None):
     """One fused GEMV launch through `linear` for x2 [M, K]: one row over its lossless 12-bit copy when it has one
     (`packed12`, set by DenseLM.use_lossless12; same weights, 3/4 of the bytes), else (and for M > 1 rows: the
     12-bit GEMV takes one) over its bf16 weight. M > 1 rows with a norm: an RMSNorm launch first (PRENORM_ROWS).
     out_norm (an RMSNorm module; the norm epilogue, EngineConfig.norm_epilogue): the same launch also writes the
-    output rows' norm -> (y, out_norm(y)) instead of y."""
+    output rows' norm -> (y, out_norm(y)) instead of y. warm_next (one row, the bf16 path, no norm epilogue): a
+    gate/up weight whose halves' heads the launch warms in L2 (kernels/gemv_fused.py PDL_L2_NEXT_BYTES; a hint)."""
     from specpilot.models.dense import kernel_op
 
     packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
@@ -97,8 +99,11 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
     norm_out = () if out_norm is None else (out_norm.weight, out_norm.eps)
     if packed is not None:
         return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act, norm_out or None)
-    op = kernel_op("gemv_fused_normed" if norm_out else "gemv_fused")
-    return op(x2, linear.weight, linear.bias, norm_weight, eps, residual, act, *norm_out)
+    if norm_out:
+        return kernel_op("gemv_fused_normed")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act, *norm_out)
+    if warm_next is not None and x2.shape[0] == 1:
+        return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act, warm_next)
+    return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
 
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -179,7 +184,7 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
         x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
         gate_norm = None  # (already normed)
     else:
-        x2 = project(attn.o_proj, out2, None, pre.eps, x2, "")  # + residual
+        x2 = project(attn.o_proj, out2, None, pre.eps, x2, "", warm_next=_next_warm(mlp, T))  # + residual
         gate_in, gate_norm = x2, post.weight
     if side is not None:  # gate/up's GEMV after its warming
         kernels_l2.join(side)
@@ -188,6 +193,15 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
     if next_norm is None:
         return x2.view(1, T, h)
     return x2[0].view(1, T, h), x2[1].view(1, T, h)
+
+
+def _next_warm(mlp, T: int):
+    """gate/up's bf16 weight for o_proj's launch to warm the head of (kernels/gemv_fused.py PDL_L2_NEXT_BYTES, set
+    from EngineConfig.pdl_l2_next_mb), or None: more than one token, the warming off, or a 12-bit gate/up (its GEMV
+    reads another copy of the weight)."""
+    if T != 1 or kernels_gemv.PDL_L2_NEXT_BYTES <= 0 or getattr(mlp.gate_up_proj, "packed12", None) is not None:
+        return None
+    return mlp.gate_up_proj.weight
 
 
 def applies(model, input_ids: torch.Tensor, attn_mask, is_causal: bool) -> bool:
