@@ -35,7 +35,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "rope_split", "attn_split",
-            "pdl_kv_l2",
+            "pdl_kv_l2", "pdl_l2_next",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -561,6 +561,33 @@ def main(only: tuple[str, ...] = ()) -> int:
             pdl.set_enabled(False)
             decode_attention.PDL_KV_L2 = False
 
+    def pdl_l2_next():
+        # o_proj's one-token GEMV warming the head of gate/up's weight before its PDL wait (EngineConfig.
+        # pdl_l2_next_mb, kernels/gemv_fused.py PDL_L2_NEXT_BYTES; here all of it): a hint, so the tokens must be
+        # those without it: graphed AR (also 300 new tokens), n-gram speculation, against the same engine under PDL
+        # late without it
+        from specpilot.kernels import gemv_fused, pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        if not pdl.set_enabled(True, trigger="late"):
+            problems.append(f"pdl_l2_next: PDL not available here: {pdl.unsupported_reason()}")
+            return
+        try:
+            off = [Engine(fast, base).generate(p) for p in prompts]
+            long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
+            long_off = [Engine(fast, long_cfg).generate(p) for p in prompts[:1]]
+            gemv_fused.PDL_L2_NEXT_BYTES = 1 << 30
+            on_cfg = base.with_(pdl_l2_next_mb=1024)
+            on = [Engine(fast, on_cfg).generate(p) for p in prompts]
+            record("ar_pdl_l2_next", on)
+            equals_off("ar_pdl_l2_next_equals_off", on, off)
+            equals_off("ar_pdl_l2_next_300_equals_off",
+                       [Engine(fast, long_cfg.with_(pdl_l2_next_mb=1024)).generate(p) for p in prompts[:1]], long_off)
+            same_tokens((("spec_ngram_pdl_l2_next", ngram.with_(pdl_l2_next_mb=1024), fast),))
+        finally:
+            pdl.set_enabled(False)
+            gemv_fused.PDL_L2_NEXT_BYTES = 0
+
     def attn_merge():
         # the one-token attention's merge in chunks (EngineConfig.attn_merge_chunk, decode_attention.MERGE_CHUNK)
         # and its positions read before the PDL wait (attn_early_pos, PDL_EARLY_POS), under PDL late, 64 keys a
@@ -598,7 +625,7 @@ def main(only: tuple[str, ...] = ()) -> int:
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
-              "pdl_kv_l2": pdl_kv_l2, "attn_merge": attn_merge, "l2_prefetch": l2_prefetch,
+              "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
