@@ -714,7 +714,8 @@ def test_l2_warmed_weights_leave_a_one_token_passs_predicted_stream_and_stay_in_
 def test_the_warmed_head_of_gate_up_leaves_the_predicted_stream_once():
     """EngineConfig.pdl_l2_next_mb: o_proj's one-token launch warms that many MiB of gate/up's head; the prediction
     streams that much less a layer (never more than gate/up holds, and bytes already warmed by pdl_l2_mb count
-    once), the floor is unchanged, and only where the engine warms (PDL, a one-token fused 16-bit pass)."""
+    once), the floor is unchanged, and only where the engine warms (PDL, a one-token fused 16-bit pass, behind an
+    o_proj warmed itself)."""
     cfg = synthetic_config("qwen2.5-1.5b")
     L, gate_up = cfg.num_hidden_layers, 2 * cfg.intermediate_size * cfg.hidden_size * 2
     flags = dict(fused=True, fused_decode=True, pdl=True, pdl_late=True)
@@ -723,12 +724,16 @@ def test_the_warmed_head_of_gate_up_leaves_the_predicted_stream_once():
     assert nxt.l2_warm_bytes - base.l2_warm_bytes == L * (16 << 20)
     assert pass_floor_s(nxt, FAKE_HW) == pass_floor_s(base, FAKE_HW)
     assert pass_predicted_s(nxt, FAKE_HW) < pass_predicted_s(base, FAKE_HW)
-    assert forward_cost(cfg, 1, 512, **flags, pdl_l2_next_mb=1 << 12).l2_warm_bytes == L * gate_up  # all of it
+    assert forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=8, pdl_l2_next_mb=1 << 12).l2_warm_bytes == \
+        base.l2_warm_bytes + L * gate_up  # all of it
+    assert forward_cost(cfg, 1, 512, **flags, pdl_l2_next_mb=16).l2_warm_bytes == 0  # o_proj not warmed: no-op
+    assert forward_cost(synthetic_config("qwen3-8b"), 1, 512, **flags, pdl_l2_mb=8,
+                        pdl_l2_next_mb=16).l2_warm_bytes == 0  # its o_proj (32 MiB) streams from DRAM
     assert forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=64, pdl_l2_next_mb=16).l2_warm_bytes == \
         forward_cost(cfg, 1, 512, **flags, pdl_l2_mb=64).l2_warm_bytes  # gate/up already warm: counted once
     for other in (dict(flags, pdl=False, pdl_late=False), dict(flags, lossless12=True)):
-        assert forward_cost(cfg, 1, 512, **other, pdl_l2_next_mb=16).l2_warm_bytes == 0, other
-    assert forward_cost(cfg, 5, 512, **flags, fused_verify=True, pdl_l2_next_mb=16).l2_warm_bytes == 0
+        assert forward_cost(cfg, 1, 512, **other, pdl_l2_mb=8, pdl_l2_next_mb=16).l2_warm_bytes == 0, other
+    assert forward_cost(cfg, 5, 512, **flags, fused_verify=True, pdl_l2_mb=8, pdl_l2_next_mb=16).l2_warm_bytes == 0
 
 
 def test_a_small_drafters_catch_up_pass_feeds_one_or_two_tokens_not_tau():

@@ -190,20 +190,26 @@ def test_next_warming_splits_the_budget_over_gate_and_up_and_stays_off_where_it_
 
 def test_o_proj_hands_gate_up_over_only_for_one_token_with_the_warming_on(monkeypatch):
     """models/fused_decode._next_warm: gate/up's bf16 weight for o_proj's one-token launch when
-    PDL_L2_NEXT_BYTES > 0; None for verify blocks, with the warming off, or for a 12-bit gate/up."""
+    PDL_L2_NEXT_BYTES > 0 and o_proj's own weight is warmed (PDL_L2_MAX_BYTES); None for verify blocks, with the
+    warming off, for a 12-bit gate/up, or behind an o_proj that streams from DRAM."""
     from types import SimpleNamespace
 
     from specpilot.kernels import gemv_fused as gf
     from specpilot.models.fused_decode import _next_warm
 
     w = torch.zeros(8, 4)
+    o_proj = SimpleNamespace(weight=torch.zeros(4, 4))  # 64 bytes
     mlp = SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w))
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 8 << 20)
-    assert _next_warm(mlp, 1) is w
-    assert _next_warm(mlp, 5) is None
-    assert _next_warm(SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w, packed12=object())), 1) is None
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
+    assert _next_warm(mlp, o_proj, 1) is w
+    assert _next_warm(mlp, o_proj, 5) is None
+    assert _next_warm(SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w, packed12=object())), o_proj, 1) is None
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 63)  # o_proj not warmed itself: it reads DRAM, HBM is not idle
+    assert _next_warm(mlp, o_proj, 1) is None
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 0)
-    assert _next_warm(mlp, 1) is None
+    assert _next_warm(mlp, o_proj, 1) is None
 
 
 def test_the_l2_warming_takes_the_weights_that_fit_and_the_share(monkeypatch):
