@@ -503,6 +503,7 @@ def test_gpu_launch_warms_the_next_weights_heads_under_pdl_only(monkeypatch, pdl
     monkeypatch.setattr(gf, "launch_options",
                         lambda: LaunchOptions({"launch_pdl": True} if pdl_on else {}, pdl_on, True))
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", budget)
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 1 << 20)  # this launch's own weight warmed (next_warming's rule)
     x, w, kw = _inputs("residual", 64, 24, torch.float32, seed=3)
     gate_up = torch.zeros(2 * 48, 64)  # halves of 48 x 64 x 4 = 12288 bytes
     gemv_fused(x, w, **kw, warm_next=gate_up, warm_next_halves=True)

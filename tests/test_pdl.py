@@ -164,52 +164,52 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
 
 def test_next_warming_splits_the_budget_over_gate_and_up_and_stays_off_where_it_cannot_act(monkeypatch):
     """gemv_fused.next_warming (EngineConfig.pdl_l2_next_mb): under PDL the head of each half of a [2I, K] gate/up
-    weight, half of the budget each in whole 16-byte granules and never past the half; off (dummies, NX_PF False)
-    without PDL, without a budget or a weight, or where granules would not be whole."""
+    weight, half of the budget each in whole 16-byte granules and never past the half; off (this launch's weight as
+    dummy, NX_PF False) without PDL, without a budget or a weight, where granules would not be whole, or behind a
+    launch whose own weight is not warmed (it streams from DRAM: HBM is not idle)."""
     from specpilot.kernels import gemv_fused as gf
 
-    dummy = torch.zeros(4, dtype=torch.bfloat16)
+    o_proj = torch.zeros(4, 8, dtype=torch.bfloat16)  # 64 bytes, rows of 16
     gate_up = torch.zeros(2 * 64, 32, dtype=torch.bfloat16)  # halves of 64 x 32 x 2 = 4096 bytes
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1000)
-    (ptr, off, each), on = gf.next_warming(gate_up, True, True, dummy)
+    (ptr, off, each), on = gf.next_warming(gate_up, True, True, o_proj)
     assert on and ptr is gate_up and off == 4096 and each == 496  # 500 rounded down to granules
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1 << 30)  # more than the weight: each half whole, no further
-    assert gf.next_warming(gate_up, True, True, dummy) == ((gate_up, 4096, 4096), True)
-    assert gf.next_warming(gate_up, False, True, dummy) == ((gate_up, 0, 8192), True)  # one range: all of it
+    assert gf.next_warming(gate_up, True, True, o_proj) == ((gate_up, 4096, 4096), True)
+    assert gf.next_warming(gate_up, False, True, o_proj) == ((gate_up, 0, 8192), True)  # one range: all of it
     for args in ((gate_up, True, False), (None, True, True)):  # no PDL (nothing precedes a wait), no weight
-        assert gf.next_warming(*args, dummy) == ((dummy, 0, 0), False), args
+        assert gf.next_warming(*args, o_proj) == ((o_proj, 0, 0), False), args
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 63)  # o_proj not warmed itself: it reads DRAM, HBM is not idle
+    assert gf.next_warming(gate_up, True, True, o_proj) == ((o_proj, 0, 0), False)
+    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 0)
-    assert gf.next_warming(gate_up, True, True, dummy) == ((dummy, 0, 0), False)
+    assert gf.next_warming(gate_up, True, True, o_proj) == ((o_proj, 0, 0), False)
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 1 << 20)
     odd = torch.zeros(2 * 3, 5, dtype=torch.bfloat16)  # halves of 30 bytes: not whole granules
-    assert gf.next_warming(odd, True, True, dummy) == ((dummy, 0, 0), False)
-    assert gf.next_warming(gate_up.t(), True, True, dummy) == ((dummy, 0, 0), False)  # not contiguous
+    assert gf.next_warming(odd, True, True, o_proj) == ((o_proj, 0, 0), False)
+    assert gf.next_warming(gate_up.t(), True, True, o_proj) == ((o_proj, 0, 0), False)  # not contiguous
     with pytest.raises(ValueError, match="warm_next_halves"):
-        gf.next_warming(torch.zeros(3, 16, dtype=torch.bfloat16), True, True, dummy)
+        gf.next_warming(torch.zeros(3, 16, dtype=torch.bfloat16), True, True, o_proj)
 
 
 def test_o_proj_hands_gate_up_over_only_for_one_token_with_the_warming_on(monkeypatch):
     """models/fused_decode._next_warm: gate/up's bf16 weight for o_proj's one-token launch when
-    PDL_L2_NEXT_BYTES > 0 and o_proj's own weight is warmed (PDL_L2_MAX_BYTES); None for verify blocks, with the
-    warming off, for a 12-bit gate/up, or behind an o_proj that streams from DRAM."""
+    PDL_L2_NEXT_BYTES > 0 (whether o_proj's launch can warm it is gemv_fused.next_warming's to say); None for
+    verify blocks, with the warming off, or for a 12-bit gate/up."""
     from types import SimpleNamespace
 
     from specpilot.kernels import gemv_fused as gf
     from specpilot.models.fused_decode import _next_warm
 
     w = torch.zeros(8, 4)
-    o_proj = SimpleNamespace(weight=torch.zeros(4, 4))  # 64 bytes
     mlp = SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w))
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 8 << 20)
-    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
-    assert _next_warm(mlp, o_proj, 1) is w
-    assert _next_warm(mlp, o_proj, 5) is None
-    assert _next_warm(SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w, packed12=object())), o_proj, 1) is None
-    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 63)  # o_proj not warmed itself: it reads DRAM, HBM is not idle
-    assert _next_warm(mlp, o_proj, 1) is None
-    monkeypatch.setattr(gf, "PDL_L2_MAX_BYTES", 64)
+    assert _next_warm(mlp, 1) is w
+    assert _next_warm(mlp, 5) is None
+    assert _next_warm(SimpleNamespace(gate_up_proj=SimpleNamespace(weight=w, packed12=object())), 1) is None
     monkeypatch.setattr(gf, "PDL_L2_NEXT_BYTES", 0)
-    assert _next_warm(mlp, o_proj, 1) is None
+    assert _next_warm(mlp, 1) is None
 
 
 def test_the_l2_warming_takes_the_weights_that_fit_and_the_share(monkeypatch):

@@ -161,8 +161,7 @@ def _l2_warm_bytes(cfg: ModelConfig, dtype_bytes: int, pdl_l2_mb: float, pdl_l2_
     """Bytes of a one-token fused pass's GEMV weights warmed in L2 before their PDL wait: each fused projection
     (qkv, o, gate/up, down) of at most pdl_l2_mb MiB, times the share warmed, plus (pdl_l2_next_mb) the head of
     gate/up's weight that o_proj's launch warms where o_proj is warmed itself (at most what is not warmed
-    already), over the layers (the LM head
-    is never that small in practice, and is left out)."""
+    already), over the layers (the LM head is never that small in practice, and is left out)."""
     h, q, kv, i = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
                    cfg.intermediate_size)
     limit = pdl_l2_mb * (1 << 20)
@@ -170,7 +169,7 @@ def _l2_warm_bytes(cfg: ModelConfig, dtype_bytes: int, pdl_l2_mb: float, pdl_l2_
     sizes = ((q + 2 * kv) * h * dtype_bytes, q * h * dtype_bytes, gate_up, i * h * dtype_bytes)
     per_layer = sum(n for n in sizes if n <= limit) * pdl_l2_share
     if pdl_l2_next_mb > 0 and sizes[1] <= limit:  # kernels/gemv_fused.py PDL_L2_NEXT_BYTES, behind a warmed o_proj
-        # only (models/fused_decode._next_warm); bytes already warm count once
+        # only (gemv_fused.next_warming); bytes already warm count once
         left = gate_up * (1 - pdl_l2_share) if gate_up <= limit else gate_up
         per_layer += min(pdl_l2_next_mb * (1 << 20), left)
     return cfg.num_hidden_layers * per_layer

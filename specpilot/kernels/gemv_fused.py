@@ -593,8 +593,9 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     [2I, K], output [M, I]). All one dtype (fp32 / bf16 / fp16). -> a new [M, N] (or [M, I]) tensor in x's dtype;
     with out_norm_weight [N] (the norm epilogue, kernels/norm_epilogue.py) -> (y, RMSNorm(y; out_norm_weight,
     out_eps)), the second the bits kernels/rmsnorm.py gives for y.
-    warm_next (M == 1 under PDL, PDL_L2_NEXT_BYTES > 0): the next GEMV's weight, whose head this launch asks L2 for
-    before its wait (`next_warming`; warm_next_halves: a gate/up weight, the heads of both halves). A hint only.
+    warm_next (M == 1 under PDL, PDL_L2_NEXT_BYTES > 0, this weight warmed): the next GEMV's weight, whose head
+    this launch asks L2 for before its wait (`next_warming`; warm_next_halves: a gate/up weight, the heads of both
+    halves). A hint only.
     M == 1 runs the one-row kernel, M >= 2 the tl.dot kernel. Static shapes, no host sync: safe inside CUDA graphs
     (once autotuned outside capture, and with the norm epilogue run once eagerly: its counter is allocated then)."""
     if triton is None:
@@ -641,13 +642,17 @@ def l2_warming(weight: torch.Tensor, use_pdl: bool) -> dict:
     return {"L2_PF": on, "L2_PART": PDL_L2_PART if on else 64}
 
 
-def next_warming(nxt: torch.Tensor | None, halves: bool, use_pdl: bool, dummy: torch.Tensor) -> tuple[tuple, bool]:
+def next_warming(nxt: torch.Tensor | None, halves: bool, use_pdl: bool, weight: torch.Tensor) -> tuple[tuple, bool]:
     """The one-row kernel's (nx_ptr, nx_off, nx_bytes) and NX_PF for warming the head of the next GEMV's weight
     `nxt` (contiguous; PDL_L2_NEXT_BYTES in all, at most the whole weight; `halves`: a [2I, K] gate/up weight, half
-    of the bytes from the head of each half) -> ((dummy, 0, 0), False) where it does not apply: no weight, PDL off
-    or the budget 0, or byte counts that are not whole 16-byte granules (the bulk prefetch's)."""
-    off = ((dummy, 0, 0), False)
-    if nxt is None or not use_pdl or PDL_L2_NEXT_BYTES <= 0 or not nxt.is_contiguous():
+    of the bytes from the head of each half) from a launch over `weight` -> ((weight, 0, 0), False) where it does
+    not apply: no next weight, the budget 0, byte counts that are not whole 16-byte granules (the bulk
+    prefetch's), or a launch whose own weight is not warmed (`l2_warming`: without PDL, or larger than
+    PDL_L2_MAX_BYTES). Only a GEMV that reads L2 leaves HBM idle behind the kernel ahead; one streaming its own
+    weight from DRAM (Qwen3-8B's o_proj, 32 MiB) would queue the extra traffic on itself (H200, session 33: +0.5 to
+    +1.5% there, -2.0 / -2.8% at 1.5B)."""
+    off = ((weight, 0, 0), False)
+    if nxt is None or PDL_L2_NEXT_BYTES <= 0 or not nxt.is_contiguous() or not l2_warming(weight, use_pdl)["L2_PF"]:
         return off
     total = nxt.numel() * nxt.element_size()
     if halves:

@@ -184,8 +184,7 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
         x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
         gate_norm = None  # (already normed)
     else:
-        x2 = project(attn.o_proj, out2, None, pre.eps, x2, "", warm_next=_next_warm(mlp, attn.o_proj, T))
-        # (+ residual)
+        x2 = project(attn.o_proj, out2, None, pre.eps, x2, "", warm_next=_next_warm(mlp, T))  # + residual
         gate_in, gate_norm = x2, post.weight
     if side is not None:  # gate/up's GEMV after its warming
         kernels_l2.join(side)
@@ -196,16 +195,11 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
     return x2[0].view(1, T, h), x2[1].view(1, T, h)
 
 
-def _next_warm(mlp, o_proj, T: int):
+def _next_warm(mlp, T: int):
     """gate/up's bf16 weight for o_proj's launch to warm the head of (kernels/gemv_fused.py PDL_L2_NEXT_BYTES, set
-    from EngineConfig.pdl_l2_next_mb), or None: more than one token, the warming off, a 12-bit gate/up (its GEMV
-    reads another copy of the weight), or an o_proj that is not warmed itself (PDL_L2_MAX_BYTES): only then does
-    o_proj read L2 and leave HBM idle behind the attention. Where it streams its own weight from DRAM (Qwen3-8B's
-    32 MiB) the extra traffic queues on it (H200, session 33: +0.5 to +1.5% there, -2.7% at 1.5B)."""
+    from EngineConfig.pdl_l2_next_mb; `next_warming` decides whether o_proj's launch can), or None: more than one
+    token, the warming off, or a 12-bit gate/up (its GEMV reads another copy of the weight)."""
     if T != 1 or kernels_gemv.PDL_L2_NEXT_BYTES <= 0 or getattr(mlp.gate_up_proj, "packed12", None) is not None:
-        return None
-    w = o_proj.weight
-    if w.numel() * w.element_size() > kernels_gemv.PDL_L2_MAX_BYTES:
         return None
     return mlp.gate_up_proj.weight
 
