@@ -113,10 +113,12 @@ class EngineConfig:
     # share of its rows' bytes; a multiple of 1/64 in (0, 1]): no more traffic than the idle window ahead can hold,
     # so the kernel ahead's own loads do not queue behind it (kernels/gemv_fused.py PDL_L2_PART). Same numbers.
     # 1.0: a share was slower or neutral at both shapes on the H200 (session 29); the loop may search 0.25
-    pdl_l2_next_mb: int = 0  # with pdl: o_proj's one-token GEMV also asks L2, before its wait, for this many MiB
+    pdl_l2_next_mb: int = 8  # with pdl: o_proj's one-token GEMV also asks L2, before its wait, for this many MiB
     # of the head of gate/up's weight (the first rows of both halves, which gate/up's first programs read), while the
     # latency-bound attention ahead leaves HBM idle (kernels/gemv_fused.py PDL_L2_NEXT_BYTES). A hint: same numbers.
-    # 0: off until the H200 times it (session 33)
+    # Only behind an o_proj warmed itself (pdl_l2_mb). 8 since session 34 (H200, graphed one-token step at 1.5B:
+    # -2.8 / -2.0 / -1.9% on three machines, every interleaved round below the default's in the last two; at
+    # Qwen3-8B o_proj streams from DRAM, so a no-op; real-weight AR +0.4% over two orders, within its noise). 0: off
     pdl_kv_l2: bool = False  # with pdl: the one-token attention asks L2 for its slice's K/V rows (written by earlier
     # steps) before its wait, while RoPE + K/V write runs ahead of it, so its loads after the wait hit L2 instead of
     # making DRAM round trips (kernels/decode_attention.py PDL_KV_L2). A hint: same numbers. Off: SLOWER on the

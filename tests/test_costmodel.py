@@ -704,7 +704,7 @@ def test_l2_warmed_weights_leave_a_one_token_passs_predicted_stream_and_stay_in_
     assert forward_cost(cfg, 5, 512, **flags, fused_verify=True, pdl_l2_mb=8).l2_warm_bytes == 0  # M-row GEMVs
     assert forward_cost(synthetic_config("qwen3-8b"), 1, 512, **flags, pdl_l2_mb=8).l2_warm_bytes == 0
     # from the config: the default warms, and nothing without PDL
-    assert l2_fields(EngineConfig()) == {"pdl_l2_mb": 8, "pdl_l2_share": 1.0, "pdl_l2_next_mb": 0}
+    assert l2_fields(EngineConfig()) == {"pdl_l2_mb": 8, "pdl_l2_share": 1.0, "pdl_l2_next_mb": 8}
     assert l2_fields(EngineConfig(pdl_l2_next_mb=16))["pdl_l2_next_mb"] == 16
     assert l2_fields(EngineConfig(pdl=False, pdl_l2_next_mb=16))["pdl_l2_next_mb"] == 0
     assert l2_fields(EngineConfig(pdl=False))["pdl_l2_mb"] == 0

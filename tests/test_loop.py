@@ -141,7 +141,7 @@ def test_registry_applies_and_filters(tmp_path):
         {"pdl_l2_mb": 0, "pdl_l2_share": 1.0}, *({"pdl_l2_mb": mb, "pdl_l2_share": share} for mb in (16, 36)
                                                  for share in (0.25, 1.0)), {"pdl_l2_mb": 8, "pdl_l2_share": 0.25}]
     assert "pdl_l2" not in [m.name for m in applicable(gpu, gpu.config.with_(pdl=False))]
-    assert REGISTRY["pdl_l2_next"].candidates(gpu.config, gpu) == [{"pdl_l2_next_mb": 8}, {"pdl_l2_next_mb": 16}]
+    assert REGISTRY["pdl_l2_next"].candidates(gpu.config, gpu) == [{"pdl_l2_next_mb": 0}, {"pdl_l2_next_mb": 16}]
     assert "pdl_l2_next" not in [m.name for m in applicable(gpu, gpu.config.with_(pdl=False))]
     assert REGISTRY["verify_l2"].candidates(gpu.config, gpu) == [{"verify_l2_mb": 8}, {"verify_l2_mb": 16}]
     assert REGISTRY["gemm_bucket"].candidates(gpu.config, gpu) == [{"gemm_bucket_min": 16}]

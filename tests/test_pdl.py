@@ -119,7 +119,8 @@ def test_cli_derives_the_pdl_flag():
     assert engine_config(parser.parse_args(["--pdl-l2-mb", "8"])).pdl_l2_mb == 8
     assert engine_config(parser.parse_args(["--pdl-l2-mb", "8", "--pdl-l2-share", "0.25"])).pdl_l2_share == 0.25
     assert engine_config(parser.parse_args(["--pdl-l2-next-mb", "16"])).pdl_l2_next_mb == 16
-    assert engine_config(parser.parse_args([])).pdl_l2_next_mb == 0
+    assert engine_config(parser.parse_args([])).pdl_l2_next_mb == 8  # on by default (session 34)
+    assert engine_config(parser.parse_args(["--pdl-l2-next-mb", "0"])).pdl_l2_next_mb == 0
 
 
 def test_engine_sets_the_switch_from_the_config(monkeypatch):
@@ -143,7 +144,9 @@ def test_engine_sets_the_switch_from_the_config(monkeypatch):
     assert gemv_fused.PDL_L2_MAX_BYTES == 36 << 20 and gemv_fused.PDL_L2_PART == 16
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_mb=0))
     assert gemv_fused.PDL_L2_MAX_BYTES == 0 and gemv_fused.PDL_L2_PART == 64
-    assert gemv_fused.PDL_L2_NEXT_BYTES == 0  # off by default
+    assert gemv_fused.PDL_L2_NEXT_BYTES == 8 << 20  # the config's default
+    _apply_pdl(EngineConfig(device="cuda", pdl_l2_next_mb=0))
+    assert gemv_fused.PDL_L2_NEXT_BYTES == 0
     _apply_pdl(EngineConfig(device="cuda", pdl_l2_next_mb=16))
     assert gemv_fused.PDL_L2_NEXT_BYTES == 16 << 20
     _apply_pdl(EngineConfig(device="cuda", pdl=False))  # the newest config decides
