@@ -396,3 +396,13 @@ def test_step_timing_configs_are_engine_configs_checked_before_any_gpu_time():
         r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_step_timing.py"), bad], capture_output=True,
                            text=True, timeout=120, env=env)
         assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)
+
+
+def test_sync_probe_says_what_it_needs_and_rejects_bad_arguments():
+    """gpu_sync_probe.py (BENCHMARKS.md session 34) needs an sm_90 GPU: on the CPU one clear line and exit 2, and a
+    bad argument is an argparse error, not a traceback."""
+    probe = str(SCRIPTS / "gpu_sync_probe.py")
+    r = subprocess.run([sys.executable, probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs CUDA sm_90+" in r.stdout and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, probe, "--spin-limit=1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--spin-limit must be >= 2" in r.stderr and "Traceback" not in r.stderr
