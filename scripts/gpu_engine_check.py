@@ -35,7 +35,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "rope_split", "attn_split",
-            "pdl_kv_l2", "pdl_l2_next",
+            "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -620,12 +620,45 @@ def main(only: tuple[str, ...] = ()) -> int:
             decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False
             decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
 
+    def attn_kv_preload():
+        # the one-token attention's older K/V rows loaded before the PDL wait (EngineConfig.attn_kv_preload,
+        # decode_attention.KV_PRELOAD), under PDL late, with 128 keys a program (two preloaded blocks) and 64 (one):
+        # 300 new tokens cross slice boundaries, so slot p falls on every position of a slice; graphed AR and n-gram
+        # speculation against the same engine without it
+        from specpilot.kernels import decode_attention, pdl
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+        if not pdl.set_enabled(True, trigger="late"):
+            problems.append(f"attn_kv_preload: PDL not available here: {pdl.unsupported_reason()}")
+            return
+        try:
+            long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
+            for split in ((128, 64), (64, 64)):
+                decode_attention.ONE_LAUNCH_SPLIT, decode_attention.KV_PRELOAD = split, False
+                off = [Engine(fast, base).generate(p) for p in prompts]
+                long_off = [Engine(fast, long_cfg).generate(p) for p in prompts[:1]]
+                decode_attention.KV_PRELOAD = True
+                name = f"attn_kv_preload_{split[0]}"
+                cfg = base.with_(attn_kv_preload=True)
+                on = [Engine(fast, cfg).generate(p) for p in prompts]
+                record(f"ar_{name}", on)
+                equals_off(f"ar_{name}_equals_off", on, off)
+                equals_off(f"ar_{name}_300_equals_off",
+                           [Engine(fast, long_cfg.with_(attn_kv_preload=True)).generate(p) for p in prompts[:1]],
+                           long_off)
+                same_tokens(((f"spec_ngram_{name}", ngram.with_(attn_kv_preload=True), fast),))
+        finally:
+            pdl.set_enabled(False)
+            decode_attention.KV_PRELOAD = False
+            decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
+
     checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
-              "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge, "l2_prefetch": l2_prefetch,
+              "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
+              "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}

@@ -150,6 +150,14 @@ class EngineConfig:
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step
     # -0.6 / -1.4 / -0.9% in three runs of four, Qwen3-8B -0.5 to +0.4%); without pdl it does nothing
+    attn_warps: int = 0  # CUDA: warps a program of the one-token attention runs (kernels/decode_attention.py
+    # ONE_LAUNCH_WARPS; 0: Triton's default, 4). Why: compiled for sm_90 the kernel holds 255 registers a thread and
+    # spills with 4 warps (more with attn_kv_preload's tiles: 1.4 KB a thread); 8 spread them. Same math, another
+    # order of the softmax's in-warp sums. 0 until the H200 times it (session 34); the loop searches 8
+    attn_kv_preload: bool = False  # with pdl (late trigger): the one-token attention loads its slice's older K/V
+    # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
+    # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
+    # Off until the H200 times it (session 34); the loop searches it
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
@@ -276,6 +284,11 @@ class EngineConfig:
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")
         if not isinstance(self.attn_early_pos, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"attn_early_pos must be true or false, got {self.attn_early_pos!r}")
+        if self.attn_warps not in (0, 1, 2, 4, 8, 16) or isinstance(self.attn_warps, bool):
+            raise ConfigError(f"attn_warps must be 0 (Triton's default) or a power of two <= 16, got "
+                              f"{self.attn_warps!r}")
+        if not isinstance(self.attn_kv_preload, bool):
+            raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

@@ -119,13 +119,16 @@ def _cases():
     yield "rope_write_qk_norm_split", rw._rope_write_kernel, dict(D=128, BLOCK_H=8, Q_NORM=True, K_NORM=True,
                                                                   Q_BLOCK=4, QP=8), rope_types
     attn = dict(D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32", UPCAST=False, SPLITS_P2=32, KV_L2=False, MERGE_CH=0,
-                MERGE_R=16, EARLY_POS=False)
+                MERGE_R=16, EARLY_POS=False, PRELOAD=False, PRE_NB=1)
     yield "attention_one_launch", da._split_merge_kernel, attn, attn_types
     # the positions read before the wait (decode_attention.PDL_EARLY_POS) and the merge in chunks (MERGE_CHUNK)
     yield "attention_one_launch_early_pos", da._split_merge_kernel, {**attn, "EARLY_POS": True, "MERGE_CH": 8,
                                                                      "MERGE_R": 4}, attn_types
     # the K/V hint before the wait (decode_attention.PDL_KV_L2): a positions load, then bulk L2 prefetches, no write
     yield "attention_one_launch_kv_hint", da._split_merge_kernel, {**attn, "KV_L2": True}, attn_types
+    # the slice's older K/V rows loaded before the wait (decode_attention.KV_PRELOAD), with the early positions
+    yield "attention_one_launch_kv_preload", da._split_merge_kernel, {**attn, "EARLY_POS": True, "PRELOAD": True,
+                                                                      "PRE_NB": 2}, attn_types
 
     def qkv_rope_types(n):  # EngineConfig.rope_in_qkv: the positions, the q/k heads' arrival counters
         return {"pos_ptr": "*i64", "cnt_ptr": "*i32"}.get(n) or ("*bf16" if n.endswith("_ptr") else "fp32"

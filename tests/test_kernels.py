@@ -101,6 +101,46 @@ def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, 
     assert not da._COUNTERS[q.device].any()
 
 
+@pytest.mark.parametrize("split,block", [(16, 16), (32, 16), (64, 32), (64, 16)])
+@pytest.mark.parametrize("B,H,Hkv,S,D", [(3, 12, 2, 70, 16), (2, 4, 1, 64, 32), (1, 8, 8, 33, 16)])
+def test_decode_attention_one_launch_preloads_older_rows_bit_for_bit(monkeypatch, split, block, B, H, Hkv, S, D):
+    """KV_PRELOAD (EngineConfig.attn_kv_preload): at T = 1 the one-launch kernel loads its slice's rows below the
+    token's slot before the (PDL) wait and slot p's row after it, put in place of slot p in the preloaded tiles:
+    the output equals the loop's bit for bit (one order of sums), with p on a slice's first / last key, mid-slice,
+    p = 0 and the pool's end, and rows above p holding large stale values (finite, as a pool's are) that both must
+    mask; 4 blocks a slice (64 : 16) keeps the loop. (Which load precedes the wait the interpreter cannot show:
+    tests/pdl_ptx.py checks that in the sm_90 PTX.)"""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(S + D + split)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = [0, split - 1, split, split + 5, S - 1, 2 * split]
+    for p in ends:
+        if p >= S:
+            continue
+        positions = torch.tensor([[p]] * B)
+        if B > 1:
+            positions[1, 0] = min(S - 1, p + block)  # rows of one launch at different positions
+        kp, vp = k.clone(), v.clone()
+        for b in range(B):  # stale rows above each row's slot: large, so any use of them shows
+            kp[b, :, positions[b, 0] + 1:] = 30.0
+            vp[b, :, positions[b, 0] + 1:] = -30.0
+        monkeypatch.setattr(da, "KV_PRELOAD", False)
+        want = da.decode_attention(q, kp, vp, positions, split_s=split, block_s=block, one_launch=True)
+        monkeypatch.setattr(da, "KV_PRELOAD", True)
+        got = da.decode_attention(q, kp, vp, positions, split_s=split, block_s=block, one_launch=True)
+        assert torch.equal(got, want), (p, split, block)
+        assert (got - da.decode_attention_reference(q, kp, vp, positions)).abs().max().item() < 1e-4
+        assert not da._COUNTERS[q.device].any()
+    # T > 1 (a verify block) keeps the loop whatever the switch: the rows of its tokens' slots are all new
+    positions = torch.tensor([[5, 6, 7]] * B)
+    q3 = torch.randn(B, H, 3, D, generator=g)
+    monkeypatch.setattr(da, "KV_PRELOAD", True)
+    got = da.decode_attention(q3, k, v, positions, split_s=split, block_s=block, one_launch=True)
+    assert (got - da.decode_attention_reference(q3, k, v, positions)).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("rows_per_program", [16, 32, 64])
 def test_decode_attention_row_blocks(monkeypatch, rows_per_program):
     """A verify block's rows (GQA group x tokens: 3 x 13 = 39 here) split over programs of `ROWS_PER_PROGRAM` rows:

@@ -390,6 +390,68 @@ def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from
     assert REGISTRY["pdl_kv_l2"].fields == {"pdl_kv_l2": [True, False]}
 
 
+def test_the_engine_sets_the_attention_kv_preload_from_the_config(monkeypatch):
+    """EngineConfig.attn_kv_preload -> decode_attention.KV_PRELOAD with PDL on only (off by default); validated, a
+    CLI flag, a loop mechanism only under the late trigger; the one-launch attention takes PRELOAD only at T = 1,
+    with one or two blocks a slice, and not under the "start" trigger (kernels/decode_attention.py says why)."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.engine import _apply_pdl
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    monkeypatch.setattr(da, "KV_PRELOAD", False)
+    assert EngineConfig().attn_kv_preload is False
+    _apply_pdl(EngineConfig(device="cuda", attn_kv_preload=True))
+    assert pdl.enabled() and da.KV_PRELOAD is True
+    _apply_pdl(EngineConfig(device="cuda"))
+    assert da.KV_PRELOAD is False
+    _apply_pdl(EngineConfig(device="cuda", attn_kv_preload=True, pdl=False))  # it needs PDL's wait to mean anything
+    assert not pdl.enabled() and da.KV_PRELOAD is False
+    with pytest.raises(ConfigError, match="attn_kv_preload must be true or false"):
+        EngineConfig(attn_kv_preload="true")
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--attn-kv-preload"])).attn_kv_preload is True
+    assert "attn_kv_preload" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert REGISTRY["attn_kv_preload"].candidates(gpu.config, gpu) == [{"attn_kv_preload": True}]
+    assert not REGISTRY["attn_kv_preload"].applies(gpu, gpu.config.with_(pdl_trigger="start"))
+    log = []
+    _record(monkeypatch, log)
+    q, k, v = torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64, 16)
+    pos = torch.tensor([[5]])
+    for on, trigger, split, t, want in ((False, "late", (32, 16), 1, (False, 1)), (True, "late", (32, 16), 1, (True, 2)),
+                                        (True, "late", (16, 16), 1, (True, 1)), (True, "late", (64, 16), 1, (False, 1)),
+                                        (True, "late", (32, 16), 3, (False, 1)),
+                                        (True, "start", (32, 16), 1, (False, 1))):
+        monkeypatch.setattr(da, "KV_PRELOAD", on)
+        assert pdl.set_enabled(True, trigger=trigger)
+        qt, pt = (q, pos) if t == 1 else (q.expand(1, 4, t, 16), torch.tensor([[5, 6, 7]]))
+        da.decode_attention(qt, k, v, pt, split_s=split[0], block_s=split[1], one_launch=True)
+        kw = log[-1][1]
+        assert (kw["PRELOAD"], kw["PRE_NB"]) == want, (on, trigger, split, t)
+        assert "num_warps" not in kw  # Triton's default unless attn_warps says otherwise
+    # EngineConfig.attn_warps -> ONE_LAUNCH_WARPS (CUDA only) -> the launch's num_warps
+    from specpilot.engine import _apply_program_splits
+
+    monkeypatch.setattr(da, "ONE_LAUNCH_WARPS", 0)
+    monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
+    _apply_program_splits(EngineConfig(device="cuda", attn_warps=8))
+    assert da.ONE_LAUNCH_WARPS == 8
+    da.decode_attention(q, k, v, pos, split_s=32, block_s=16, one_launch=True)
+    assert log[-1][1]["num_warps"] == 8
+    _apply_program_splits(EngineConfig(attn_warps=8))  # CPU: the default layout
+    assert da.ONE_LAUNCH_WARPS == 0
+    with pytest.raises(ConfigError, match="attn_warps must be 0"):
+        EngineConfig(attn_warps=3)
+    assert REGISTRY["attn_warps"].candidates(gpu.config, gpu) == [{"attn_warps": 8}]
+
+
 def test_the_engine_sets_the_attention_merge_chunk_and_early_positions_from_the_config(monkeypatch):
     """EngineConfig.attn_merge_chunk -> decode_attention.MERGE_CHUNK (CUDA only) and attn_early_pos ->
     PDL_EARLY_POS (with PDL on only); validated, CLI flags, loop mechanisms; the launch passes the chunk (no wider
@@ -562,7 +624,7 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "gemm_residual_split_k_late", "gemv12_residual_late", "gemv_residual_l2_late",
             "gemv_norm_silu_mul_l2_late", "attention_one_launch_kv_hint",
             "attention_one_launch_early_pos", "qkv_rope_late", "qkv_rope_qk_norm_late",
-            "qkv_rope_l2_late", "gemv_residual_l2_next_late"} <= set(report)
+            "qkv_rope_l2_late", "gemv_residual_l2_next_late", "attention_one_launch_kv_preload"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -574,6 +636,13 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             assert on["loads_before_wait"] == 1, (name, on)
             assert on["l2_prefetches"] == on["l2_prefetches_before_wait"] == 2, (name, on)
             assert off["l2_prefetches"] == 0 and off["loads_before_wait"] == 0, (name, off)
+            continue
+        if name.endswith("_kv_preload"):  # decode_attention.KV_PRELOAD: the positions' loads and the four K/V
+            # tiles' (vector loads) before the wait, no store or atomic before it; without PDL the same loads but no
+            # wait (stream order), and no L2 hint either way
+            assert on["launch_dependents"] < on["wait"] < on["first_global_write"], (name, on)
+            assert on["loads_before_wait"] >= 6 and on["l2_prefetches"] == 0, (name, on)
+            assert on["cg_loads"] > 0 and "atom.global.gpu.acq_rel.add.u32" in on["atomics"], (name, on)
             continue
         if name.endswith("_early_pos"):  # decode_attention.PDL_EARLY_POS: the positions' one load before the wait
             # (a static graph input nobody writes during the step), no store or atomic before it; none without PDL

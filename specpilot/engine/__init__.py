@@ -164,6 +164,7 @@ def _apply_pdl(config: EngineConfig) -> None:
         gemv_fused.PDL_L2_NEXT_BYTES = config.pdl_l2_next_mb << 20 if pdl.enabled() else 0  # gate/up's head, by o_proj
         decode_attention.PDL_KV_L2 = config.pdl_kv_l2 and pdl.enabled()  # the attention's K/V hint, as above
         decode_attention.PDL_EARLY_POS = config.attn_early_pos and pdl.enabled()  # its positions before the wait
+        decode_attention.KV_PRELOAD = config.attn_kv_preload and pdl.enabled()  # its older K/V rows, too
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
@@ -188,6 +189,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     keys = config.attn_split_keys if cuda else 128
     decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
+    decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
     from specpilot.kernels import gemv_fused
 

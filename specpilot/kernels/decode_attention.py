@@ -64,6 +64,22 @@ PDL_KV_L2 = False
 # reads them again behind the wait for the masks. Same numbers. The engine turns it on with PDL (session 28, H200:
 # 1.5B one-token step -0.6 to -1.4%, Qwen3-8B within noise); this module default stays off, as PDL's.
 PDL_EARLY_POS = False
+# The one-launch kernel at T = 1 loads its slice's OLDER K/V rows (key slots below the token's own) into registers
+# first thing, before its PDL wait (EngineConfig.attn_kv_preload), and after the wait only q and the new token's
+# own K/V row, written by the kernel ahead (kernels/qkv_rope.py or rope_write.py), which replaces slot p in the
+# preloaded tiles. Why: the older rows were written by earlier steps, so their DRAM round trips need not sit between
+# the wait and the softmax; session 27's L2 hint for the same rows (PDL_KV_L2) left an L2 round trip there and was
+# no faster. Why the early read is safe: it needs every kernel before the one ahead to have completed, which the late
+# trigger guarantees (kernels/pdl.py: the GEMV ahead triggers after its own wait, so everything before it is done;
+# RoPE + K/V write, which triggers first thing, only follows the qkv GEMV); with the "start" trigger a deep chain of
+# early launches could still be running, so the host turns the preload off there. Rows at or above p are masked to
+# 0 before the wait (the cache's stale rows there only ever meet a zero softmax weight), so the numbers equal the
+# loop's. Off by default until the H200 times it (session 34); the loop searches it (`attn_kv_preload`).
+KV_PRELOAD = False
+# Warps a program of the one-launch kernel runs (0: Triton's default, 4). Compiled for sm_90 it holds 255 registers
+# a thread with 4 warps and spills (32 B a thread; 1.4 KB with KV_PRELOAD's two blocks, 0.3 KB with one); with 8:
+# no spill (209 registers with one preloaded block, 200 B spilled with two). EngineConfig.attn_warps.
+ONE_LAUNCH_WARPS = 0
 # The last-arriving program of the one-launch kernel reads the slices' accumulators MERGE_CHUNK at a time (one L2
 # round trip a chunk: `_merge_chunks`) instead of one slice at a time (one round trip a slice: at 512 tokens and
 # 64 keys a program, 8 dependent L2 reads before the output is stored). EngineConfig.attn_merge_chunk; 0: the loop.
@@ -133,24 +149,71 @@ if triton is not None:
                          mask=in_pool[:, None], other=0.0)
             if NEW_KV:
                 kb = tl.where((s == new_slot)[:, None], k_new, kb)
-            if UPCAST:
-                kb = kb.to(tl.float32)
-            scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
-            seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
-            scores = tl.where(seen, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp(scores - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
+            p, alpha, m_new = _block_scores(q, pos, kb, s, in_pool, m_i, scale, PREC, UPCAST)
             vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
                          mask=in_pool[:, None], other=0.0)
             if NEW_KV:
                 vb = tl.where((s == new_slot)[:, None], v_new, vb)
-            if UPCAST:
-                vb = vb.to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+            l_i, acc = _block_values(p, alpha, vb, l_i, acc, PREC, UPCAST)
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _block_scores(q, pos, kb, s, in_pool, m_i, scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """The first half of one block of keys s [BLOCK_S] (rows kb [BLOCK_S, D]) in the online softmax: -> the
+        block's weights p [BLOCK_R, BLOCK_S], the running sums' rescale alpha and the new running maximum. The loop
+        body of `_slice_partial` (with `_block_values`), shared with `_slice_partial_preloaded`: one order of sums."""
+        if UPCAST:
+            kb = kb.to(tl.float32)
+        scores = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [BLOCK_R, BLOCK_S], fp32
+        seen = (s[None, :] <= pos[:, None]) & in_pool[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        return tl.exp(scores - m_use[:, None]), tl.exp(m_i - m_use), m_new
+
+    @triton.jit
+    def _block_values(p, alpha, vb, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """The second half (see `_block_scores`): the block's values vb [BLOCK_S, D] into the running sums."""
+        if UPCAST:
+            vb = vb.to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+        return l_i, acc
+
+    @triton.jit
+    def _older_rows(ptr, b, hk, s, p, S, s_b, s_h, s_s, D: tl.constexpr):
+        """Rows s [BLOCK_S] of (b, hk)'s K or V below slot p (key slots written by earlier steps: KV_PRELOAD), the
+        others (slot p, being written now, and above it) 0."""
+        d = tl.arange(0, D)
+        return tl.load(ptr + b * s_b + hk * s_h + s[:, None] * s_s + d[None, :], mask=((s < p) & (s < S))[:, None],
+                       other=0.0)
+
+    @triton.jit
+    def _slice_partial_preloaded(q, pos, ka, va, kb2, vb2, k_ptr, v_ptr, b, hk, start, p, sk_b, sk_h, sk_s, sv_b,
+                                 sv_h, sv_s, S, scale, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                                 PRE_NB: tl.constexpr):
+        """`_slice_partial` (one token at position p, SPLIT_S = PRE_NB * BLOCK_S keys) over K/V blocks loaded before
+        the wait (ka / va, and kb2 / vb2 when PRE_NB == 2: `_older_rows`), with slot p's row read now, behind the
+        wait, where the slice holds it. Same sums in the same order as the loop."""
+        d = tl.arange(0, D)
+        pd = p + d * 0  # [D]: the slot of each lane (a vector mask: the interpreter takes no scalar one)
+        mine = (pd >= start) & (pd < start + PRE_NB * BLOCK_S) & (pd < S)  # this slice holds slot p
+        k_new = tl.load(k_ptr + b * sk_b + hk * sk_h + pd * sk_s + d, mask=mine, other=0.0)[None, :]
+        v_new = tl.load(v_ptr + b * sv_b + hk * sv_h + pd * sv_s + d, mask=mine, other=0.0)[None, :]
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        s = start + tl.arange(0, BLOCK_S)
+        w, alpha, m_i = _block_scores(q, pos, tl.where((s == p)[:, None], k_new, ka), s, s < S, m_i, scale, PREC,
+                                      UPCAST)
+        l_i, acc = _block_values(w, alpha, tl.where((s == p)[:, None], v_new, va), l_i, acc, PREC, UPCAST)
+        if PRE_NB == 2:
+            s = s + BLOCK_S
+            w, alpha, m_i = _block_scores(q, pos, tl.where((s == p)[:, None], k_new, kb2), s, s < S, m_i, scale,
+                                          PREC, UPCAST)
+            l_i, acc = _block_values(w, alpha, tl.where((s == p)[:, None], v_new, vb2), l_i, acc, PREC, UPCAST)
         return m_i, l_i, acc
 
     @triton.jit
@@ -295,7 +358,8 @@ if triton is not None:
                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
                             KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
-                            EARLY_POS: tl.constexpr = False):
+                            EARLY_POS: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                            PRE_NB: tl.constexpr = 1):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -307,6 +371,8 @@ if triton is not None:
         # EARLY_POS (PDL_EARLY_POS): the positions are read before the wait and decide which slices work, so a
         # working program issues its K/V loads right behind the wait, together with q's, instead of one round trip
         # later (see PDL_EARLY_POS for why that read may precede the wait). MERGE_CH / MERGE_R: `_merge_store`.
+        # PRELOAD (KV_PRELOAD; T == 1, SPLIT_S = PRE_NB * BLOCK_S): the slice's older K/V rows into registers before
+        # the wait (with or without PDL: the same numbers), slot p's row after it (`_slice_partial_preloaded`).
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
         pid_s = tl.program_id(1)
         b = pid_bh // NUM_RB // H_KV
@@ -320,6 +386,17 @@ if triton is not None:
             if EARLY_POS:
                 r = row0 + tl.arange(0, BLOCK_R)
                 early_max = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < G * T, other=-1), axis=0)
+        if PRELOAD:  # older rows only: see KV_PRELOAD for why they may be read before the wait
+            p_pre = tl.load(pos_ptr + b * sp_b)  # T == 1: b's one position (a static graph input, PDL_EARLY_POS)
+            s_pre = pid_s * SPLIT_S + tl.arange(0, BLOCK_S)
+            ka = _older_rows(k_ptr, b, hk, s_pre, p_pre, S, sk_b, sk_h, sk_s, D)
+            va = _older_rows(v_ptr, b, hk, s_pre, p_pre, S, sv_b, sv_h, sv_s, D)
+            kb2 = ka
+            vb2 = va
+            if PRE_NB == 2:
+                kb2 = _older_rows(k_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sk_b, sk_h, sk_s, D)
+                vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sv_b, sv_h, sv_s, D)
+        if USE_PDL:
             gdc_wait()
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         if USE_PDL and EARLY_POS:
@@ -330,8 +407,14 @@ if triton is not None:
         # early exits pay an atomic each and let a program without a partial do the merge.)
         n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)
         if pid_s < n_used:
-            m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s, sv_b,
-                                           sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST)
+            if PRELOAD:
+                m_i, l_i, acc = _slice_partial_preloaded(q, pos, ka, va, kb2, vb2, k_ptr, v_ptr, b, hk,
+                                                         pid_s * SPLIT_S, max_pos, sk_b, sk_h, sk_s, sv_b, sv_h,
+                                                         sv_s, S, scale, D, BLOCK_R, BLOCK_S, PREC, UPCAST, PRE_NB)
+            else:
+                m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
+                                               sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
+                                               UPCAST)
             _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
             # Publish: every thread's partial stores happen before the barrier; the one thread that performs the
             # scalar atomic then releases them at gpu scope (acq_rel: release for ours, acquire for the others'
@@ -433,11 +516,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         pdl = launch_options()
         kv_l2 = pdl.use_pdl and PDL_KV_L2 and _bulk_rows(k) and _bulk_rows(v)
         chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
+        pre_nb = split_s // block_s
+        preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
-            MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, **pdl.kwargs)
+            MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
+            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **({"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS
+                                                               else {}))
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,

@@ -259,6 +259,15 @@ register(Mechanism(
     "under PDL, the one-token attention reads the positions (a graph input no kernel writes) before its wait, so "
     "its K/V loads follow the wait at once"))
 register(Mechanism(
+    "attn_warps", ("verify", "draft"), {"attn_warps": [8, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's programs run 8 warps instead of 4, so its 255 registers a thread do not spill"))
+register(Mechanism(
+    "attn_kv_preload", ("verify", "draft"), {"attn_kv_preload": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode,
+    "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
+    "before its wait, so only q and the new token's row are read behind it"))
+register(Mechanism(
     "verify_l2", ("verify",), {"verify_l2_mb": [8, 16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's attention warms o_proj's weight in L2 while it runs (latency-bound: HBM idles), so the "
