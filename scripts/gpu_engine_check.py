@@ -93,6 +93,16 @@ def main(only: tuple[str, ...] = ()) -> int:
         for name, c, model in cases:
             record(name, [Engine(model, c, build_drafter(c, None, model)).generate(p) for p in prompts])
 
+    def fused_under_pdl_late(section):
+        """A fused-decode copy of the check's target with PDL switched on (late trigger) for a section that times
+        a PDL-only mechanism, or None (a problem recorded) where PDL cannot run here."""
+        from specpilot.kernels import pdl
+
+        if not pdl.set_enabled(True, trigger="late"):
+            problems.append(f"{section}: PDL not available here: {pdl.unsupported_reason()}")
+            return None
+        return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+
     def equals_off(name, on, off):
         """A switch's outputs against the same engine's with it off: recorded, and a problem when they differ."""
         same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
@@ -542,9 +552,8 @@ def main(only: tuple[str, ...] = ()) -> int:
         # slice boundaries: 300 new tokens), n-gram speculation, against the same engine under PDL late without it
         from specpilot.kernels import decode_attention, pdl
 
-        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
-        if not pdl.set_enabled(True, trigger="late"):
-            problems.append(f"pdl_kv_l2: PDL not available here: {pdl.unsupported_reason()}")
+        fast = fused_under_pdl_late("pdl_kv_l2")
+        if fast is None:
             return
         try:
             off = [Engine(fast, base).generate(p) for p in prompts]
@@ -568,9 +577,8 @@ def main(only: tuple[str, ...] = ()) -> int:
         # late without it
         from specpilot.kernels import gemv_fused, pdl
 
-        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
-        if not pdl.set_enabled(True, trigger="late"):
-            problems.append(f"pdl_l2_next: PDL not available here: {pdl.unsupported_reason()}")
+        fast = fused_under_pdl_late("pdl_l2_next")
+        if fast is None:
             return
         try:
             off = [Engine(fast, base).generate(p) for p in prompts]
@@ -595,9 +603,8 @@ def main(only: tuple[str, ...] = ()) -> int:
         # n-gram speculation against the same engine with the serial merge
         from specpilot.kernels import decode_attention, pdl
 
-        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
-        if not pdl.set_enabled(True, trigger="late"):
-            problems.append(f"attn_merge: PDL not available here: {pdl.unsupported_reason()}")
+        fast = fused_under_pdl_late("attn_merge")
+        if fast is None:
             return
         decode_attention.ONE_LAUNCH_SPLIT = (64, 64)
         try:
@@ -627,9 +634,8 @@ def main(only: tuple[str, ...] = ()) -> int:
         # speculation against the same engine without it
         from specpilot.kernels import decode_attention, pdl
 
-        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
-        if not pdl.set_enabled(True, trigger="late"):
-            problems.append(f"attn_kv_preload: PDL not available here: {pdl.unsupported_reason()}")
+        fast = fused_under_pdl_late("attn_kv_preload")
+        if fast is None:
             return
         try:
             long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
