@@ -694,4 +694,9 @@ def parse_args(argv: list[str]) -> tuple[str, ...]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args(sys.argv[1:])))
+    sections = parse_args(sys.argv[1:])
+    if not torch.cuda.is_available():  # a GPU script: one clear line, not a traceback from the first CUDA tensor
+        print("gpu_engine_check: needs a CUDA GPU (run it on the device machine: scripts/GPU_SESSION.md)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sections))

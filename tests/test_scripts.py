@@ -406,3 +406,21 @@ def test_sync_probe_says_what_it_needs_and_rejects_bad_arguments():
     assert r.returncode == 2 and "needs CUDA sm_90+" in r.stdout and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, probe, "--spin-limit=1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--spin-limit must be >= 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_check_says_it_needs_a_gpu():
+    """gpu_engine_check.py on a machine without CUDA: one clear line and exit 2 (its arguments checked first)."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    script = str(SCRIPTS / "gpu_engine_check.py")
+    r = subprocess.run([sys.executable, script, "--only=attn_kv_preload"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    if "needs a CUDA GPU" not in r.stderr:
+        import torch
+
+        assert torch.cuda.is_available(), r.stderr  # only a GPU machine may run it for real
+        pytest.skip("a CUDA GPU is here")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, script, "--only=no_such_section"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 2 and "no_such_section" in r.stderr and "Traceback" not in r.stderr
