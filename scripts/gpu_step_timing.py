@@ -79,6 +79,22 @@ VARIANT_NAMES = tuple(t[1:] or "sdpa" for t in _KERNEL_TAG.values())  # what --v
 POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kernel skips what is above the context)
 
 
+def config_summary(res: dict, names: list[str], tokens) -> list[str]:
+    """One line a --config and token count, in order: the median over rounds, x its floor, and the change against
+    the first config named (the A/B a call is made for, readable without the per-round lines)."""
+    lines = []
+    for T in tokens:
+        base = res.get(f"graphed_cfg_{names[0]}_T{T}") if names else None
+        for cname in names:
+            r = res.get(f"graphed_cfg_{cname}_T{T}")
+            if r is None:  # (a run cut by its time limit)
+                continue
+            vs = f"{r['ms'] / base['ms'] - 1:+.1%} vs {names[0]}" if base and cname != names[0] else ""
+            lines.append(f"summary T{T} {cname:12s} {r['ms']:.4f} ms ({r['over_floor']:.3f}x floor, "
+                         f"{len(r['rounds_ms'])} rounds) {vs}".rstrip())
+    return lines
+
+
 def main(shapes, flags=()) -> int:
     # --tokens=1,4,8,16,32,64: the step sizes timed (default 1,4,8,16; 32 and 64 price a tree verify pass: a DFlash
     # block with top-2 at its first one or two positions is 31 / 59 tokens, scripts/tree_tau.py)
@@ -194,6 +210,8 @@ def main(shapes, flags=()) -> int:
                 del runner, m
                 reset_switches()
                 torch.cuda.empty_cache()
+        for line in config_summary(res, [c for c, _ in cfgs], tokens):
+            print(name, line, flush=True)
         implied = pdl_gap_factor_implied(cfg, hw, res)
         if implied is not None:
             res["pdl_gap_factor_implied"] = implied

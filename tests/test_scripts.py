@@ -424,3 +424,19 @@ def test_engine_check_says_it_needs_a_gpu():
     r = subprocess.run([sys.executable, script, "--only=no_such_section"], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 2 and "no_such_section" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_step_timing_summarises_each_config_against_the_first():
+    """gpu_step_timing.py's closing lines a shape: each --config's median, x floor and change against the first,
+    skipping what a cut run never timed."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_step_timing as st
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    res = {"graphed_cfg_new_T1": {"ms": 1.3, "over_floor": 1.761, "rounds_ms": [1.3, 1.31]},
+           "graphed_cfg_w8_T1": {"ms": 1.287, "over_floor": 1.743, "rounds_ms": [1.28, 1.29]}}
+    lines = st.config_summary(res, ["new", "w8", "cut"], [1])
+    assert len(lines) == 2 and "vs" not in lines[0] and "1.3000 ms (1.761x floor, 2 rounds)" in lines[0]
+    assert lines[1].endswith("-1.0% vs new") and "w8" in lines[1]
+    assert st.config_summary(res, [], [1]) == []
