@@ -387,7 +387,10 @@ if triton is not None:
                 r = row0 + tl.arange(0, BLOCK_R)
                 early_max = tl.max(tl.load(pos_ptr + b * sp_b + r % T, mask=r < G * T, other=-1), axis=0)
         if PRELOAD:  # older rows only: see KV_PRELOAD for why they may be read before the wait
-            p_pre = tl.load(pos_ptr + b * sp_b)  # T == 1: b's one position (a static graph input, PDL_EARLY_POS)
+            if USE_PDL and EARLY_POS:
+                p_pre = early_max  # T == 1: b's one position, read above
+            else:
+                p_pre = tl.load(pos_ptr + b * sp_b)  # (a static graph input, see PDL_EARLY_POS)
             s_pre = pid_s * SPLIT_S + tl.arange(0, BLOCK_S)
             ka = _older_rows(k_ptr, b, hk, s_pre, p_pre, S, sk_b, sk_h, sk_s, D)
             va = _older_rows(v_ptr, b, hk, s_pre, p_pre, S, sv_b, sv_h, sv_s, D)
@@ -518,13 +521,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
         pre_nb = split_s // block_s
         preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
+        warps = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
-            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **({"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS
-                                                               else {}))
+            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **warps)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
