@@ -7,7 +7,8 @@ batched regeneration (eager and graphed) equals batch-1 AR; then one section per
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
-its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue,
+its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue, gemv_pipeline: their K loop one
+block ahead,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -34,8 +35,8 @@ from specpilot.models import random_model
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
-            "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "rope_split", "attn_split",
-            "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
+            "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "rope_split",
+            "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
 
@@ -506,6 +507,25 @@ def main(only: tuple[str, ...] = ()) -> int:
         record("ar_gemv_prefetch", on)
         equals_off("ar_gemv_prefetch_equals_off", on, off)
 
+    def gemv_pipeline():
+        # the one-row GEMVs' K loop one block ahead (EngineConfig.gemv_pipeline, the process-wide
+        # kernels/gemv_fused.py ONE_ROW_PIPE that load_target sets; autotuned per shape for each way): graphed AR
+        # and n-gram speculation against the same engine without it
+        from specpilot.kernels import gemv_fused
+
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        off_cfg = base.with_(fused_verify=True)
+        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
+        gemv_fused.ONE_ROW_PIPE = True
+        try:
+            on = [Engine(fast, off_cfg.with_(gemv_pipeline=True)).generate(p) for p in prompts]
+            ngram = off_cfg.with_(gemv_pipeline=True, drafter_kind="ngram")
+            same_tokens((("spec_ngram_gemv_pipeline", ngram, fast),))
+        finally:
+            gemv_fused.ONE_ROW_PIPE = False
+        record("ar_gemv_pipeline", on)
+        equals_off("ar_gemv_pipeline_equals_off", on, off)
+
     def rope_split():
         # q's heads over several RoPE + K/V-write programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM, 4 a program):
         # graphed AR and n-gram speculation against the same engine with one program for all q heads
@@ -662,7 +682,7 @@ def main(only: tuple[str, ...] = ()) -> int:
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
-              "gemv_prefetch": gemv_prefetch, "rope_split": rope_split, "attn_split": attn_split,
+              "gemv_prefetch": gemv_prefetch, "gemv_pipeline": gemv_pipeline, "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,

@@ -153,15 +153,20 @@ class EngineConfig:
     attn_warps: int = 0  # CUDA: warps a program of the one-token attention runs (kernels/decode_attention.py
     # ONE_LAUNCH_WARPS; 0: Triton's default, 4). Why: compiled for sm_90 the kernel holds 255 registers a thread and
     # spills with 4 warps (more with attn_kv_preload's tiles: 1.4 KB a thread); 8 spread them. Same math, another
-    # order of the softmax's in-warp sums. 0 until the H200 times it (session 34); the loop searches 8
+    # order of the softmax's in-warp sums. 0: 8 was no faster on the H200 (session 35: 1.5B +0.3%, 8B -0.7%, both
+    # within the drift); the loop searches 8
     attn_kv_preload: bool = False  # with pdl (late trigger): the one-token attention loads its slice's older K/V
     # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
     # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
-    # Off until the H200 times it (session 34); the loop searches it
+    # Off: not faster on the H200 (session 35: 1.5B +1.3 / +2.4% with 8 warps, 8B -0.7%); the loop searches it
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
     # (session 26, scripts/gpu_step_timing.py --variants=fuseddecode,fusedprefetch: 1.5B step +8.5%, Qwen3-8B equal)
+    gemv_pipeline: bool = False  # CUDA, with fused_decode: the one-row GEMVs' K loop runs one block ahead (block k's
+    # weights asked for before block k - 1's are summed: two tiles in flight a program, not one; kernels/gemv_fused.py
+    # ONE_ROW_PIPE says why). A process-wide switch, as pdl. Same numbers. Off: neutral on the H200 (session 35,
+    # graphed one-token step: 1.5B -0.8%, Qwen3-8B +0.4%, two interleaved pairs each, within the drift)
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -291,6 +296,8 @@ class EngineConfig:
             raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
+        if not isinstance(self.gemv_pipeline, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"gemv_pipeline must be true or false, got {self.gemv_pipeline!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not self.adaptive_min_gain > 0:

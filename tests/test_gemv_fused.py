@@ -389,6 +389,54 @@ def test_prefetched_first_weight_tile_gives_the_same_bits(monkeypatch, combo, pa
     assert (pre.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
 
 
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("paired, prefetch", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("K", [40, 64, 100, 300])  # one partial block, one whole, a partial second, several
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipelined_k_loop_gives_the_same_bits(monkeypatch, combo, paired, prefetch, K, dtype):
+    """PIPE (EngineConfig.gemv_pipeline): the K loop one block ahead, after a prefetched first tile too, adds the
+    same sums in the same order as the plain loop: the same bits, and the reference's numbers."""
+    import specpilot.kernels.gemv_fused as gf
+
+    if paired and "silu_mul" not in combo:
+        pytest.skip("PAIRED is a SiLU x up layout")
+    x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=13)
+    monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
+    monkeypatch.setattr(gf, "INTERPRET_PREFETCH", prefetch)
+    plain = gemv_fused(x, w, **kw)
+    monkeypatch.setattr(gf, "ONE_ROW_PIPE", True)
+    piped = gemv_fused(x, w, **kw)
+    assert torch.equal(piped, plain)
+    assert (piped.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_pipelined_k_loop_sums_every_block_once(monkeypatch, interpret):
+    """ONE_ROW_PIPE reaches both launches as PIPE (the GPU one faked: no kernel runs), and the pipelined loop
+    neither drops nor repeats a block: with an all-ones weight the output is the sum of x exactly (integers in
+    fp32), for K of one to five blocks (BLOCK_K 64 under the interpreter)."""
+    import specpilot.kernels.gemv_fused as gf
+
+    seen, real = [], gf._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["PIPE"])
+                return real[grid](*args, **kw) if interpret else None
+            return launch
+
+    monkeypatch.setattr(gf, "_kernel", Spy())
+    monkeypatch.setattr(gf, "_INTERPRET", interpret)
+    monkeypatch.setattr(gf, "ONE_ROW_PIPE", True)
+    for K in (1, 63, 64, 65, 128, 129, 320):
+        x = torch.arange(1, K + 1, dtype=torch.float32)[None]
+        y = gemv_fused(x, torch.ones(5, K))
+        if interpret:
+            assert torch.equal(y, torch.full((1, 5), K * (K + 1) / 2)), K
+    assert seen == [True] * 7
+
+
 def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_bits(monkeypatch):
     """ONE_ROW_PREFETCH (the first weight tile ahead of the norm prologue without PDL, timed on the H200 as
     gpu_step_timing.py fusedprefetch): the one-row launch gets PREFETCH=True and gives the bits of the plain one;
@@ -430,6 +478,22 @@ def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
     from specpilot.loop.registry import REGISTRY, Deployment, applicable
 
     monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", False)
+    monkeypatch.setattr(gf, "ONE_ROW_PIPE", False)
+    assert EngineConfig().gemv_pipeline is False  # off until measured on the H200
+    with pytest.raises(ConfigError, match="gemv_pipeline must be true or false"):
+        EngineConfig(gemv_pipeline="true")
+    _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_pipeline=True))
+    assert (gf.ONE_ROW_PIPE, gf.ONE_ROW_PREFETCH) == (True, False)
+    with pytest.warns(RuntimeWarning, match="gemv_pipeline needs fused_decode"):
+        _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_pipeline=True, fused_decode=False))
+    assert gf.ONE_ROW_PIPE is False
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--gemv-pipeline"])).gemv_pipeline
+    assert "gemv_pipeline" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert REGISTRY["gemv_pipeline"].candidates(gpu.config, gpu) == [{"gemv_pipeline": True}]
+    assert "gemv_pipeline" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
     assert EngineConfig().gemv_prefetch is False  # off until measured on the H200
     with pytest.raises(ConfigError, match="gemv_prefetch must be true or false"):
         EngineConfig(gemv_prefetch="false")

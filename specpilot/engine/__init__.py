@@ -168,13 +168,16 @@ def _apply_pdl(config: EngineConfig) -> None:
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
-    """EngineConfig.gemv_prefetch -> the one-row GEMV's process-wide switch (kernels/gemv_fused.py
-    ONE_ROW_PREFETCH), set whenever a model is laid out, as _apply_pdl."""
+    """EngineConfig.gemv_prefetch and gemv_pipeline -> the one-row GEMV's process-wide switches (kernels/gemv_fused.py
+    ONE_ROW_PREFETCH, ONE_ROW_PIPE), set whenever a model is laid out, as _apply_pdl."""
     from specpilot.kernels import gemv_fused
 
-    want = _fused_switch_wanted(config, "gemv_prefetch", "the one-row GEMVs it changes are the fused one-token path's")
+    what = "the one-row GEMVs it changes are the fused one-token path's"
+    want = _fused_switch_wanted(config, "gemv_prefetch", what)
+    pipe = _fused_switch_wanted(config, "gemv_pipeline", what)
     if gemv_fused.triton is not None:
         gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
+        gemv_fused.ONE_ROW_PIPE = pipe and _kernel_on(config, "gemv_pipeline")
 
 
 def _apply_program_splits(config: EngineConfig) -> None:

@@ -74,11 +74,14 @@ PDL_EARLY_POS = False
 # RoPE + K/V write, which triggers first thing, only follows the qkv GEMV); with the "start" trigger a deep chain of
 # early launches could still be running, so the host turns the preload off there. Rows at or above p are masked to
 # 0 before the wait (the cache's stale rows there only ever meet a zero softmax weight), so the numbers equal the
-# loop's. Off by default until the H200 times it (session 34); the loop searches it (`attn_kv_preload`).
+# loop's. Off: not faster on the H200 (session 35, graphed one-token step: 1.5B with 8 warps +1.3 / +2.4% in a
+# steady 8-round call, Qwen3-8B -0.6 to -0.8%, within that call's drift of 0.8%); the loop searches it
+# (`attn_kv_preload`).
 KV_PRELOAD = False
 # Warps a program of the one-launch kernel runs (0: Triton's default, 4). Compiled for sm_90 it holds 255 registers
 # a thread with 4 warps and spills (32 B a thread; 1.4 KB with KV_PRELOAD's two blocks, 0.3 KB with one); with 8:
-# no spill (209 registers with one preloaded block, 200 B spilled with two). EngineConfig.attn_warps.
+# no spill (209 registers with one preloaded block, 200 B spilled with two). EngineConfig.attn_warps. 8 is no faster
+# on the H200 (session 35: 1.5B +0.3%, Qwen3-8B -0.7%, within the drift): the spill was not what the time is.
 ONE_LAUNCH_WARPS = 0
 # The last-arriving program of the one-launch kernel reads the slices' accumulators MERGE_CHUNK at a time (one L2
 # round trip a chunk: `_merge_chunks`) instead of one slice at a time (one round trip a slice: at 512 tokens and

@@ -100,6 +100,17 @@ ONE_ROW_PREFETCH = False
 # the late trigger (kernels/pdl.py) there is no first-tile prefetch at all: session 26 timed it there at 1.3776 vs
 # 1.3769 ms (1.5B) and 4.592 vs 4.527 ms (Qwen3-8B) with / without.
 PDL_PREFETCH = True
+# The one-row kernel's K loop runs one block ahead (PIPE, EngineConfig.gemv_pipeline): block k's weight tiles are
+# asked for before block k - 1's are multiplied, so every program keeps two tiles in flight instead of one. Why:
+# compiled for sm_90 (session 35) the loop issued a block's loads, then waited on them before its FMAs, and Triton
+# does not pipeline loads that feed no tl.dot (the num_stages 3 configs allocate no shared-memory stages), so a
+# program's speed was one DRAM round trip a block; the GEMVs that tune to few programs an SM or few bytes a block
+# (1.5B down: 4 KB a block, ~5.8 programs an SM; 8B down / o_proj: 2 KB) are latency-bound there. Costs registers
+# (the 1.5B gate/up tile 79 -> 96 a thread: 3 -> 2 programs an SM); small tiles keep theirs. The same sums in the
+# same order (the same bits). A process-wide switch; the autotuner keys on it, so tiles are chosen for each way.
+# Off: neutral on the H200 (session 35, graphed one-token step, two interleaved pairs: 1.5B -0.8%, Qwen3-8B +0.4%,
+# both inside the calls' drift; the autotuner took other tiles with it, e.g. 1.5B gate/up 4 x 256 instead of 32 x 128)
+ONE_ROW_PIPE = False
 # Under PDL, a one-row GEMV whose whole weight is at most this many bytes first asks L2 for all of it, one bulk
 # prefetch (cp.async.bulk.prefetch.L2, sm_90) per L2_CHUNK bytes of its own rows, before its wait: where the kernel
 # ahead is latency-bound (o_proj behind RoPE + attention, ~13 us at Qwen3-8B in which HBM idles) the weight then
@@ -294,6 +305,21 @@ if triton is not None:
                        SILU_MUL, ON_GPU)
 
     @triton.jit
+    def _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0, K, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr,
+                   UP: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The one-row K loop's body for block k0 with its weight tiles already loaded: x's block (normed with
+        HAS_NORM) times w into acc, and times wu into acc_up with UP (two-tile SiLU x up) -> (acc, acc_up)."""
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k_offs < K
+        h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+        if HAS_NORM:
+            h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+        acc += w.to(tl.float32) * h[None, :]
+        if UP:
+            acc_up += wu.to(tl.float32) * h[None, :]
+        return acc, acc_up
+
+    @triton.jit
     def _gemv_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_wn, eps, on_ptr, onw_ptr,
                            ocnt_ptr, out_eps, nx_ptr, nx_off, nx_bytes, HAS_BIAS: tl.constexpr,
                            HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -302,7 +328,7 @@ if triton is not None:
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
                            PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
-                           L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False):
+                           L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False, PIPE: tl.constexpr = False):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -326,6 +352,9 @@ if triton is not None:
         weights in registers when the wait returns (the DRAM latency of the first load overlaps the predecessor's
         tail instead of following it). The K loop then starts at the second block; the sums are added in the same
         order, so the numbers are the same bits.
+
+        PIPE (ONE_ROW_PIPE): the K loop one block ahead, each block's weight tiles loaded before the previous
+        block's are summed (two tiles in flight); the same sums in the same order, so the same bits.
 
         NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
         on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
@@ -358,9 +387,11 @@ if triton is not None:
             _l2_prefetch_next(nx_ptr, nx_off, nx_bytes, _NX_PROGRAMS_C)
         if USE_PDL:
             gdc_wait()
+        rstd = 1.0
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_N if PAIRED else BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = acc
         if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PREFETCH:  # the first K block with the prefetched tiles (the loop's body, same order of sums)
@@ -370,18 +401,42 @@ if triton is not None:
             acc += w0.to(tl.float32) * h[None, :]
             if SILU_MUL and not PAIRED:
                 acc_up += wu0.to(tl.float32) * h[None, :]
-        for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
-            k_offs = k0 + tl.arange(0, BLOCK_K)
-            k_mask = k_offs < K
-            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            if HAS_NORM:
-                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-            w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
-            w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
-            acc += w.to(tl.float32) * h[None, :]
-            if SILU_MUL and not PAIRED:
-                wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
-                acc_up += wu.to(tl.float32) * h[None, :]
+        if PIPE:  # the K loop one block ahead: block k0's weights are asked for before block k0 - BK is summed
+            k_lo = PREFETCH * BLOCK_K
+            if k_lo < K:
+                k_offs = k_lo + tl.arange(0, BLOCK_K)
+                w_mask = (p_mask if PAIRED else n_mask)[:, None] & (k_offs < K)[None, :]
+                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
+                wu = w
+                if SILU_MUL and not PAIRED:
+                    wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                for k0 in range(k_lo + BLOCK_K, K, BLOCK_K):
+                    k_offs = k0 + tl.arange(0, BLOCK_K)
+                    w_mask = (p_mask if PAIRED else n_mask)[:, None] & (k_offs < K)[None, :]
+                    w_nx = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
+                    wu_nx = w_nx
+                    if SILU_MUL and not PAIRED:
+                        wu_nx = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                    acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0 - BLOCK_K, K, rstd, dt,
+                                             HAS_NORM, SILU_MUL and not PAIRED, ON_GPU, BLOCK_K)
+                    w = w_nx
+                    wu = wu_nx
+                acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, (K - 1) // BLOCK_K * BLOCK_K, K, rstd,
+                                         dt, HAS_NORM, SILU_MUL and not PAIRED, ON_GPU, BLOCK_K)
+        else:
+            for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+                k_offs = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k_offs < K
+                h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+                if HAS_NORM:
+                    h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt,
+                                ON_GPU)
+                w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
+                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
+                acc += w.to(tl.float32) * h[None, :]
+                if SILU_MUL and not PAIRED:
+                    wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                    acc_up += wu.to(tl.float32) * h[None, :]
         if USE_PDL and PDL_LATE:  # every weight is in: the next kernel's programs may take the slots we free
             gdc_launch_dependents()
         if PAIRED:  # [2 BN] -> the gate and up sums [BN] each
@@ -567,7 +622,7 @@ if triton is not None:
         _gemm_kernel = _gemm_fused_kernel
     else:
         _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
-                                                         "NORM_OUT", "PREFETCH"],
+                                                         "NORM_OUT", "PREFETCH", "PIPE"],
                                   prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
         _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
                                                                    "SILU_MUL", "M_BUCKET", "NORM_OUT"],
@@ -620,13 +675,13 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args, *nx_args)
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
-                                               PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH)
+                                               PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH, PIPE=ONE_ROW_PIPE)
         else:
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
                                                                          **l2_warming(weight, pdl.use_pdl),
-                                                                         NX_PF=nx_on)
+                                                                         NX_PF=nx_on, PIPE=ONE_ROW_PIPE)
     return y if normed is None else (y, normed)
 
 

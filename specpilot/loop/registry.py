@@ -283,6 +283,11 @@ register(Mechanism(
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
     "input row, so the first DRAM round trip of every program overlaps it instead of following it"))
 register(Mechanism(
+    "gemv_pipeline", ("draft", "verify"), {"gemv_pipeline": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    "the fused one-token path's GEMVs run their K loop one block ahead: each block's weights are asked for before "
+    "the previous block's are summed, two tiles in flight a program instead of one DRAM round trip a block"))
+register(Mechanism(
     "norm_epilogue", ("draft", "verify"), {"norm_epilogue": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused layer's residual GEMVs (o_proj, down_proj) also write the RMSNorm the next GEMV reads (the last "
