@@ -167,6 +167,11 @@ class EngineConfig:
     # weights asked for before block k - 1's are summed: two tiles in flight a program, not one; kernels/gemv_fused.py
     # ONE_ROW_PIPE says why). A process-wide switch, as pdl. Same numbers. Off: neutral on the H200 (session 35,
     # graphed one-token step: 1.5B -0.8%, Qwen3-8B +0.4%, two interleaved pairs each, within the drift)
+    tuned_tiles: bool = False  # CUDA: the fused GEMVs and qkv + RoPE take their tiles from the table shipped for
+    # this GPU model (kernels/tuned/<gpu>.json, made by scripts/tuned_table.py from several tuning runs) instead of
+    # timing every config at each new shape (100-140 s a layer shape on the H200; and one run on a drifting machine
+    # can pick a slow tile: kernels/tuned.py). Shapes the table lacks are tuned as before. Off until the H200 times
+    # it against per-machine tuning (session 35); the loop searches it
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -296,6 +301,8 @@ class EngineConfig:
             raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
+        if not isinstance(self.tuned_tiles, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"tuned_tiles must be true or false, got {self.tuned_tiles!r}")
         if not isinstance(self.gemv_pipeline, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_pipeline must be true or false, got {self.gemv_pipeline!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on

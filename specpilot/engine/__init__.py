@@ -182,8 +182,8 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK and verify_l2_mb -> its
-    VERIFY_WARM_MAX_BYTES, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, verify_l2_mb -> its
+    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin
     (one program for all q heads; 128 keys a program; the merge a slice at a time; no warming)."""
     from specpilot.kernels import decode_attention, rope_write
 
@@ -194,9 +194,10 @@ def _apply_program_splits(config: EngineConfig) -> None:
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
-    from specpilot.kernels import gemv_fused
+    from specpilot.kernels import gemv_fused, tuned
 
     gemv_fused.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
+    tuned.set_pinned(config.tuned_tiles and cuda)  # the shipped table's tiles (kernels/tuned.py)
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

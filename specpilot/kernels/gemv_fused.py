@@ -61,6 +61,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specpilot.kernels import tuned  # pinned autotuning picks (EngineConfig.tuned_tiles)
 from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.scratch import DeviceBuffers
@@ -596,9 +597,13 @@ if triton is not None:
     _CONFIGS += [triton.Config({**c.kwargs, "PAIRED": True}, num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in _CONFIGS if c.kwargs["BLOCK_N"] <= 16]
 
-    def _prune(configs, named_args, **kwargs):
+    _KEY = ["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL", "NORM_OUT", "PREFETCH", "PIPE"]
+    _GEMM_KEY = ["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL", "M_BUCKET", "NORM_OUT"]
+
+    def _prune(configs, named_args, **kwargs):  # (+ a pinned pick where one ships: kernels/tuned.py)
         silu = kwargs.get("SILU_MUL", named_args.get("SILU_MUL"))
-        return [c for c in configs if silu or not c.kwargs.get("PAIRED", False)]
+        configs = [c for c in configs if silu or not c.kwargs.get("PAIRED", False)]
+        return tuned.narrow("_gemv_fused_kernel", configs, named_args, kwargs, _KEY)
 
     # M rows: tiles that keep enough programs streaming at 1.5B-8B widths (BLOCK_N 16-32 for N ~ 1.5k-4k) up to
     # wide ones for gate_up / the 8B shapes; keyed on M's power-of-two bucket too (more rows, more x-side work)
@@ -614,19 +619,18 @@ if triton is not None:
     def _gemm_prune(configs, named_args, **kwargs):
         flag = lambda name: kwargs.get(name, named_args.get(name))  # noqa: E731
         split_ok = _split_k_applies(named_args["N"], named_args["K"], flag("HAS_NORM"))
-        return [c for c in configs if c.kwargs["SPLIT_K"] == 1
-                or split_ok and named_args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
+        configs = [c for c in configs if c.kwargs["SPLIT_K"] == 1
+                   or split_ok and named_args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
+        return tuned.narrow("_gemm_fused_kernel", configs, named_args, kwargs, _GEMM_KEY)
 
     if _INTERPRET:  # CPU tests: one small fixed configuration (masks on N and K get exercised)
         _kernel = _gemv_fused_kernel
         _gemm_kernel = _gemm_fused_kernel
     else:
-        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
-                                                         "NORM_OUT", "PREFETCH", "PIPE"],
-                                  prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel)
-        _gemm_kernel = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES",
-                                                                   "SILU_MUL", "M_BUCKET", "NORM_OUT"],
-                                       prune_configs_by={"early_config_prune": _gemm_prune})(_gemm_fused_kernel)
+        _kernel = tuned.register(triton.autotune(configs=_CONFIGS, key=_KEY,
+                                                 prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel))
+        _gemm_kernel = tuned.register(triton.autotune(configs=_GEMM_CONFIGS, key=_GEMM_KEY, prune_configs_by={
+            "early_config_prune": _gemm_prune})(_gemm_fused_kernel))
 
 
 def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:

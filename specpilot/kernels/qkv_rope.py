@@ -41,6 +41,7 @@ import os
 
 import torch
 
+from specpilot.kernels import tuned  # pinned autotuning picks (EngineConfig.tuned_tiles)
 from specpilot.kernels.gemv_fused import gemv_fused_reference, l2_warming
 from specpilot.kernels.rope_write import rope_write_reference
 from specpilot.kernels.scratch import DeviceBuffers
@@ -167,13 +168,16 @@ if triton is not None:
                 triton.Config({"BLOCK_P": 16, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                 for bk in (256, 512) for w in (4, 8) for s in (1, 3)]
 
-    def _prune(configs, named_args, **kwargs):  # a program's pairs must stay within one head
-        half = kwargs.get("D", named_args.get("D")) // 2
-        return [c for c in configs if half % c.kwargs["BLOCK_P"] == 0] or configs[:1]
+    _KEY = ["K", "H", "HKV", "HAS_BIAS", "HAS_NORM", "D", "QK_NORM"]
 
-    _kernel = _qkv_rope_kernel if _INTERPRET else triton.autotune(
-        configs=_CONFIGS, key=["K", "H", "HKV", "HAS_BIAS", "HAS_NORM", "D", "QK_NORM"],
-        prune_configs_by={"early_config_prune": _prune})(_qkv_rope_kernel)
+    def _prune(configs, named_args, **kwargs):  # a program's pairs must stay within one head (+ a pinned pick
+        # where one ships: kernels/tuned.py)
+        half = kwargs.get("D", named_args.get("D")) // 2
+        configs = [c for c in configs if half % c.kwargs["BLOCK_P"] == 0] or configs[:1]
+        return tuned.narrow("_qkv_rope_kernel", configs, named_args, kwargs, _KEY)
+
+    _kernel = _qkv_rope_kernel if _INTERPRET else tuned.register(triton.autotune(
+        configs=_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(_qkv_rope_kernel))
 
 
 def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,

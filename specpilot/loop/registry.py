@@ -288,6 +288,11 @@ register(Mechanism(
     "the fused one-token path's GEMVs run their K loop one block ahead: each block's weights are asked for before "
     "the previous block's are summed, two tiles in flight a program instead of one DRAM round trip a block"))
 register(Mechanism(
+    "tuned_tiles", ("draft", "verify"), {"tuned_tiles": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_projections,
+    "the fused GEMVs and qkv + RoPE take their tiles from the table shipped for this GPU model (picks merged over "
+    "several tuning runs) instead of one timing run on this machine"))
+register(Mechanism(
     "norm_epilogue", ("draft", "verify"), {"norm_epilogue": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
     "the fused layer's residual GEMVs (o_proj, down_proj) also write the RMSNorm the next GEMV reads (the last "

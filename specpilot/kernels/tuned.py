@@ -1,0 +1,111 @@
+"""Autotuning picks pinned per GPU model: the fused kernels' tiles taken from a shipped table instead of timed.
+
+Why: Triton's autotuner times every config of a kernel at each new shape in a process (the one-row GEMV has 44-80
+configs a shape: 100-140 s for the 1.5B or Qwen3-8B layer on the H200, session 35), and it times them one launch at
+a time on whatever the machine is doing then. On two H200s the same kernel's best timing at one shape (1.5B
+down_proj) was 15.4 us on one and 32.9 us on the other, which then took another tile. A table of picks made from
+several tuning runs (scripts/tuned_table.py merges Triton's cached autotuning results: the config with the lowest
+mean timing relative to each run's best) gives every machine of that model the same tiles at once.
+
+How: each autotuned kernel's `early_config_prune` hook (kernels/gemv_fused.py, kernels/qkv_rope.py) passes its
+surviving configs through `narrow`; where the switch is on, the launch's GPU has a table (kernels/tuned/<name>.json,
+named by `table_name(torch.cuda.get_device_name())`) and the table names this launch's key and a config of the list,
+only that config survives, and Triton's autotuner takes a single config without timing it. Anything else (no table,
+a shape or flag set the table lacks, a pick no longer among the kernel's configs) leaves the list as it was, so the
+autotuner times it as before: a table can make a launch skip tuning, never fail. Picks change only which tiles run:
+the numbers are another fp32 summation order, as any autotuning choice.
+
+A table: {"gpu": device name, "entries": [{"kernel": kernel function name, "key": {key name: value, ...,
+"dtype": x's dtype}, "config": {"kwargs": {...}, "num_warps": w, "num_stages": s}}]}. The key names are the
+kernel's autotuning key (`triton.autotune(key=...)`), with x's dtype for the dtypes Triton adds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+PINNED = False  # the process-wide switch (EngineConfig.tuned_tiles; engine._apply_program_splits sets it)
+TABLES = Path(__file__).parent / "tuned"
+_AUTOTUNERS: list = []  # the pinned kernels' autotuners (`register`), whose per-process picks a switch flip drops
+
+
+def register(autotuner):
+    """Note a pinned kernel's Triton autotuner (its module does, where it builds one) -> the autotuner."""
+    _AUTOTUNERS.append(autotuner)
+    return autotuner
+
+
+def set_pinned(on: bool) -> None:
+    """Switch pinning on or off. A flip also drops every registered autotuner's picks of this process (its `cache`:
+    a launch key -> config, which does not hold the switch), so the next launch at each shape takes the table's
+    pick, or is tuned again (from Triton's on-disk results where it has them), instead of the other way's."""
+    global PINNED
+    if bool(on) != PINNED:
+        for autotuner in _AUTOTUNERS:
+            getattr(autotuner, "cache", {}).clear()
+    PINNED = bool(on)
+
+
+def table_name(gpu: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': a device name as a file name."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+@functools.lru_cache(maxsize=None)
+def load(gpu: str) -> dict:
+    """The pinned picks for GPU model `gpu`: {(kernel, key tuple): (kwargs, num_warps, num_stages)}; {} where no
+    table ships for it. A table for another name inside the file, or a malformed one, is an error (ValueError):
+    a shipped file must be right."""
+    path = TABLES / f"{table_name(gpu)}.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("gpu") != gpu or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path}: a table for {gpu!r} needs 'gpu': {gpu!r} and a list of 'entries'")
+    picks = {}
+    for e in data["entries"]:
+        cfg = e["config"]
+        picks[(e["kernel"], _key(e["key"]))] = (cfg["kwargs"], cfg["num_warps"], cfg["num_stages"])
+    return picks
+
+
+def _key(named: dict) -> tuple:
+    return tuple(sorted(named.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
+
+
+def launch_key(key_names, named_args: dict, kwargs: dict, x_name: str = "x_ptr") -> dict:
+    """The launch's autotuning key by name (as the table holds it): each key's value from the launch's arguments
+    or constexpr kwargs, and x's dtype."""
+    key = {n: kwargs.get(n, named_args.get(n)) for n in key_names}
+    key["dtype"] = str(named_args[x_name].dtype).removeprefix("torch.")
+    return key
+
+
+def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names, x_name: str = "x_ptr") -> list:
+    """`configs` narrowed to the pinned pick for this launch where the switch is on and a table has one (module
+    docstring); otherwise `configs` as they are."""
+    if not PINNED:
+        return configs
+    x = named_args.get(x_name)
+    if x is None or getattr(x, "device", None) is None or x.device.type != "cuda":
+        return configs
+    pick = load(_gpu_name(x.device.index or 0)).get((kernel, _key(launch_key(key_names, named_args, kwargs,
+                                                                             x_name))))
+    if pick is None:
+        return configs
+    kw, warps, stages = pick
+    same = [c for c in configs if c.kwargs == kw and c.num_warps == warps and c.num_stages == stages]
+    return same[:1] or configs
+
+
+__all__ = ["PINNED", "TABLES", "launch_key", "load", "narrow", "register", "set_pinned", "table_name"]
