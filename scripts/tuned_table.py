@@ -6,9 +6,12 @@
 
 Each `<hash>/<kernel>.autotune.json` Triton wrote (TRITON_CACHE_AUTOTUNING=1, scripts/gpu_env.sh) holds one
 tuning run: the launch's key (the autotuning key's values, then the dtypes of its tensor arguments, x's first) and
-every config's timing. Runs of the same kernel and key (other machines, other sessions) are merged: each config's
-timing is divided by the best of its run, and the pick is the config with the lowest mean of those ratios (ties:
-the lower mean timing), so one run on a drifting machine cannot decide alone. Only the fused kernels
+every config's timing. A config's timing is the 20th percentile of its repeats (Triton's autotuner records the median, the 20th
+and the 80th): noise on a busy or drifting machine only ever makes a repeat slower (session 35, machine B: the
+1.5B qkv + RoPE's 2 x 1024 tile took 20.5 us at the median and 8.6 at the 20th percentile, where two other runs
+measured 8.9-9.1). Runs of the same kernel and key (other machines, other sessions) are merged: each config's
+timing is divided by the best of its run, and the pick is the config with the lowest median of those ratios (ties:
+the lower mean), so with three runs or more one run on a drifting machine cannot decide alone. Only the fused kernels
 kernels/tuned.py pins are read (the one-row and M-row GEMVs, qkv + RoPE), and only picks still among their
 configs are kept. A key added to a kernel after a run (PIPE, session 35) reads as off for that run. Prints what it
 kept; `-o` writes the table (without it: to stdout).
@@ -86,7 +89,7 @@ def build(runs, known: dict) -> list[dict]:
             continue
         run = {}
         for cfg, t in timings:
-            t = t[0] if isinstance(t, list) else t
+            t = t[1] if isinstance(t, list) and len(t) > 1 else t[0] if isinstance(t, list) else t  # (q20, below)
             if t and t > 0:
                 run[config_id(cfg["kwargs"], cfg["num_warps"], cfg["num_stages"])] = float(t)
         if run:
@@ -101,8 +104,8 @@ def build(runs, known: dict) -> list[dict]:
         valid = {cid: r for cid, r in ratios.items() if cid in known[kernel][1]}
         if not valid:
             continue
-        cid = min(valid, key=lambda c: (statistics.mean(r for r, _ in valid[c]),
-                                        statistics.mean(t for _, t in valid[c])))
+        cid = min(valid, key=lambda c: (statistics.median(r for r, _ in valid[c]),
+                                        statistics.mean(r for r, _ in valid[c])))
         kwargs, warps, stages = json.loads(cid)
         entries.append({"kernel": kernel, "key": json.loads(key), "runs": len(group),
                         "config": {"kwargs": kwargs, "num_warps": warps, "num_stages": stages},
