@@ -81,7 +81,10 @@ POOL = 4096  # KV slots: the graphed step attends over the whole pool (the kerne
 
 def config_summary(res: dict, names: list[str], tokens) -> list[str]:
     """One line a --config and token count, in order: the median over rounds, x its floor, and the change against
-    the first config named (the A/B a call is made for, readable without the per-round lines)."""
+    the first config named (the A/B a call is made for, readable without the per-round lines); with two rounds or
+    more also the paired change: the median over rounds of this config's time over the first's in the same round.
+    Why: a machine can drift 10% within a call (H200, session 35: one config 1.32 -> 1.46 ms over five rounds), and
+    configs timed in one round meet the same state, so the per-round ratio cancels most of the drift."""
     lines = []
     for T in tokens:
         base = res.get(f"graphed_cfg_{names[0]}_T{T}") if names else None
@@ -90,6 +93,10 @@ def config_summary(res: dict, names: list[str], tokens) -> list[str]:
             if r is None:  # (a run cut by its time limit)
                 continue
             vs = f"{r['ms'] / base['ms'] - 1:+.1%} vs {names[0]}" if base and cname != names[0] else ""
+            pairs = [a / b for a, b in zip(r["rounds_ms"], base["rounds_ms"])] if vs else []
+            if len(pairs) >= 2:
+                vs += (f", paired {statistics.median(pairs) - 1:+.1%} (rounds {min(pairs) - 1:+.1%} to "
+                       f"{max(pairs) - 1:+.1%})")
             lines.append(f"summary T{T} {cname:12s} {r['ms']:.4f} ms ({r['over_floor']:.3f}x floor, "
                          f"{len(r['rounds_ms'])} rounds) {vs}".rstrip())
     return lines

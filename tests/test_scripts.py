@@ -435,8 +435,10 @@ def test_step_timing_summarises_each_config_against_the_first():
     finally:
         sys.path.remove(str(SCRIPTS))
     res = {"graphed_cfg_new_T1": {"ms": 1.3, "over_floor": 1.761, "rounds_ms": [1.3, 1.31]},
-           "graphed_cfg_w8_T1": {"ms": 1.287, "over_floor": 1.743, "rounds_ms": [1.28, 1.29]}}
+           "graphed_cfg_w8_T1": {"ms": 1.287, "over_floor": 1.743, "rounds_ms": [1.28, 1.30]}}
     lines = st.config_summary(res, ["new", "w8", "cut"], [1])
     assert len(lines) == 2 and "vs" not in lines[0] and "1.3000 ms (1.761x floor, 2 rounds)" in lines[0]
-    assert lines[1].endswith("-1.0% vs new") and "w8" in lines[1]
+    assert "-1.0% vs new, paired -1.2% (rounds -1.5% to -0.8%)" in lines[1] and "w8" in lines[1]
     assert st.config_summary(res, [], [1]) == []
+    one = {k: {**v, "rounds_ms": v["rounds_ms"][:1]} for k, v in res.items()}  # one round: nothing to pair
+    assert st.config_summary(one, ["new", "w8"], [1])[1].endswith("-1.0% vs new")
