@@ -442,3 +442,29 @@ def test_step_timing_summarises_each_config_against_the_first():
     assert st.config_summary(res, [], [1]) == []
     one = {k: {**v, "rounds_ms": v["rounds_ms"][:1]} for k, v in res.items()}  # one round: nothing to pair
     assert st.config_summary(one, ["new", "w8"], [1])[1].endswith("-1.0% vs new")
+
+
+def test_gemv_occupancy_counts_programs_an_sm_and_waves():
+    """scripts/gemv_occupancy.py: the sm_90 occupancy rule (registers per warp in 256s, 64 warps, shared memory),
+    and one real compile of a shape's GEMVs (no GPU: Triton's ptxas) whose waves follow from its own counts."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gemv_occupancy as go
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert go.resident(79, 8, 64) == 3  # 1.5B gate/up, 32 x 128 with 8 warps (BENCHMARKS.md, session 35)
+    assert go.resident(96, 8, 64) == 2  # ... with gemv_pipeline
+    assert go.resident(32, 4, 16) == 16 and go.resident(40, 2, 16) == 25 and go.resident(40, 4, 120 * 1024) == 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "gemv_occupancy.py"), "qwen2.5-1.5b"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [row["gemv"] for row in rows] == ["gate_up", "down", "o_proj", "lm_head"]
+    for row in rows:
+        assert 16 <= row["registers"] <= 255 and row["resident_per_sm"] >= 1
+        assert row["waves"] == round(row["programs"] / (row["resident_per_sm"] * 132), 2)
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "gemv_occupancy.py"), "--nope"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "unknown option --nope" in bad.stderr
