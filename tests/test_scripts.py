@@ -468,3 +468,31 @@ def test_gemv_occupancy_counts_programs_an_sm_and_waves():
     bad = subprocess.run([sys.executable, str(SCRIPTS / "gemv_occupancy.py"), "--nope"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "unknown option --nope" in bad.stderr
+
+
+def test_in_graph_tuner_parses_merges_and_says_it_needs_a_gpu():
+    """scripts/gpu_tune_in_graph.py on CPU: its options (bad ones exit 2 with a line, no traceback), how many weight
+    copies a graph cycles through, how a winner replaces its key's table entry, and a clear exit 2 without CUDA."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_tune_in_graph as tg
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert tg.parse(["qwen2.5-1.5b", "--no-pdl", "--copies=8", "--into=t.json"]) == (
+        ["qwen2.5-1.5b"], {"pdl": False, "copies": 8, "into": "t.json"})
+    for bad in (["--copies=0", "x"], ["--what", "x"], []):
+        with pytest.raises(ValueError):
+            tg.parse(bad)
+    assert tg.copies_for(1536 * 1536 * 2) == 45  # 1.5B o_proj: 4.5 MiB; 45 copies hold 4 x the 50 MiB L2
+    assert tg.copies_for(151936 * 1536 * 2) == 4 and tg.copies_for(1 << 10) == 64 and tg.copies_for(1, 3) == 3
+    old = {"gpu": "G", "entries": [{"kernel": "k", "key": {"N": 1}, "config": "a"},
+                                   {"kernel": "k", "key": {"N": 2}, "config": "b"}]}
+    new = tg.merge(old, [{"kernel": "k", "key": {"N": 2}, "config": "c"},
+                         {"kernel": "k", "key": {"N": 3}, "config": "d"}])
+    assert new["gpu"] == "G" and [e["config"] for e in new["entries"]] == ["a", "c", "d"]
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    for args, msg in ((["qwen2.5-1.5b"], "needs a CUDA GPU"), (["--copies=x", "q"], "--copies takes")):
+        r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_tune_in_graph.py"), *args], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -212,3 +212,19 @@ def test_the_pinned_kernels_register_their_autotuners():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "[True, True, True]", out.stderr[-2000:]
+
+
+def test_an_override_wins_over_the_table_and_the_switch(monkeypatch):
+    """OVERRIDES (the in-graph tuner's) narrow a launch to their config with the switch off and before a table pick;
+    a config not listed leaves the list."""
+    monkeypatch.setattr(tuned, "PINNED", False)
+    named, kwargs = _launch(GATE_UP_15B, _cuda_x())
+    key = ("_gemv_fused_kernel", tuned._key(tuned.launch_key(gf._KEY, named, kwargs)))
+    other = next(c for c in gf._CONFIGS if c.kwargs == {"BLOCK_N": 1, "BLOCK_K": 1024} and c.num_warps == 2)
+    monkeypatch.setattr(tuned, "OVERRIDES", {key: (other.kwargs, other.num_warps, other.num_stages)})
+    assert gf._prune(gf._CONFIGS, named, **kwargs) == [other]
+    monkeypatch.setattr(tuned, "PINNED", True)
+    monkeypatch.setattr(tuned, "_gpu_name", lambda index: H200)
+    assert gf._prune(gf._CONFIGS, named, **kwargs) == [other]
+    monkeypatch.setattr(tuned, "OVERRIDES", {key: ({"BLOCK_N": 3}, 4, 1)})
+    assert gf._prune(gf._CONFIGS, named, **kwargs) == gf._CONFIGS

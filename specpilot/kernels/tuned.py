@@ -30,6 +30,9 @@ from pathlib import Path
 PINNED = False  # the process-wide switch (EngineConfig.tuned_tiles; engine._apply_program_splits sets it)
 TABLES = Path(__file__).parent / "tuned"
 _AUTOTUNERS: list = []  # the pinned kernels' autotuners (`register`), whose per-process picks a switch flip drops
+# (kernel, key) -> (kwargs, num_warps, num_stages) taken before any table, whatever PINNED says: a tuner that times
+# one config after another through the real launch path (scripts/gpu_tune_in_graph.py) sets it, then `forget`s
+OVERRIDES: dict = {}
 
 
 def register(autotuner):
@@ -38,14 +41,19 @@ def register(autotuner):
     return autotuner
 
 
+def forget() -> None:
+    """Drop every registered autotuner's per-process picks (the next launch at each shape prunes again)."""
+    for autotuner in _AUTOTUNERS:
+        getattr(autotuner, "cache", {}).clear()
+
+
 def set_pinned(on: bool) -> None:
     """Switch pinning on or off. A flip also drops every registered autotuner's picks of this process (its `cache`:
     a launch key -> config, which does not hold the switch), so the next launch at each shape takes the table's
     pick, or is tuned again (from Triton's on-disk results where it has them), instead of the other way's."""
     global PINNED
     if bool(on) != PINNED:
-        for autotuner in _AUTOTUNERS:
-            getattr(autotuner, "cache", {}).clear()
+        forget()
     PINNED = bool(on)
 
 
@@ -94,13 +102,15 @@ def launch_key(key_names, named_args: dict, kwargs: dict, x_name: str = "x_ptr")
 def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names, x_name: str = "x_ptr") -> list:
     """`configs` narrowed to the pinned pick for this launch where the switch is on and a table has one (module
     docstring); otherwise `configs` as they are."""
-    if not PINNED:
+    if not PINNED and not OVERRIDES:
         return configs
     x = named_args.get(x_name)
     if x is None or getattr(x, "device", None) is None or x.device.type != "cuda":
         return configs
-    pick = load(_gpu_name(x.device.index or 0)).get((kernel, _key(launch_key(key_names, named_args, kwargs,
-                                                                             x_name))))
+    key = (kernel, _key(launch_key(key_names, named_args, kwargs, x_name)))
+    pick = OVERRIDES.get(key)
+    if pick is None and PINNED:
+        pick = load(_gpu_name(x.device.index or 0)).get(key)
     if pick is None:
         return configs
     kw, warps, stages = pick
@@ -108,4 +118,5 @@ def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names
     return same[:1] or configs
 
 
-__all__ = ["PINNED", "TABLES", "launch_key", "load", "narrow", "register", "set_pinned", "table_name"]
+__all__ = ["OVERRIDES", "PINNED", "TABLES", "forget", "launch_key", "load", "narrow", "register", "set_pinned",
+           "table_name"]
