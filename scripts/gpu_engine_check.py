@@ -488,43 +488,30 @@ def main(only: tuple[str, ...] = ()) -> int:
             if outs != ref:
                 problems.append(name)
 
-    def gemv_prefetch():
-        # the one-row GEMVs' first weight tile loaded ahead of their norm prologue (EngineConfig.gemv_prefetch, the
-        # process-wide kernels/gemv_fused.py ONE_ROW_PREFETCH that load_target sets; autotuned per shape for each
-        # way): graphed AR and n-gram speculation against the same engine without it
+    def one_row_switch(field: str, flag: str):
+        # a process-wide switch of the one-row GEMVs (EngineConfig field -> kernels/gemv_fused.py flag, which
+        # load_target sets; autotuned per shape for each way): graphed AR and n-gram speculation against the same
+        # engine without it
         from specpilot.kernels import gemv_fused
 
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
         off_cfg = base.with_(fused_verify=True)
         off = [Engine(fast, off_cfg).generate(p) for p in prompts]
-        gemv_fused.ONE_ROW_PREFETCH = True
+        setattr(gemv_fused, flag, True)
         try:
-            on = [Engine(fast, off_cfg.with_(gemv_prefetch=True)).generate(p) for p in prompts]
-            ngram = off_cfg.with_(gemv_prefetch=True, drafter_kind="ngram")
-            same_tokens((("spec_ngram_gemv_prefetch", ngram, fast),))
+            on = [Engine(fast, off_cfg.with_(**{field: True})).generate(p) for p in prompts]
+            ngram = off_cfg.with_(**{field: True}, drafter_kind="ngram")
+            same_tokens(((f"spec_ngram_{field}", ngram, fast),))
         finally:
-            gemv_fused.ONE_ROW_PREFETCH = False
-        record("ar_gemv_prefetch", on)
-        equals_off("ar_gemv_prefetch_equals_off", on, off)
+            setattr(gemv_fused, flag, False)
+        record(f"ar_{field}", on)
+        equals_off(f"ar_{field}_equals_off", on, off)
 
-    def gemv_pipeline():
-        # the one-row GEMVs' K loop one block ahead (EngineConfig.gemv_pipeline, the process-wide
-        # kernels/gemv_fused.py ONE_ROW_PIPE that load_target sets; autotuned per shape for each way): graphed AR
-        # and n-gram speculation against the same engine without it
-        from specpilot.kernels import gemv_fused
+    def gemv_prefetch():  # the first weight tile loaded ahead of the norm prologue
+        one_row_switch("gemv_prefetch", "ONE_ROW_PREFETCH")
 
-        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
-        off_cfg = base.with_(fused_verify=True)
-        off = [Engine(fast, off_cfg).generate(p) for p in prompts]
-        gemv_fused.ONE_ROW_PIPE = True
-        try:
-            on = [Engine(fast, off_cfg.with_(gemv_pipeline=True)).generate(p) for p in prompts]
-            ngram = off_cfg.with_(gemv_pipeline=True, drafter_kind="ngram")
-            same_tokens((("spec_ngram_gemv_pipeline", ngram, fast),))
-        finally:
-            gemv_fused.ONE_ROW_PIPE = False
-        record("ar_gemv_pipeline", on)
-        equals_off("ar_gemv_pipeline_equals_off", on, off)
+    def gemv_pipeline():  # the K loop one block ahead
+        one_row_switch("gemv_pipeline", "ONE_ROW_PIPE")
 
     def rope_split():
         # q's heads over several RoPE + K/V-write programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM, 4 a program):

@@ -462,10 +462,12 @@ def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_b
     assert torch.equal(pre, plain)
 
 
-def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
-    """EngineConfig.gemv_prefetch sets ONE_ROW_PREFETCH when a model is laid out for a CUDA config with the fused
-    one-token path (the newest config decides; quietly ignored on CPU, a warning without fused_decode); a file's
-    "false" is refused; the CLI flag and the loop's mechanism exist, the mechanism only over fused decode."""
+@pytest.mark.parametrize("field, flag", [("gemv_prefetch", "ONE_ROW_PREFETCH"), ("gemv_pipeline", "ONE_ROW_PIPE")])
+def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, flag):
+    """EngineConfig.gemv_prefetch / gemv_pipeline set ONE_ROW_PREFETCH / ONE_ROW_PIPE (and only theirs) when a model is
+    laid out for a CUDA config with the fused one-token path (the newest config decides; quietly ignored on CPU, a
+    warning without fused_decode); a file's "false" is refused; the CLI flag and the loop's mechanism exist, the
+    mechanism only over fused decode."""
     import argparse
     import warnings
 
@@ -477,44 +479,30 @@ def test_gemv_prefetch_field_engine_switch_cli_and_loop(monkeypatch):
     from specpilot.loop import EngineMeasure
     from specpilot.loop.registry import REGISTRY, Deployment, applicable
 
-    monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", False)
-    monkeypatch.setattr(gf, "ONE_ROW_PIPE", False)
-    assert EngineConfig().gemv_pipeline is False  # off until measured on the H200
-    with pytest.raises(ConfigError, match="gemv_pipeline must be true or false"):
-        EngineConfig(gemv_pipeline="true")
-    _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_pipeline=True))
-    assert (gf.ONE_ROW_PIPE, gf.ONE_ROW_PREFETCH) == (True, False)
-    with pytest.warns(RuntimeWarning, match="gemv_pipeline needs fused_decode"):
-        _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_pipeline=True, fused_decode=False))
-    assert gf.ONE_ROW_PIPE is False
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--gemv-pipeline"])).gemv_pipeline
-    assert "gemv_pipeline" in EngineMeasure.LAYOUT
-    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert REGISTRY["gemv_pipeline"].candidates(gpu.config, gpu) == [{"gemv_pipeline": True}]
-    assert "gemv_pipeline" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
-    assert EngineConfig().gemv_prefetch is False  # off until measured on the H200
-    with pytest.raises(ConfigError, match="gemv_prefetch must be true or false"):
-        EngineConfig(gemv_prefetch="false")
+    other = {"ONE_ROW_PREFETCH": "ONE_ROW_PIPE", "ONE_ROW_PIPE": "ONE_ROW_PREFETCH"}[flag]
+    monkeypatch.setattr(gf, flag, False)
+    monkeypatch.setattr(gf, other, False)
+    assert getattr(EngineConfig(), field) is False  # off: not faster on the H200
+    with pytest.raises(ConfigError, match=f"{field} must be true or false"):
+        EngineConfig(**{field: "false"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _apply_gemv_prefetch(EngineConfig(gemv_prefetch=True))  # CPU: nothing to switch
-    assert gf.ONE_ROW_PREFETCH is False
-    _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_prefetch=True))
-    assert gf.ONE_ROW_PREFETCH is True
+        _apply_gemv_prefetch(EngineConfig(**{field: True}))  # CPU: nothing to switch
+    assert getattr(gf, flag) is False
+    _apply_gemv_prefetch(EngineConfig(device="cuda", **{field: True}))
+    assert (getattr(gf, flag), getattr(gf, other)) == (True, False)
     _apply_gemv_prefetch(EngineConfig(device="cuda"))
-    assert gf.ONE_ROW_PREFETCH is False
-    with pytest.warns(RuntimeWarning, match="gemv_prefetch needs fused_decode"):
-        _apply_gemv_prefetch(EngineConfig(device="cuda", gemv_prefetch=True, fused_decode=False))
-    assert gf.ONE_ROW_PREFETCH is False
+    assert getattr(gf, flag) is False
+    with pytest.warns(RuntimeWarning, match=f"{field} needs fused_decode"):
+        _apply_gemv_prefetch(EngineConfig(device="cuda", fused_decode=False, **{field: True}))
+    assert getattr(gf, flag) is False
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--gemv-prefetch"])).gemv_prefetch
-    assert "gemv_prefetch" in EngineMeasure.LAYOUT
+    assert getattr(engine_config(parser.parse_args(["--" + field.replace("_", "-")])), field)
+    assert field in EngineMeasure.LAYOUT
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert REGISTRY["gemv_prefetch"].candidates(gpu.config, gpu) == [{"gemv_prefetch": True}]
-    assert "gemv_prefetch" not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
+    assert REGISTRY[field].candidates(gpu.config, gpu) == [{field: True}]
+    assert field not in [m.name for m in applicable(gpu, gpu.config.with_(fused_decode=False))]
 
 
 @pytest.mark.parametrize("pdl_on, pdl_prefetch, one_row, expected, late", [

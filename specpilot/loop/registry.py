@@ -138,6 +138,16 @@ def _cuda_switch(field: str, why: str) -> Mechanism:
     return Mechanism(field, ("verify", "draft"), {field: [True, False]}, lambda dep, cfg: dep.on_cuda, why)
 
 
+def _fused_path(dep: Deployment, cfg: EngineConfig) -> bool:
+    """The fused one-token path is laid out: CUDA, fused_decode and the fused_projections it reads."""
+    return dep.on_cuda and cfg.fused_decode and cfg.fused_projections
+
+
+def _fused_switch(field: str, why: str) -> Mechanism:
+    """A bool switch of the fused one-token path's kernels, for the draft and verify passes."""
+    return Mechanism(field, ("draft", "verify"), {field: [True, False]}, _fused_path, why)
+
+
 # --- what the engine has now --------------------------------------------------------------------------------
 
 register(Mechanism(
@@ -217,7 +227,7 @@ register(Mechanism(
     "table + the low byte, exact exceptions): the same weights in 3/4 of the bytes"))
 register(Mechanism(
     "pdl", ("draft", "verify"), {"pdl": [True, False], "pdl_trigger": ["start", "late"]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    _fused_path,
     "the fused one-token path's kernels launch with programmatic dependent launch (Hopper): each starts while the "
     "one before it drains and waits on it in-kernel, hiding part of the gap between graphed launches; the GEMVs "
     "let the next kernel launch first thing or after their K loop (pdl_trigger)",
@@ -277,14 +287,12 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "
     "alone, outside a graph: a 5-8-row bucket's choice was slower in the graphed step at 1.5B)"))
-register(Mechanism(
-    "gemv_prefetch", ("draft", "verify"), {"gemv_prefetch": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+register(_fused_switch(
+    "gemv_prefetch",
     "the fused one-token path's GEMVs load their first weight tile before the norm prologue reads and reduces the "
     "input row, so the first DRAM round trip of every program overlaps it instead of following it"))
-register(Mechanism(
-    "gemv_pipeline", ("draft", "verify"), {"gemv_pipeline": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+register(_fused_switch(
+    "gemv_pipeline",
     "the fused one-token path's GEMVs run their K loop one block ahead: each block's weights are asked for before "
     "the previous block's are summed, two tiles in flight a program instead of one DRAM round trip a block"))
 register(Mechanism(
@@ -292,20 +300,19 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.fused_projections,
     "the fused GEMVs and qkv + RoPE take their tiles from the table shipped for this GPU model (picks merged over "
     "several tuning runs) instead of one timing run on this machine"))
-register(Mechanism(
-    "norm_epilogue", ("draft", "verify"), {"norm_epilogue": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+register(_fused_switch(
+    "norm_epilogue",
     "the fused layer's residual GEMVs (o_proj, down_proj) also write the RMSNorm the next GEMV reads (the last "
     "program to finish normalizes the finished rows): qkv, gate_up and the LM head run norm-free, a verify block "
     "loses its two RMSNorm launches a layer and every fused pass the final norm's"))
 register(Mechanism(
     "rope_in_attention", ("draft", "verify"), {"rope_in_attention": [True], "rope_in_qkv": [False]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    _fused_path,
     "a one-token fused layer's q/k norm, RoPE and K/V-cache write run inside its attention launch (every program "
     "rotates q and the new k itself; one writes the slot): five launches a layer instead of six"))
 register(Mechanism(
     "rope_in_qkv", ("draft", "verify"), {"rope_in_qkv": [False, True], "rope_in_attention": [False]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_projections,
+    _fused_path,
     "a one-token fused layer's RoPE and K/V-cache write run in its qkv GEMV's epilogue (each program holds the "
     "pairs of columns RoPE mixes; a q/k norm in each head's last program): five launches a layer instead of six"))
 register(Mechanism(
