@@ -4,14 +4,15 @@
   python scripts/gemv_occupancy.py [qwen2.5-1.5b|qwen3-8b ...] [--pipe]
 
 No GPU needed: each tile is compiled by Triton for sm_90 (PDL on, the late trigger, each layer GEMV's norm /
-residual / SiLU x up flags; not its L2 warming, a few bulk prefetches before the wait) and assembled by the ptxas Triton bundles (`ptxas -v`: registers, spills), with the pointers, N, K
-and the row stride given 16-divisibility as Triton's JIT specialises them (without it the loads come out as scalar
-16-bit ones and the register counts double). Occupancy: 64 K registers, 64 warps and 228 KB of shared memory an
-SM (sm_90), registers allocated per warp in 256s; waves = programs / (programs resident an SM x 132 SMs).
+residual / SiLU x up flags; not its L2 warming, a few bulk prefetches before the wait) and assembled by the ptxas
+Triton bundles (`ptxas -v`: registers, spills), with the pointers, N, K and the row stride given 16-divisibility as
+Triton's JIT specialises them (without it the loads come out as scalar 16-bit ones and the register counts double).
+Occupancy: 64 K registers, 64 warps and 228 KB of shared memory an SM (sm_90), registers allocated per warp in 256s;
+waves = programs / (programs resident an SM x 132 SMs).
 The tile of each GEMV is the H200 table's pick (kernels/tuned/nvidia-h200.json) where it has one, else 4 x 256 with
-4 warps. Prints one line a GEMV and a JSON list last. Why: a GEMV whose launch is two programs an SM on most SMs
-and three on some, or 1.06 waves, loses its tail; the autotuner's timings alone do not say which (BENCHMARKS.md,
-session 35).
+4 warps. Prints one line a GEMV and a JSON list last. Why: what a tile costs an SM (registers, so programs
+resident) and how its launch spreads over the SMs, which the autotuner's timings do not show (BENCHMARKS.md, session
+35: the 1.5B gate/up pick is 2.12 programs an SM, three on some SMs, yet balanced tiles were no faster).
 """
 
 from __future__ import annotations

@@ -4,16 +4,16 @@
   python scripts/tuned_table.py --gpu "NVIDIA H200" .tcache/triton-cache.tgz [more .tgz or cache dirs ...] \
       [-o specpilot/kernels/tuned/nvidia-h200.json]
 
-Each `<hash>/<kernel>.autotune.json` Triton wrote (TRITON_CACHE_AUTOTUNING=1, scripts/gpu_env.sh) holds one
-tuning run: the launch's key (the autotuning key's values, then the dtypes of its tensor arguments, x's first) and
-every config's timing. A config's timing is the 20th percentile of its repeats (Triton's autotuner records the median, the 20th
-and the 80th): noise on a busy or drifting machine only ever makes a repeat slower (session 35, machine B: the
+Each `<hash>/<kernel>.autotune.json` Triton wrote (TRITON_CACHE_AUTOTUNING=1, scripts/gpu_env.sh) holds one tuning
+run: the launch's key (the autotuning key's values, then the dtypes of its tensor arguments, x's first) and every
+config's timing. A config's timing is the 20th percentile of its repeats (Triton's autotuner records the median, the
+20th and the 80th): noise on a busy or drifting machine only ever makes a repeat slower (session 35, machine B: the
 1.5B qkv + RoPE's 2 x 1024 tile took 20.5 us at the median and 8.6 at the 20th percentile, where two other runs
-measured 8.9-9.1). Runs of the same kernel and key (other machines, other sessions) are merged: each config's
-timing is divided by the best of its run, and the pick is the config with the lowest median of those ratios (ties:
-the lower mean), so with three runs or more one run on a drifting machine cannot decide alone. Only the fused kernels
-kernels/tuned.py pins are read (the one-row and M-row GEMVs, qkv + RoPE), and only picks still among their
-configs are kept. A key added to a kernel after a run (PIPE, session 35) reads as off for that run. Prints what it
+measured 8.9-9.1). Runs of the same kernel and key (other machines, other sessions) are merged: each config's timing
+is divided by the best of its run, and the pick is the config with the lowest median of those ratios (ties: the
+lower mean), so with three runs or more one run on a drifting machine cannot decide alone. Only the fused kernels
+kernels/tuned.py pins are read (the one-row and M-row GEMVs, qkv + RoPE), and only picks still among their configs
+are kept. A key added to a kernel after a run (PIPE, session 35) reads as off for that run. Prints what it
 kept; `-o` writes the table (without it: to stdout).
 """
 
