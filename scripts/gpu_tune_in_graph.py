@@ -58,6 +58,16 @@ def parse(argv: list[str]) -> tuple[list[str], dict]:
     return shapes, opts
 
 
+def key_for(n: int, k: int, flags: dict, dtype: str = "bfloat16") -> dict:
+    """The one-row GEMV's autotuning key by name (kernels/tuned.py) for a launch of `flags` on the step's path
+    (PDL late: no first-tile prefetch; no pipeline, no norm epilogue)."""
+    from specpilot.kernels import gemv_fused as gf
+
+    key = {name: False for name in gf._KEY}
+    key.update(N=n, K=k, dtype=dtype, **flags)
+    return key
+
+
 def merge(table: dict, entries: list[dict]) -> dict:
     """`table` with each entry of `entries` in place of the same kernel and key's (or added)."""
     keyed = {(e["kernel"], json.dumps(e["key"], sort_keys=True)): e for e in table.get("entries", [])}
@@ -93,8 +103,7 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None) -> list[dict]:
             kw["residual"] = torch.randn(1, n, device=dev, dtype=dt, generator=g)
         if silu:
             kw["act"] = "silu_mul"
-        key = {name_: False for name_ in gf._KEY}
-        key.update(N=n, K=k, dtype="bfloat16", **flags)
+        key = key_for(n, k, flags)
         tkey = ("_gemv_fused_kernel", tuned._key(key))
         configs = [c for c in gf._CONFIGS if silu or not c.kwargs.get("PAIRED", False)]
         timings = {}

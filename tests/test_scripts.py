@@ -496,3 +496,42 @@ def test_in_graph_tuner_parses_merges_and_says_it_needs_a_gpu():
         r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_tune_in_graph.py"), *args], capture_output=True,
                            text=True, timeout=120, env=env)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flags, act", [({"HAS_NORM": True, "SILU_MUL": True}, "silu_mul"), ({"HAS_RES": True}, None),
+                                        ({}, None)])
+def test_in_graph_tuner_keys_match_the_launch_it_pins(monkeypatch, flags, act):
+    """The key the tuner pins a config under is the key the engine's GPU launch (faked: no kernel runs) builds under
+    PDL late, so its OVERRIDES reach the launch."""
+    import torch
+
+    import specpilot.kernels.gemv_fused as gf
+    from specpilot.kernels import tuned
+    from specpilot.kernels.pdl import LaunchOptions
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_tune_in_graph as tg
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    seen = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                named = dict(zip(gf._gemv_fused_kernel.arg_names, args))
+                seen.append(tuned.launch_key(gf._KEY, named, kw))
+            return launch
+
+    monkeypatch.setattr(gf, "_INTERPRET", False)
+    monkeypatch.setattr(gf, "_kernel", Launcher())
+    monkeypatch.setattr(gf, "launch_options", lambda: LaunchOptions({"launch_pdl": True}, True, True))
+    n, k = 24, 64
+    kw = {"act": act} if act else {}
+    if flags.get("HAS_NORM"):
+        kw["norm_weight"] = torch.ones(k, dtype=torch.bfloat16)
+    if flags.get("HAS_RES"):
+        kw["residual"] = torch.zeros(1, n, dtype=torch.bfloat16)
+    gf.gemv_fused(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16),
+                  **kw)
+    assert seen == [tg.key_for(n, k, flags)]
