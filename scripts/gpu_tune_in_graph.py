@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -81,6 +80,8 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None) -> list[dict]:
 
     from gemv_occupancy import layer_gemvs
     from specpilot.costmodel import synthetic_config
+    from specpilot.costmodel.hardware import time_median_s
+    from specpilot.engine.graphs import capture
     from specpilot.kernels import gemv_fused as gf
     from specpilot.kernels import pdl, tuned
 
@@ -110,23 +111,9 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None) -> list[dict]:
         for c in configs:
             tuned.OVERRIDES[tkey] = (c.kwargs, c.num_warps, c.num_stages)
             tuned.forget()
-            try:
-                gf.gemv_fused(x, ws[0], **kw)  # compiles; the autotuner takes the one config
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for w in ws:
-                        gf.gemv_fused(x, w, **kw)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.replay()
-                samples = []
-                for _ in range(20):
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end) * 1e3 / copies)
-                us = statistics.median(samples)
+            try:  # (the capture's warm-up launches compile the tile; the autotuner takes the one config)
+                graph, _ = capture(lambda: [gf.gemv_fused(x, w, **kw) for w in ws], warmup=1)
+                us = time_median_s(graph.replay, warmup=1, repeats=20) * 1e6 / copies
             except Exception as e:  # a tile that does not compile or launch at this shape: skipped, said so
                 print(f"{shape} {name} {c.kwargs} w{c.num_warps} s{c.num_stages}: failed ({type(e).__name__}: {e})",
                       flush=True)

@@ -182,9 +182,10 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, verify_l2_mb -> its
-    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin
-    (one program for all q heads; 128 keys a program; the merge a slice at a time; no warming)."""
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, attn_warps -> its
+    ONE_LAUNCH_WARPS, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
+    whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
+    128 keys a program; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")

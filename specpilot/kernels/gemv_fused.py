@@ -306,6 +306,18 @@ if triton is not None:
                        SILU_MUL, ON_GPU)
 
     @triton.jit
+    def _w_tiles(w_ptr, rows, m_rows, k0, K, up_off, UP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """K block k0's weight tile at the row offsets `rows` [R, 1] (rows masked by m_rows [R]) and, with UP (the
+        two-tile SiLU x up), the up tile up_off elements further on -> (w, wu); wu is w without UP (unused)."""
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        mask = m_rows[:, None] & (k_offs < K)[None, :]
+        w = tl.load(w_ptr + rows + k_offs[None, :], mask=mask, other=0.0)  # [BN or 2 BN, BK]
+        wu = w
+        if UP:
+            wu = tl.load(w_ptr + rows + up_off + k_offs[None, :], mask=mask, other=0.0)
+        return w, wu
+
+    @triton.jit
     def _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0, K, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr,
                    UP: tl.constexpr, ON_GPU: tl.constexpr, BLOCK_K: tl.constexpr):
         """The one-row K loop's body for block k0 with its weight tiles already loaded: x's block (normed with
@@ -371,13 +383,10 @@ if triton is not None:
             p_col = tl.program_id(0) * BLOCK_N + pi // 2
             p_mask = p_col < N
             rows = (p_col + (pi % 2) * N).to(tl.int64)[:, None] * stride_wn  # [2 BN, 1]
+        m_rows = p_mask if PAIRED else n_mask
+        UP: tl.constexpr = SILU_MUL and not PAIRED  # the up rows as a second tile
         if PREFETCH:  # weights only: nobody writes them (see the docstring)
-            k_offs = tl.arange(0, BLOCK_K)
-            k_mask = k_offs < K
-            w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
-            w0 = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
-            if SILU_MUL and not PAIRED:
-                wu0 = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+            w0, wu0 = _w_tiles(w_ptr, rows, m_rows, 0, K, N * stride_wn, UP, BLOCK_K)
         if USE_PDL and L2_PF:  # weights only, nothing comes back (see the docstring)
             n0 = tl.program_id(0) * BLOCK_N
             mine = tl.minimum(N - n0, BLOCK_N)
@@ -396,48 +405,25 @@ if triton is not None:
         if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PREFETCH:  # the first K block with the prefetched tiles (the loop's body, same order of sums)
-            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            if HAS_NORM:
-                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-            acc += w0.to(tl.float32) * h[None, :]
-            if SILU_MUL and not PAIRED:
-                acc_up += wu0.to(tl.float32) * h[None, :]
+            acc, acc_up = _acc_block(acc, acc_up, w0, wu0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, UP, ON_GPU,
+                                     BLOCK_K)
         if PIPE:  # the K loop one block ahead: block k0's weights are asked for before block k0 - BK is summed
             k_lo = PREFETCH * BLOCK_K
             if k_lo < K:
-                k_offs = k_lo + tl.arange(0, BLOCK_K)
-                w_mask = (p_mask if PAIRED else n_mask)[:, None] & (k_offs < K)[None, :]
-                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
-                wu = w
-                if SILU_MUL and not PAIRED:
-                    wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
+                w, wu = _w_tiles(w_ptr, rows, m_rows, k_lo, K, N * stride_wn, UP, BLOCK_K)
                 for k0 in range(k_lo + BLOCK_K, K, BLOCK_K):
-                    k_offs = k0 + tl.arange(0, BLOCK_K)
-                    w_mask = (p_mask if PAIRED else n_mask)[:, None] & (k_offs < K)[None, :]
-                    w_nx = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)
-                    wu_nx = w_nx
-                    if SILU_MUL and not PAIRED:
-                        wu_nx = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
-                    acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0 - BLOCK_K, K, rstd, dt,
-                                             HAS_NORM, SILU_MUL and not PAIRED, ON_GPU, BLOCK_K)
+                    w_nx, wu_nx = _w_tiles(w_ptr, rows, m_rows, k0, K, N * stride_wn, UP, BLOCK_K)
+                    acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0 - BLOCK_K, K, rstd, dt, HAS_NORM,
+                                             UP, ON_GPU, BLOCK_K)
                     w = w_nx
                     wu = wu_nx
                 acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, (K - 1) // BLOCK_K * BLOCK_K, K, rstd,
-                                         dt, HAS_NORM, SILU_MUL and not PAIRED, ON_GPU, BLOCK_K)
+                                         dt, HAS_NORM, UP, ON_GPU, BLOCK_K)
         else:
             for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
-                k_offs = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k_offs < K
-                h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-                if HAS_NORM:
-                    h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt,
-                                ON_GPU)
-                w_mask = (p_mask if PAIRED else n_mask)[:, None] & k_mask[None, :]
-                w = tl.load(w_ptr + rows + k_offs[None, :], mask=w_mask, other=0.0)  # [BN or 2 BN, BK]
-                acc += w.to(tl.float32) * h[None, :]
-                if SILU_MUL and not PAIRED:
-                    wu = tl.load(w_ptr + rows + N * stride_wn + k_offs[None, :], mask=w_mask, other=0.0)
-                    acc_up += wu.to(tl.float32) * h[None, :]
+                w, wu = _w_tiles(w_ptr, rows, m_rows, k0, K, N * stride_wn, UP, BLOCK_K)
+                acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, UP, ON_GPU,
+                                         BLOCK_K)
         if USE_PDL and PDL_LATE:  # every weight is in: the next kernel's programs may take the slots we free
             gdc_launch_dependents()
         if PAIRED:  # [2 BN] -> the gate and up sums [BN] each

@@ -5,7 +5,8 @@ configs a shape: 100-140 s for the 1.5B or Qwen3-8B layer on the H200, session 3
 a time on whatever the machine is doing then. On two H200s the same kernel's best timing at one shape (1.5B
 down_proj) was 15.4 us on one and 32.9 us on the other, which then took another tile. A table of picks made from
 several tuning runs (scripts/tuned_table.py merges Triton's cached autotuning results: the config with the lowest
-mean timing relative to each run's best) gives every machine of that model the same tiles at once.
+median, over the runs, of its 20th-percentile timing over its run's best; or scripts/gpu_tune_in_graph.py, timed in
+the step's regime) gives every machine of that model the same tiles at once.
 
 How: each autotuned kernel's `early_config_prune` hook (kernels/gemv_fused.py, kernels/qkv_rope.py) passes its
 surviving configs through `narrow`; where the switch is on, the launch's GPU has a table (kernels/tuned/<name>.json,
