@@ -67,7 +67,7 @@ def compile_tile(n: int, k: int, flags: dict, kwargs: dict, warps: int, stages: 
     fn = gf._gemv_fused_kernel
     consts = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, PAIRED=False,
                   NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=True, L2_PF=False, NX_PF=False, USE_PDL=True,
-                  PIPE=pipe)
+                  PIPE=pipe, TRACE=False)
     consts.update(flags)
     consts.update(kwargs)
     if consts["HAS_NORM"]:

@@ -164,6 +164,8 @@ def report() -> dict:
         out[name] = {}
         for use_pdl in (False, True):
             c = {**consts, "USE_PDL": use_pdl}
+            if "TRACE" in fn.arg_names:  # kernels/trace.py's timelines: off, as the engine launches them
+                c.setdefault("TRACE", False)
             src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_pdl})
             lines = compiled.asm["ptx"].splitlines()

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from specpilot.kernels import trace  # per-program timelines (a diagnostic, off)
 from specpilot.kernels.scratch import DeviceBuffers
 
 try:
@@ -38,6 +39,7 @@ try:
 
     from specpilot.kernels.gemv_fused import _l2_prefetch_bytes, _l2_prefetch_rows  # bulk L2 prefetches
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
+    from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
@@ -362,7 +364,7 @@ if triton is not None:
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
                             KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
                             EARLY_POS: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                            PRE_NB: tl.constexpr = 1):
+                            PRE_NB: tl.constexpr = 1, TRACE: tl.constexpr = False, tr_ptr=None):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -376,6 +378,10 @@ if triton is not None:
         # later (see PDL_EARLY_POS for why that read may precede the wait). MERGE_CH / MERGE_R: `_merge_store`.
         # PRELOAD (KV_PRELOAD; T == 1, SPLIT_S = PRE_NB * BLOCK_S): the slice's older K/V rows into registers before
         # the wait (with or without PDL: the same numbers), slot p's row after it (`_slice_partial_preloaded`).
+        # TRACE (kernels/trace.py, a diagnostic): each program's timeline row at its end, tagged 0 (exited early),
+        # 1 (a partial) or 2 (a partial and the merge); "looped": when its partial was published.
+        if TRACE:
+            t_start = _tr_now()
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
         pid_s = tl.program_id(1)
         b = pid_bh // NUM_RB // H_KV
@@ -404,6 +410,11 @@ if triton is not None:
                 vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sv_b, sv_h, sv_s, D)
         if USE_PDL:
             gdc_wait()
+        if TRACE:
+            t_waited = _tr_now()
+            c_waited = _tr_cycles()
+            t_looped = t_waited
+            tag = tl.full([], 0, tl.int32)
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         if USE_PDL and EARLY_POS:
             max_pos = early_max  # the same values (nothing writes the positions during the step)
@@ -429,6 +440,9 @@ if triton is not None:
             # broadcast through shared memory behind another bar.sync; then the branch and ld.global.cg.)
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+            if TRACE:
+                t_looped = _tr_now()
+                tag = tl.full([], 1, tl.int32)
             if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
                 # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
                 # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
@@ -437,6 +451,10 @@ if triton is not None:
                 # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
                 tl.store(cnt_ptr + pid_bh, 0)
+                if TRACE:
+                    tag = tl.full([], 2, tl.int32)
+        if TRACE:
+            _tr_record(tr_ptr, pid_bh * tl.num_programs(1) + pid_s, t_start, t_waited, t_looped, c_waited, tag)
 
 
 def _bulk_rows(t: torch.Tensor) -> bool:
@@ -525,12 +543,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         pre_nb = split_s // block_s
         preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
         warps = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
+        tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)  # a diagnostic (off)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
-            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **warps)
+            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **warps, **tr)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,

@@ -61,7 +61,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specpilot.kernels import tuned  # pinned autotuning picks (EngineConfig.tuned_tiles)
+from specpilot.kernels import trace, tuned  # per-program timelines (a diagnostic); pinned autotuning picks
 from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.scratch import DeviceBuffers
@@ -74,6 +74,7 @@ try:
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.norm_epilogue import norm_rows_when_last  # NORM_OUT (kernels/norm_epilogue.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
+    from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
@@ -341,7 +342,8 @@ if triton is not None:
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
                            PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
-                           L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False, PIPE: tl.constexpr = False):
+                           L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False, PIPE: tl.constexpr = False,
+                           TRACE: tl.constexpr = False, tr_ptr=None):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -371,7 +373,11 @@ if triton is not None:
 
         NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
         on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
-        on / onw / ocnt pointers are never touched and no atomic is compiled."""
+        on / onw / ocnt pointers are never touched and no atomic is compiled.
+
+        TRACE (kernels/trace.py, a diagnostic): the program's timeline row into tr_ptr's region; nothing else."""
+        if TRACE:
+            t_start = _tr_now()
         if USE_PDL and not PDL_LATE:
             gdc_launch_dependents()
         dt = y_ptr.dtype.element_ty
@@ -397,6 +403,9 @@ if triton is not None:
             _l2_prefetch_next(nx_ptr, nx_off, nx_bytes, _NX_PROGRAMS_C)
         if USE_PDL:
             gdc_wait()
+        if TRACE:
+            t_waited = _tr_now()
+            c_waited = _tr_cycles()
         rstd = 1.0
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
@@ -424,6 +433,8 @@ if triton is not None:
                 w, wu = _w_tiles(w_ptr, rows, m_rows, k0, K, N * stride_wn, UP, BLOCK_K)
                 acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, UP, ON_GPU,
                                          BLOCK_K)
+        if TRACE:
+            t_looped = _tr_now()
         if USE_PDL and PDL_LATE:  # every weight is in: the next kernel's programs may take the slots we free
             gdc_launch_dependents()
         if PAIRED:  # [2 BN] -> the gate and up sums [BN] each
@@ -436,6 +447,8 @@ if triton is not None:
         _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
         if NORM_OUT:
             norm_rows_when_last(y_ptr, N, 1, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr, tl.num_programs(0), OUT_P2)
+        if TRACE:
+            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
 
     @triton.jit
     def _dot_acc(h, w, acc, ON_GPU: tl.constexpr):
@@ -663,16 +676,26 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     else:
         nx_args, nx_on = next_warming(warm_next, warm_next_halves, pdl.use_pdl, weight)
         args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args, *nx_args)
+        tr = trace.launch_args(x.device, trace_name, out_n, K, flags)  # a diagnostic, off (kernels/trace.py)
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
-                                               PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH, PIPE=ONE_ROW_PIPE)
+                                               PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH, PIPE=ONE_ROW_PIPE,
+                                               **tr)
         else:
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
                                                                          **l2_warming(weight, pdl.use_pdl),
-                                                                         NX_PF=nx_on, PIPE=ONE_ROW_PIPE)
+                                                                         NX_PF=nx_on, PIPE=ONE_ROW_PIPE, **tr)
     return y if normed is None else (y, normed)
+
+
+def trace_name(out_n: int, K: int, flags: dict) -> str:
+    """A one-row launch's name in a trace (kernels/trace.py): its shape and what its prologue / epilogue do."""
+    parts = [f"gemv N={out_n} K={K}"] + [tag for tag, flag in (("norm", "HAS_NORM"), ("silu_mul", "SILU_MUL"),
+                                                               ("res", "HAS_RES"), ("bias", "HAS_BIAS"))
+                                         if flags.get(flag)]
+    return " ".join(parts)
 
 
 def l2_warming(weight: torch.Tensor, use_pdl: bool) -> dict:

@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from specpilot.kernels import tuned  # pinned autotuning picks (EngineConfig.tuned_tiles)
+from specpilot.kernels import trace, tuned  # per-program timelines (a diagnostic); pinned autotuning picks
 from specpilot.kernels.gemv_fused import gemv_fused_reference, l2_warming
 from specpilot.kernels.rope_write import rope_write_reference
 from specpilot.kernels.scratch import DeviceBuffers
@@ -55,6 +55,7 @@ try:
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # rope_write's per-head norm + rotation
+    from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
@@ -82,8 +83,11 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ON_GPU: tl.constexpr,
                          K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                          QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                         PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64):
+                         PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64,
+                         TRACE: tl.constexpr = False, tr_ptr=None):
         HALF: tl.constexpr = D // 2
+        if TRACE:  # kernels/trace.py (a diagnostic): this program's timeline row, written at its end
+            t_start = _tr_now()
         if USE_PDL and not PDL_LATE:
             gdc_launch_dependents()
         dt = qo_ptr.dtype.element_ty
@@ -99,6 +103,9 @@ if triton is not None:
             _l2_prefetch_rows(w_ptr, head * D + HALF + p0 % HALF, n_rows, K, _L2_CHUNK_C, L2_PART)
         if USE_PDL:  # nothing but weights read before it, nothing written (gemv_fused's rule)
             gdc_wait()
+        if TRACE:
+            t_waited = _tr_now()
+            c_waited = _tr_cycles()
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
@@ -110,6 +117,8 @@ if triton is not None:
                 h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
             w = tl.load(w_ptr + rows + k_offs[None, :], mask=k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * h[None, :]
+        if TRACE:
+            t_looped = _tr_now()
         if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
             gdc_launch_dependents()
         y1, y2 = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_P, 2)))  # columns j and j + D / 2
@@ -159,6 +168,8 @@ if triton is not None:
             vc = vc_ptr + (head - H - HKV).to(tl.int64) * svc_h + slot * svc_s
             tl.store(vc + j, _to_dtype(y1, dt), mask=in_pool)
             tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
+        if TRACE:
+            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
 
     # gemv_fused's one-row tiles, counted in pairs (a tile holds 2 BLOCK_P weight rows); + its wider 8-warp ones
     # (32 rows: QK_NORM's heads then have 4 programs to count in, not 8)
@@ -245,10 +256,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D, QK_NORM=qk_norm,
                  USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
+    tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
-        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64)
+        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, **tr)
     else:
-        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags)
+        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags, **tr)
     return q
 
 
