@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from specpilot.kernels.scratch import DeviceBuffers
+
 MAX_PROGRAMS = 65536  # rows a launch's region holds (an LM head of 4-row tiles: 38k programs at Qwen's vocab)
 FIELDS = ("start", "waited", "looped", "end", "sm", "tag", "clock_waited", "clock_end")
 ROW = len(FIELDS)
@@ -37,7 +39,7 @@ ROW = len(FIELDS)
 _buf: torch.Tensor | None = None  # [launches, MAX_PROGRAMS, ROW] int64 while on
 _launches: list[str] = []  # the name of each region handed out, in launch order
 _on = False
-_DUMMIES: dict = {}  # device -> the untraced launches' tr_ptr
+_DUMMIES = DeviceBuffers("kernels/trace.py's untraced tr_ptr", torch.int64)  # one element a device
 
 
 def _interpreting() -> bool:
@@ -77,11 +79,8 @@ def launch_args(device: torch.device, name, *name_args) -> dict:
     trace, a string or a function of `name_args` giving it (called only while on: nothing is formatted per untraced
     launch). The pointer is passed either way, so Triton's autotuning key (which counts the dtypes of a launch's
     tensor arguments) is the same traced and untraced: a traced step reuses the untraced step's tuned tiles."""
-    if not _on:
-        dummy = _DUMMIES.get(device)
-        if dummy is None:
-            dummy = _DUMMIES[device] = torch.zeros(1, dtype=torch.int64, device=device)
-        return {"TRACE": False, "tr_ptr": dummy}
+    if not _on:  # (made on the first, eager launch: kernels/scratch.py refuses to allocate during capture)
+        return {"TRACE": False, "tr_ptr": _DUMMIES.at_least(device, 1)}
     i = len(_launches) % _buf.shape[0]
     _launches.append(name(*name_args) if callable(name) else str(name))
     return {"TRACE": True, "tr_ptr": _buf[i]}
