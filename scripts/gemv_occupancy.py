@@ -67,7 +67,8 @@ def compile_tile(n: int, k: int, flags: dict, kwargs: dict, warps: int, stages: 
     fn = gf._gemv_fused_kernel
     consts = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=False, SILU_MUL=False, ON_GPU=True, K_P2=1, PAIRED=False,
                   NORM_OUT=False, OUT_P2=1, PREFETCH=False, PDL_LATE=True, L2_PF=False, NX_PF=False, USE_PDL=True,
-                  PIPE=pipe, TRACE=False)
+                  PIPE=pipe)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}  # the rest off
     consts.update(flags)
     consts.update(kwargs)
     if consts["HAS_NORM"]:

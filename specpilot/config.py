@@ -167,6 +167,11 @@ class EngineConfig:
     # weights asked for before block k - 1's are summed: two tiles in flight a program, not one; kernels/gemv_fused.py
     # ONE_ROW_PIPE says why). A process-wide switch, as pdl. Same numbers. Off: neutral on the H200 (session 35,
     # graphed one-token step: 1.5B -0.8%, Qwen3-8B +0.4%, two interleaved pairs each, within the drift)
+    early_epilogue: bool = False  # CUDA, with fused_decode: the one-row GEMVs and qkv + RoPE load their epilogue's
+    # operands (residual, bias; qkv's cache slot and cos / sin) right after the PDL wait instead of after the K loop,
+    # so that L2 round trip overlaps the weight stream instead of sitting between a program's last tile and its
+    # store (the last program's store releases the next kernel; kernels/gemv_fused.py EARLY_EPILOGUE). A
+    # process-wide switch, as pdl. Same numbers. Off until the H200 times it (session 36 had no device)
     tuned_tiles: bool = False  # CUDA: the fused GEMVs and qkv + RoPE take their tiles from the table shipped for
     # this GPU model (kernels/tuned/<gpu>.json, made by scripts/tuned_table.py from several tuning runs) instead of
     # timing every config at each new shape (100-140 s a layer shape on the H200; and one run on a drifting machine
@@ -305,6 +310,8 @@ class EngineConfig:
             raise ConfigError(f"tuned_tiles must be true or false, got {self.tuned_tiles!r}")
         if not isinstance(self.gemv_pipeline, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_pipeline must be true or false, got {self.gemv_pipeline!r}")
+        if not isinstance(self.early_epilogue, bool):
+            raise ConfigError(f"early_epilogue must be true or false, got {self.early_epilogue!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not self.adaptive_min_gain > 0:

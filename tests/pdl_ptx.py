@@ -21,6 +21,12 @@ GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red|cp\.async[.\w]*)\.global\b|\b(ato
 BRANCH = re.compile(r"^\s*(@%p\d+\s+)?bra\b|^\$L__BB")
 
 
+def with_defaults(fn, consts: dict) -> dict:
+    """`consts` plus every constexpr parameter of `fn` it leaves out, at its default (as a launch that does not pass
+    it compiles it: a switch that is off compiles nothing of its code)."""
+    return {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+
+
 def _signature(fn, consts: dict, types) -> dict:
     return {n: "constexpr" if n in consts else types(n) for n in fn.arg_names}
 
@@ -163,9 +169,7 @@ def report() -> dict:
     for name, fn, consts, types in _cases():
         out[name] = {}
         for use_pdl in (False, True):
-            c = {**consts, "USE_PDL": use_pdl}
-            if "TRACE" in fn.arg_names:  # kernels/trace.py's timelines: off, as the engine launches them
-                c.setdefault("TRACE", False)
+            c = with_defaults(fn, {**consts, "USE_PDL": use_pdl})
             src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_pdl})
             lines = compiled.asm["ptx"].splitlines()

@@ -462,10 +462,48 @@ def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_b
     assert torch.equal(pre, plain)
 
 
-@pytest.mark.parametrize("field, flag", [("gemv_prefetch", "ONE_ROW_PREFETCH"), ("gemv_pipeline", "ONE_ROW_PIPE")])
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("paired, pipe", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("K", [40, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_early_epilogue_loads_give_the_same_bits(monkeypatch, combo, paired, pipe, K, dtype):
+    """EARLY_EPI (EngineConfig.early_epilogue): the bias and residual loaded right after the wait, before the K
+    loop, are the same values in the same sums: the same bits as the epilogue's own loads, with the plain and the
+    pipelined loop; and the launch passes the switch (a spy on the interpreted kernel)."""
+    import specpilot.kernels.gemv_fused as gf
+
+    if paired and "silu_mul" not in combo:
+        pytest.skip("PAIRED is a SiLU x up layout")
+    x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=17)
+    monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
+    monkeypatch.setattr(gf, "ONE_ROW_PIPE", pipe)
+    seen, real = [], gf._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **k):
+                seen.append(k["EARLY_EPI"])
+                return real[grid](*args, **k)
+            return launch
+
+    monkeypatch.setattr(gf, "_kernel", Spy())
+    plain = gemv_fused(x, w, **kw)
+    monkeypatch.setattr(gf, "EARLY_EPILOGUE", True)
+    early = gemv_fused(x, w, **kw)
+    assert seen == [False, True]
+    assert torch.equal(early, plain)
+    assert (early.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
+
+
+_ONE_ROW_FLAGS = ("ONE_ROW_PREFETCH", "ONE_ROW_PIPE", "EARLY_EPILOGUE")
+
+
+@pytest.mark.parametrize("field, flag", [("gemv_prefetch", "ONE_ROW_PREFETCH"), ("gemv_pipeline", "ONE_ROW_PIPE"),
+                                         ("early_epilogue", "EARLY_EPILOGUE")])
 def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, flag):
-    """EngineConfig.gemv_prefetch / gemv_pipeline set ONE_ROW_PREFETCH / ONE_ROW_PIPE (and only theirs) when a model is
-    laid out for a CUDA config with the fused one-token path (the newest config decides; quietly ignored on CPU, a
+    """EngineConfig.gemv_prefetch / gemv_pipeline / early_epilogue set ONE_ROW_PREFETCH / ONE_ROW_PIPE /
+    EARLY_EPILOGUE (and only theirs; early_epilogue also kernels/qkv_rope.py's EARLY_EPILOGUE) when a model is laid
+    out for a CUDA config with the fused one-token path (the newest config decides; quietly ignored on CPU, a
     warning without fused_decode); a file's "false" is refused; the CLI flag and the loop's mechanism exist, the
     mechanism only over fused decode."""
     import argparse
@@ -479,9 +517,12 @@ def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, fl
     from specpilot.loop import EngineMeasure
     from specpilot.loop.registry import REGISTRY, Deployment, applicable
 
-    other = {"ONE_ROW_PREFETCH": "ONE_ROW_PIPE", "ONE_ROW_PIPE": "ONE_ROW_PREFETCH"}[flag]
-    monkeypatch.setattr(gf, flag, False)
-    monkeypatch.setattr(gf, other, False)
+    import specpilot.kernels.qkv_rope as qr
+
+    for name in _ONE_ROW_FLAGS:
+        monkeypatch.setattr(gf, name, False)
+    monkeypatch.setattr(qr, "EARLY_EPILOGUE", False)
+    switched = lambda: tuple(getattr(gf, name) for name in _ONE_ROW_FLAGS)  # noqa: E731
     assert getattr(EngineConfig(), field) is False  # off: not faster on the H200
     with pytest.raises(ConfigError, match=f"{field} must be true or false"):
         EngineConfig(**{field: "false"})
@@ -490,9 +531,10 @@ def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, fl
         _apply_gemv_prefetch(EngineConfig(**{field: True}))  # CPU: nothing to switch
     assert getattr(gf, flag) is False
     _apply_gemv_prefetch(EngineConfig(device="cuda", **{field: True}))
-    assert (getattr(gf, flag), getattr(gf, other)) == (True, False)
+    assert switched() == tuple(name == flag for name in _ONE_ROW_FLAGS)
+    assert qr.EARLY_EPILOGUE is (field == "early_epilogue")
     _apply_gemv_prefetch(EngineConfig(device="cuda"))
-    assert getattr(gf, flag) is False
+    assert getattr(gf, flag) is False and qr.EARLY_EPILOGUE is False
     with pytest.warns(RuntimeWarning, match=f"{field} needs fused_decode"):
         _apply_gemv_prefetch(EngineConfig(device="cuda", fused_decode=False, **{field: True}))
     assert getattr(gf, flag) is False
@@ -576,3 +618,14 @@ def test_warm_next_through_the_op_gives_the_same_bits():
     warmed = gemv_fused_op(x, w, None, None, EPS, kw["residual"], "", gate_up)
     assert torch.equal(plain, warmed)
     assert (plain - gemv_fused_reference(x, w, residual=kw["residual"])).abs().max().item() < 1e-5
+
+
+def test_early_epilogue_loads_are_compiled_before_the_k_loop(sm90_report):
+    """tests/epilogue_ptx.py (sm_90, no GPU): with EARLY_EPI the residual's loads (o_proj / down), and qkv + RoPE's
+    bias, cache slot and cos / sin, sit between the PDL wait and the K loop's first block; a GEMV without an
+    epilogue operand (gate/up) compiles the same loads there either way."""
+    report = sm90_report("epilogue_ptx.py")
+    assert report["gemv_residual_l2_next_late"]["off"] == 0 < report["gemv_residual_l2_next_late"]["on"]
+    assert report["gemv_norm_silu_mul_late"]["on"] == report["gemv_norm_silu_mul_late"]["off"]
+    for case in ("qkv_rope_late", "qkv_rope_qk_norm_late"):  # (the norm prologue's row loads are there either way)
+        assert report[case]["on"] > report[case]["off"], (case, report[case])

@@ -83,6 +83,24 @@ def test_qkv_rope_is_the_gemv_then_rope_write_bit_for_bit(H, Hkv, D, K, position
     torch.testing.assert_close(got_v, ref_v, **tol)
 
 
+@pytest.mark.parametrize("H,Hkv,D,K,position,dtype,bias,norm,qk_norm", [
+    (12, 2, 64, 200, 39, torch.bfloat16, True, True, False),
+    (4, 4, 16, 96, 7, torch.float32, False, True, False),
+    (8, 2, 128, 130, 17, torch.bfloat16, True, True, True),
+    (6, 2, 32, 64, 0, torch.bfloat16, True, False, True),
+])
+def test_early_epilogue_loads_give_the_same_bits(monkeypatch, H, Hkv, D, K, position, dtype, bias, norm, qk_norm):
+    """EARLY_EPI (EngineConfig.early_epilogue): bias, cache slot and cos / sin loaded right after the wait are the
+    same values in the same sums: q and both caches the bits of the epilogue's own loads."""
+    import specpilot.kernels.qkv_rope as qr
+
+    args = _case(H, Hkv, D, K, 40, position, dtype, bias, norm, seed=H + K, qk_norm=qk_norm)
+    want, want_k, want_v = _one_launch(*args)
+    monkeypatch.setattr(qr, "EARLY_EPILOGUE", True)
+    got, got_k, got_v = _one_launch(*args)
+    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_a_position_outside_the_pool_writes_nothing(qk_norm):
     args = list(_case(4, 2, 16, 64, 8, 0, torch.float32, seed=3, qk_norm=qk_norm))

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from pdl_ptx import _signature
+from pdl_ptx import _signature, with_defaults
 
 
 def _cases():
@@ -64,7 +64,7 @@ def report() -> dict:
     for name, fn, consts, types in _cases():
         out[name] = {}
         for trace in (False, True):
-            ptx = compile_ptx(fn, {**consts, "TRACE": trace}, types)
+            ptx = compile_ptx(fn, with_defaults(fn, {**consts, "TRACE": trace}), types)
             lines = ptx.splitlines()
             out[name]["on" if trace else "off"] = {
                 "globaltimer": [i for i, line in enumerate(lines) if "%globaltimer" in line],

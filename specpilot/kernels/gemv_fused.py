@@ -113,6 +113,14 @@ PDL_PREFETCH = True
 # Off: neutral on the H200 (session 35, graphed one-token step, two interleaved pairs: 1.5B -0.8%, Qwen3-8B +0.4%,
 # both inside the calls' drift; the autotuner took other tiles with it, e.g. 1.5B gate/up 4 x 256 instead of 32 x 128)
 ONE_ROW_PIPE = False
+# The one-row kernel loads its epilogue's operands (the residual of o_proj / down, a bias) right after its PDL wait
+# instead of after the K loop (EARLY_EPI, EngineConfig.early_epilogue). Why: after the loop those loads are one more
+# L2 round trip between a program's last weight tile and its store, and the LAST program's store is what releases
+# the next kernel (the chain of a one-token step is five such kernels a layer); before the loop the round trip
+# overlaps the weight stream. The residual is an activation, so it is read after the wait, never before (the rule
+# of kernels/pdl.py). Costs a program BLOCK_N values in registers. The same values in the same sums: the same bits.
+# Not tuned on: the autotuning key leaves it out, so the tiles tuned (or pinned, kernels/tuned.py) without it apply.
+EARLY_EPILOGUE = False
 # Under PDL, a one-row GEMV whose whole weight is at most this many bytes first asks L2 for all of it, one bulk
 # prefetch (cp.async.bulk.prefetch.L2, sm_90) per L2_CHUNK bytes of its own rows, before its wait: where the kernel
 # ahead is latency-bound (o_proj behind RoPE + attention, ~13 us at Qwen3-8B in which HBM idles) the weight then
@@ -277,18 +285,35 @@ if triton is not None:
         return rstd
 
     @triton.jit
-    def _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS: tl.constexpr,
-                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
-        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise), [BN] or [rows, BN] -> the stored
-        outputs: + bias (columns n_offs, the same for every row), nn.Linear's rounding, SiLU(gate) x up,
-        + residual (read at r_ptrs), each rounded where the eager modules round; stored at y_ptrs under mask."""
+    def _epilogue_loads(n_offs, n_mask, N, b_ptr, r_ptrs, mask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                        SILU_MUL: tl.constexpr):
+        """The epilogue's operands -> (bias of the columns n_offs, bias of their up rows (SILU_MUL), residual at
+        r_ptrs under mask), fp32; 0.0 for those the flags leave out. Split from `_epilogue_apply` so that the
+        one-row kernel can issue them before its K loop (EARLY_EPI)."""
+        b = 0.0
+        bu = 0.0
+        r = 0.0
+        if HAS_BIAS:
+            b = tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+            if SILU_MUL:
+                bu = tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        return b, bu, r
+
+    @triton.jit
+    def _epilogue_apply(y, u, b, bu, r, y_ptrs, mask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                        SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
+        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise) -> the stored outputs: + bias b (bu for
+        up), nn.Linear's rounding, SiLU(gate) x up, + residual r, each rounded where the eager modules round;
+        stored at y_ptrs under mask."""
         dt = y_ptrs.dtype.element_ty
         if HAS_BIAS:
-            y += tl.load(b_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+            y += b
         y = _to_dtype(y, dt).to(tl.float32)  # nn.Linear's output in the dtype
         if SILU_MUL:
             if HAS_BIAS:
-                u += tl.load(b_ptr + N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+                u += bu
             u = _to_dtype(u, dt).to(tl.float32)
             if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
                 e = libdevice.exp(-y)
@@ -296,8 +321,17 @@ if triton is not None:
                 e = tl.exp(-y)
             y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
         if HAS_RES:
-            y += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)  # the eager add, rounded below
+            y += r  # the eager add, rounded below
         tl.store(y_ptrs, _to_dtype(y, dt), mask=mask)
+
+    @triton.jit
+    def _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
+        """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise), [BN] or [rows, BN] -> the stored
+        outputs: + bias (columns n_offs, the same for every row), nn.Linear's rounding, SiLU(gate) x up,
+        + residual (read at r_ptrs), each rounded where the eager modules round; stored at y_ptrs under mask."""
+        b, bu, r = _epilogue_loads(n_offs, n_mask, N, b_ptr, r_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL)
+        _epilogue_apply(y, u, b, bu, r, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
     @triton.jit
     def _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -343,7 +377,7 @@ if triton is not None:
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
                            PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
                            L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False, PIPE: tl.constexpr = False,
-                           TRACE: tl.constexpr = False, tr_ptr=None):
+                           EARLY_EPI: tl.constexpr = False, TRACE: tl.constexpr = False, tr_ptr=None):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -374,6 +408,9 @@ if triton is not None:
         NORM_OUT (the norm epilogue, kernels/norm_epilogue.py): the last program to finish also writes
         on = RMSNorm(y; onw, out_eps) (OUT_P2: next power of two >= N), counting in on ocnt_ptr. Without it the
         on / onw / ocnt pointers are never touched and no atomic is compiled.
+
+        EARLY_EPI (EARLY_EPILOGUE): the epilogue's bias and residual loads right after the wait, before the norm
+        prologue and the K loop (their round trip overlaps the weight stream); the same values, the same bits.
 
         TRACE (kernels/trace.py, a diagnostic): the program's timeline row into tr_ptr's region; nothing else."""
         if TRACE:
@@ -406,6 +443,9 @@ if triton is not None:
         if TRACE:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
+        if EARLY_EPI:  # after the wait: the residual is an activation (see EARLY_EPILOGUE)
+            b_e, bu_e, r_e = _epilogue_loads(n_offs, n_mask, N, b_ptr, r_ptr + n_offs, n_mask, HAS_BIAS, HAS_RES,
+                                             SILU_MUL)
         rstd = 1.0
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
@@ -444,7 +484,10 @@ if triton is not None:
             u = y
             if SILU_MUL:
                 u = tl.sum(acc_up, axis=1)
-        _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+        if EARLY_EPI:
+            _epilogue_apply(y, u, b_e, bu_e, r_e, y_ptr + n_offs, n_mask, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+        else:
+            _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
         if NORM_OUT:
             norm_rows_when_last(y_ptr, N, 1, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr, tl.num_programs(0), OUT_P2)
         if TRACE:
@@ -680,13 +723,14 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH, PIPE=ONE_ROW_PIPE,
-                                               **tr)
+                                               EARLY_EPI=EARLY_EPILOGUE, **tr)
         else:
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
                                                                          **l2_warming(weight, pdl.use_pdl),
-                                                                         NX_PF=nx_on, PIPE=ONE_ROW_PIPE, **tr)
+                                                                         NX_PF=nx_on, PIPE=ONE_ROW_PIPE,
+                                                                         EARLY_EPI=EARLY_EPILOGUE, **tr)
     return y if normed is None else (y, normed)
 
 

@@ -61,6 +61,11 @@ except ImportError:  # CPU-only installs: the reference path only
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _COUNTERS = DeviceBuffers("qkv_rope head counters", torch.int32)  # QK_NORM: one arrival counter a q / k head
+# The epilogue's loads (bias, the cache slot, RoPE's cos / sin) right after the PDL wait instead of after the K loop
+# (EARLY_EPI; EngineConfig.early_epilogue, as kernels/gemv_fused.py EARLY_EPILOGUE says why): their round trip
+# then overlaps the weight stream instead of following the last tile. The same values: the same bits. Not in the
+# autotuning key (the tiles tuned or pinned without it apply).
+EARLY_EPILOGUE = False
 
 
 def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads: int,
@@ -84,7 +89,7 @@ if triton is not None:
                          K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                          QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64,
-                         TRACE: tl.constexpr = False, tr_ptr=None):
+                         EARLY_EPI: tl.constexpr = False, TRACE: tl.constexpr = False, tr_ptr=None):
         HALF: tl.constexpr = D // 2
         if TRACE:  # kernels/trace.py (a diagnostic): this program's timeline row, written at its end
             t_start = _tr_now()
@@ -106,6 +111,10 @@ if triton is not None:
         if TRACE:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
+        if EARLY_EPI:  # the epilogue's loads (EARLY_EPILOGUE), after the wait: the same values, the same bits
+            b1, b2, p = _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS, D)
+            if not QK_NORM:  # (every program: v's ignore theirs, one round trip with the others)
+                c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, j, D)
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
@@ -122,12 +131,13 @@ if triton is not None:
         if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
             gdc_launch_dependents()
         y1, y2 = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_P, 2)))  # columns j and j + D / 2
+        if not EARLY_EPI:
+            b1, b2, p = _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS, D)
         if HAS_BIAS:
-            y1 += tl.load(b_ptr + head * D + j).to(tl.float32)
-            y2 += tl.load(b_ptr + head * D + HALF + j).to(tl.float32)
+            y1 += b1
+            y2 += b2
         y1 = _to_dtype(y1, dt).to(tl.float32)  # nn.Linear's output in the dtype
         y2 = _to_dtype(y2, dt).to(tl.float32)
-        p = tl.load(pos_ptr).to(tl.int64)  # the cache slot
         slot = tl.full([BLOCK_P], 0, tl.int64) + p  # (a tensor: the interpreter rejects scalar & tensor masks)
         in_pool = (slot >= 0) & (slot < S)
         if QK_NORM and head < H + HKV:  # q or k with a per-head norm: the head's last program finishes it
@@ -151,10 +161,8 @@ if triton is not None:
                 tl.store(dst + tl.arange(0, 1)[:, None] * D + dcols[None, :], out, mask=valid)
                 tl.store(cnt_ptr + head, 0)  # every arrival of this launch is in: zero for the next launch
         elif head < H + HKV:  # q or k: apply_rope, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-            c1 = tl.load(cos_ptr + j).to(tl.float32)
-            c2 = tl.load(cos_ptr + HALF + j).to(tl.float32)
-            s1 = tl.load(sin_ptr + j).to(tl.float32)
-            s2 = tl.load(sin_ptr + HALF + j).to(tl.float32)
+            if not EARLY_EPI or QK_NORM:  # (with QK_NORM this branch is compiled but never taken)
+                c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, j, D)
             o1 = _to_dtype(_to_dtype(y1 * c1, dt).to(tl.float32) + _to_dtype(-y2 * s1, dt).to(tl.float32), dt)
             o2 = _to_dtype(_to_dtype(y2 * c2, dt).to(tl.float32) + _to_dtype(y1 * s2, dt).to(tl.float32), dt)
             if head < H:
@@ -170,6 +178,23 @@ if triton is not None:
             tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
         if TRACE:
             _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
+
+    @triton.jit
+    def _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS: tl.constexpr, D: tl.constexpr):
+        """A program's (head `head`, pair columns j) bias of columns j and j + D / 2 (fp32; 0.0 without a bias) and
+        the token's cache slot (int64): epilogue operands, split out so that EARLY_EPI can load them first."""
+        b1 = 0.0
+        b2 = 0.0
+        if HAS_BIAS:
+            b1 = tl.load(b_ptr + head * D + j).to(tl.float32)
+            b2 = tl.load(b_ptr + head * D + D // 2 + j).to(tl.float32)
+        return b1, b2, tl.load(pos_ptr).to(tl.int64)
+
+    @triton.jit
+    def _cos_sin(cos_ptr, sin_ptr, j, D: tl.constexpr):
+        """cos and sin of the pair columns j and j + D / 2 (fp32): RoPE's operands (q and k heads without a norm)."""
+        return (tl.load(cos_ptr + j).to(tl.float32), tl.load(cos_ptr + D // 2 + j).to(tl.float32),
+                tl.load(sin_ptr + j).to(tl.float32), tl.load(sin_ptr + D // 2 + j).to(tl.float32))
 
     # gemv_fused's one-row tiles, counted in pairs (a tile holds 2 BLOCK_P weight rows); + its wider 8-warp ones
     # (32 rows: QK_NORM's heads then have 4 programs to count in, not 8)
@@ -258,9 +283,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
-        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, **tr)
+        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, EARLY_EPI=EARLY_EPILOGUE, **tr)
     else:
-        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags, **tr)
+        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags, EARLY_EPI=EARLY_EPILOGUE, **tr)
     return q
 
 

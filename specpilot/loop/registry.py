@@ -295,6 +295,10 @@ register(_fused_switch(
     "gemv_pipeline",
     "the fused one-token path's GEMVs run their K loop one block ahead: each block's weights are asked for before "
     "the previous block's are summed, two tiles in flight a program instead of one DRAM round trip a block"))
+register(_fused_switch(
+    "early_epilogue",
+    "the fused one-token path's GEMVs (and qkv + RoPE) load their epilogue's residual / bias / RoPE operands right "
+    "after their wait, so that round trip overlaps the weight stream instead of following each program's last tile"))
 register(Mechanism(
     "tuned_tiles", ("draft", "verify"), {"tuned_tiles": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_projections,
