@@ -172,6 +172,11 @@ class EngineConfig:
     # so that L2 round trip overlaps the weight stream instead of sitting between a program's last tile and its
     # store (the last program's store releases the next kernel; kernels/gemv_fused.py EARLY_EPILOGUE). A
     # process-wide switch, as pdl. Same numbers. Off until the H200 times it (session 36 had no device)
+    tile_after_wait: bool = False  # CUDA, with fused_decode: the one-row GEMVs and qkv + RoPE ask for their first
+    # K block's weight tile right after the PDL wait, ahead of the norm prologue's row load and reduction (gate/up,
+    # qkv and the LM head otherwise make their first DRAM request only after it; kernels/gemv_fused.py
+    # FIRST_TILE_AFTER_WAIT; gemv_prefetch's tile comes before the wait). A process-wide switch, as pdl. Same
+    # numbers. Off until the H200 times it (session 36 had no device)
     tuned_tiles: bool = False  # CUDA: the fused GEMVs and qkv + RoPE take their tiles from the table shipped for
     # this GPU model (kernels/tuned/<gpu>.json, made by scripts/tuned_table.py from several tuning runs) instead of
     # timing every config at each new shape (100-140 s a layer shape on the H200; and one run on a drifting machine
@@ -312,6 +317,8 @@ class EngineConfig:
             raise ConfigError(f"gemv_pipeline must be true or false, got {self.gemv_pipeline!r}")
         if not isinstance(self.early_epilogue, bool):
             raise ConfigError(f"early_epilogue must be true or false, got {self.early_epilogue!r}")
+        if not isinstance(self.tile_after_wait, bool):
+            raise ConfigError(f"tile_after_wait must be true or false, got {self.tile_after_wait!r}")
         if not isinstance(self.adaptive, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not self.adaptive_min_gain > 0:

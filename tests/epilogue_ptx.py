@@ -2,9 +2,9 @@
 loads between the PDL wait and the K loop's first block label.
 
 Run as a script, without TRITON_INTERPRET (tests/test_gemv_fused.py starts it in a subprocess, as tests/pdl_ptx.py).
-Prints one JSON object: case -> {"off": n, "on": n}, the `ld.global` lines after `griddepcontrol.wait` and before the
-first basic-block label after it (the K loop's head): EARLY_EPI moves the epilogue's loads (residual, bias, the
-cache slot, cos / sin) there.
+Prints one JSON object: case -> {"off": n, "on": n, "tile": n}, the `ld.global` lines after `griddepcontrol.wait` and
+before the first basic-block label after it (the K loop's head): EARLY_EPI ("on") moves the epilogue's loads
+(residual, bias, the cache slot, cos / sin) there, TILE_AFTER_WAIT ("tile") the first K block's weight loads.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def report() -> dict:
         if "attention" in name:
             continue
         out[name] = {}
-        for early in (False, True):
-            c = with_defaults(fn, {**consts, "EARLY_EPI": early})
+        for label, extra in (("off", {}), ("on", {"EARLY_EPI": True}), ("tile", {"TILE_AFTER_WAIT": True})):
+            c = with_defaults(fn, {**consts, **extra})
             src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c)
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"]
-            out[name]["on" if early else "off"] = loads_before_loop(ptx)
+            out[name][label] = loads_before_loop(ptx)
     return out
 
 

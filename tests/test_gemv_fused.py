@@ -495,15 +495,39 @@ def test_early_epilogue_loads_give_the_same_bits(monkeypatch, combo, paired, pip
     assert (early.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
 
 
-_ONE_ROW_FLAGS = ("ONE_ROW_PREFETCH", "ONE_ROW_PIPE", "EARLY_EPILOGUE")
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("paired, pipe", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("K", [40, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_tile_after_the_wait_gives_the_same_bits(monkeypatch, combo, paired, pipe, K, dtype):
+    """TILE_AFTER_WAIT (EngineConfig.tile_after_wait): the first block's tile loaded ahead of the norm prologue is
+    summed first, as the loop would: the same bits, with the plain and the pipelined loop, with the early epilogue
+    loads too."""
+    import specpilot.kernels.gemv_fused as gf
+
+    if paired and "silu_mul" not in combo:
+        pytest.skip("PAIRED is a SiLU x up layout")
+    x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=19)
+    monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
+    monkeypatch.setattr(gf, "ONE_ROW_PIPE", pipe)
+    plain = gemv_fused(x, w, **kw)
+    monkeypatch.setattr(gf, "FIRST_TILE_AFTER_WAIT", True)
+    assert torch.equal(gemv_fused(x, w, **kw), plain)
+    monkeypatch.setattr(gf, "EARLY_EPILOGUE", True)
+    assert torch.equal(gemv_fused(x, w, **kw), plain)
+
+
+_ONE_ROW_FLAGS = ("ONE_ROW_PREFETCH", "ONE_ROW_PIPE", "EARLY_EPILOGUE", "FIRST_TILE_AFTER_WAIT")
+_QKV_FLAGS = {"early_epilogue": "EARLY_EPILOGUE", "tile_after_wait": "FIRST_TILE_AFTER_WAIT"}  # kernels/qkv_rope.py
 
 
 @pytest.mark.parametrize("field, flag", [("gemv_prefetch", "ONE_ROW_PREFETCH"), ("gemv_pipeline", "ONE_ROW_PIPE"),
-                                         ("early_epilogue", "EARLY_EPILOGUE")])
+                                         ("early_epilogue", "EARLY_EPILOGUE"),
+                                         ("tile_after_wait", "FIRST_TILE_AFTER_WAIT")])
 def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, flag):
-    """EngineConfig.gemv_prefetch / gemv_pipeline / early_epilogue set ONE_ROW_PREFETCH / ONE_ROW_PIPE /
-    EARLY_EPILOGUE (and only theirs; early_epilogue also kernels/qkv_rope.py's EARLY_EPILOGUE) when a model is laid
-    out for a CUDA config with the fused one-token path (the newest config decides; quietly ignored on CPU, a
+    """EngineConfig.gemv_prefetch / gemv_pipeline / early_epilogue / tile_after_wait set ONE_ROW_PREFETCH /
+    ONE_ROW_PIPE / EARLY_EPILOGUE / FIRST_TILE_AFTER_WAIT (and only theirs; the last two also kernels/qkv_rope.py's
+    twins) when a model is laid out for a CUDA config with the fused one-token path (the newest config decides; quietly ignored on CPU, a
     warning without fused_decode); a file's "false" is refused; the CLI flag and the loop's mechanism exist, the
     mechanism only over fused decode."""
     import argparse
@@ -521,7 +545,9 @@ def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, fl
 
     for name in _ONE_ROW_FLAGS:
         monkeypatch.setattr(gf, name, False)
-    monkeypatch.setattr(qr, "EARLY_EPILOGUE", False)
+    for name in _QKV_FLAGS.values():
+        monkeypatch.setattr(qr, name, False)
+    qkv = lambda: tuple(getattr(qr, name) for name in _QKV_FLAGS.values())  # noqa: E731
     switched = lambda: tuple(getattr(gf, name) for name in _ONE_ROW_FLAGS)  # noqa: E731
     assert getattr(EngineConfig(), field) is False  # off: not faster on the H200
     with pytest.raises(ConfigError, match=f"{field} must be true or false"):
@@ -532,9 +558,9 @@ def test_one_row_switch_fields_engine_switch_cli_and_loop(monkeypatch, field, fl
     assert getattr(gf, flag) is False
     _apply_gemv_prefetch(EngineConfig(device="cuda", **{field: True}))
     assert switched() == tuple(name == flag for name in _ONE_ROW_FLAGS)
-    assert qr.EARLY_EPILOGUE is (field == "early_epilogue")
+    assert qkv() == tuple(f == field for f in _QKV_FLAGS)
     _apply_gemv_prefetch(EngineConfig(device="cuda"))
-    assert getattr(gf, flag) is False and qr.EARLY_EPILOGUE is False
+    assert getattr(gf, flag) is False and qkv() == (False, False)
     with pytest.warns(RuntimeWarning, match=f"{field} needs fused_decode"):
         _apply_gemv_prefetch(EngineConfig(device="cuda", fused_decode=False, **{field: True}))
     assert getattr(gf, flag) is False
@@ -629,3 +655,5 @@ def test_early_epilogue_loads_are_compiled_before_the_k_loop(sm90_report):
     assert report["gemv_norm_silu_mul_late"]["on"] == report["gemv_norm_silu_mul_late"]["off"]
     for case in ("qkv_rope_late", "qkv_rope_qk_norm_late"):  # (the norm prologue's row loads are there either way)
         assert report[case]["on"] > report[case]["off"], (case, report[case])
+    for case in report:  # TILE_AFTER_WAIT: the first block's weight loads there too, in every kernel
+        assert report[case]["tile"] > report[case]["off"], (case, report[case])

@@ -89,14 +89,19 @@ def test_qkv_rope_is_the_gemv_then_rope_write_bit_for_bit(H, Hkv, D, K, position
     (8, 2, 128, 130, 17, torch.bfloat16, True, True, True),
     (6, 2, 32, 64, 0, torch.bfloat16, True, False, True),
 ])
-def test_early_epilogue_loads_give_the_same_bits(monkeypatch, H, Hkv, D, K, position, dtype, bias, norm, qk_norm):
-    """EARLY_EPI (EngineConfig.early_epilogue): bias, cache slot and cos / sin loaded right after the wait are the
-    same values in the same sums: q and both caches the bits of the epilogue's own loads."""
+def test_early_loads_give_the_same_bits(monkeypatch, H, Hkv, D, K, position, dtype, bias, norm, qk_norm):
+    """EARLY_EPI (EngineConfig.early_epilogue: bias, cache slot and cos / sin loaded right after the wait) and
+    TILE_AFTER_WAIT (tile_after_wait: the first weight tile ahead of the norm prologue) are the same values in the
+    same sums: q and both caches the bits of the plain kernel's."""
     import specpilot.kernels.qkv_rope as qr
 
     args = _case(H, Hkv, D, K, 40, position, dtype, bias, norm, seed=H + K, qk_norm=qk_norm)
     want, want_k, want_v = _one_launch(*args)
-    monkeypatch.setattr(qr, "EARLY_EPILOGUE", True)
+    for flag in ("EARLY_EPILOGUE", "FIRST_TILE_AFTER_WAIT"):  # each, then both (TILE_AFTER_WAIT: the first tile
+        monkeypatch.setattr(qr, flag, True)  # ahead of the norm prologue)
+        got, got_k, got_v = _one_launch(*args)
+        assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v), flag
+    monkeypatch.setattr(qr, "EARLY_EPILOGUE", False)
     got, got_k, got_v = _one_launch(*args)
     assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 

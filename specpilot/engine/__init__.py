@@ -168,19 +168,23 @@ def _apply_pdl(config: EngineConfig) -> None:
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
-    """EngineConfig.gemv_prefetch, gemv_pipeline and early_epilogue -> the one-row GEMV's process-wide switches
-    (kernels/gemv_fused.py ONE_ROW_PREFETCH, ONE_ROW_PIPE, EARLY_EPILOGUE; the last also kernels/qkv_rope.py's
-    EARLY_EPILOGUE), set whenever a model is laid out, as _apply_pdl."""
+    """EngineConfig.gemv_prefetch, gemv_pipeline, early_epilogue and tile_after_wait -> the one-row GEMV's
+    process-wide switches (kernels/gemv_fused.py ONE_ROW_PREFETCH, ONE_ROW_PIPE, EARLY_EPILOGUE,
+    FIRST_TILE_AFTER_WAIT; the last two also kernels/qkv_rope.py's), set whenever a model is laid out, as
+    _apply_pdl."""
     from specpilot.kernels import gemv_fused, qkv_rope
 
     what = "the one-row GEMVs it changes are the fused one-token path's"
     want = _fused_switch_wanted(config, "gemv_prefetch", what)
     pipe = _fused_switch_wanted(config, "gemv_pipeline", what)
     early = _fused_switch_wanted(config, "early_epilogue", what)
+    tile = _fused_switch_wanted(config, "tile_after_wait", what)
     if gemv_fused.triton is not None:
         gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
         gemv_fused.ONE_ROW_PIPE = pipe and _kernel_on(config, "gemv_pipeline")
         gemv_fused.EARLY_EPILOGUE = qkv_rope.EARLY_EPILOGUE = early and _kernel_on(config, "early_epilogue")
+        gemv_fused.FIRST_TILE_AFTER_WAIT = qkv_rope.FIRST_TILE_AFTER_WAIT = (tile
+                                                                             and _kernel_on(config, "tile_after_wait"))
 
 
 def _apply_program_splits(config: EngineConfig) -> None:

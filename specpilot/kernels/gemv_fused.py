@@ -121,6 +121,13 @@ ONE_ROW_PIPE = False
 # of kernels/pdl.py). Costs a program BLOCK_N values in registers. The same values in the same sums: the same bits.
 # Not tuned on: the autotuning key leaves it out, so the tiles tuned (or pinned, kernels/tuned.py) without it apply.
 EARLY_EPILOGUE = False
+# The one-row kernel asks for its first K block's weight tile(s) right after its PDL wait, ahead of the norm
+# prologue (TILE_AFTER_WAIT, EngineConfig.tile_after_wait): gate/up and the LM head otherwise load and reduce the
+# whole input row first (an L2 round trip and a tree reduction) before their first DRAM request. PREFETCH's tile
+# comes before the wait instead (slower, session 26: +8.5% without PDL; never taken with the late trigger), where
+# it holds registers and queues behind the kernel ahead's stream. The same sums in the same order: the same bits.
+# Not in the autotuning key (the tiles tuned or pinned without it apply). kernels/qkv_rope.py has its twin.
+FIRST_TILE_AFTER_WAIT = False
 # Under PDL, a one-row GEMV whose whole weight is at most this many bytes first asks L2 for all of it, one bulk
 # prefetch (cp.async.bulk.prefetch.L2, sm_90) per L2_CHUNK bytes of its own rows, before its wait: where the kernel
 # ahead is latency-bound (o_proj behind RoPE + attention, ~13 us at Qwen3-8B in which HBM idles) the weight then
@@ -377,7 +384,8 @@ if triton is not None:
                            OUT_P2: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
                            PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False,
                            L2_PART: tl.constexpr = 64, NX_PF: tl.constexpr = False, PIPE: tl.constexpr = False,
-                           EARLY_EPI: tl.constexpr = False, TRACE: tl.constexpr = False, tr_ptr=None):
+                           EARLY_EPI: tl.constexpr = False, TILE_AFTER_WAIT: tl.constexpr = False,
+                           TRACE: tl.constexpr = False, tr_ptr=None):
         """y[n] for this program's BLOCK_N columns n < N (N = I with SILU_MUL: gate row n, up row N + n).
 
         PAIRED (SILU_MUL only, an autotuning choice): the gate and up rows as ONE [2 BLOCK_N, BLOCK_K] tile,
@@ -412,7 +420,12 @@ if triton is not None:
         EARLY_EPI (EARLY_EPILOGUE): the epilogue's bias and residual loads right after the wait, before the norm
         prologue and the K loop (their round trip overlaps the weight stream); the same values, the same bits.
 
+        TILE_AFTER_WAIT (FIRST_TILE_AFTER_WAIT; not with PREFETCH): the first K block's weight tile(s) asked for
+        right after the wait, ahead of the norm prologue's row load and reduction (as PREFETCH's, whose tile comes
+        before the wait); the same sums in the same order, the same bits.
+
         TRACE (kernels/trace.py, a diagnostic): the program's timeline row into tr_ptr's region; nothing else."""
+        FIRST: tl.constexpr = PREFETCH or TILE_AFTER_WAIT  # the first block's tiles loaded ahead of the loop
         if TRACE:
             t_start = _tr_now()
         if USE_PDL and not PDL_LATE:
@@ -443,6 +456,8 @@ if triton is not None:
         if TRACE:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
+        if TILE_AFTER_WAIT and not PREFETCH:  # weights, first: their DRAM round trip overlaps the norm prologue
+            w0, wu0 = _w_tiles(w_ptr, rows, m_rows, 0, K, N * stride_wn, UP, BLOCK_K)
         if EARLY_EPI:  # after the wait: the residual is an activation (see EARLY_EPILOGUE)
             b_e, bu_e, r_e = _epilogue_loads(n_offs, n_mask, N, b_ptr, r_ptr + n_offs, n_mask, HAS_BIAS, HAS_RES,
                                              SILU_MUL)
@@ -453,11 +468,11 @@ if triton is not None:
         acc_up = acc
         if SILU_MUL and not PAIRED:
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if PREFETCH:  # the first K block with the prefetched tiles (the loop's body, same order of sums)
+        if FIRST:  # the first K block with the prefetched tiles (the loop's body, same order of sums)
             acc, acc_up = _acc_block(acc, acc_up, w0, wu0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, UP, ON_GPU,
                                      BLOCK_K)
         if PIPE:  # the K loop one block ahead: block k0's weights are asked for before block k0 - BK is summed
-            k_lo = PREFETCH * BLOCK_K
+            k_lo = FIRST * BLOCK_K
             if k_lo < K:
                 w, wu = _w_tiles(w_ptr, rows, m_rows, k_lo, K, N * stride_wn, UP, BLOCK_K)
                 for k0 in range(k_lo + BLOCK_K, K, BLOCK_K):
@@ -469,7 +484,7 @@ if triton is not None:
                 acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, (K - 1) // BLOCK_K * BLOCK_K, K, rstd,
                                          dt, HAS_NORM, UP, ON_GPU, BLOCK_K)
         else:
-            for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+            for k0 in range(FIRST * BLOCK_K, K, BLOCK_K):
                 w, wu = _w_tiles(w_ptr, rows, m_rows, k0, K, N * stride_wn, UP, BLOCK_K)
                 acc, acc_up = _acc_block(acc, acc_up, w, wu, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, UP, ON_GPU,
                                          BLOCK_K)
@@ -723,14 +738,16 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if _INTERPRET:
             _kernel[(triton.cdiv(out_n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=64, PAIRED=INTERPRET_PAIRED,
                                                PREFETCH=INTERPRET_PREFETCH or ONE_ROW_PREFETCH, PIPE=ONE_ROW_PIPE,
-                                               EARLY_EPI=EARLY_EPILOGUE, **tr)
+                                               EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT,
+                                               **tr)
         else:
             _kernel[lambda meta: (triton.cdiv(out_n, meta["BLOCK_N"]),)](*args, **flags,
                                                                          PREFETCH=pdl.use_pdl and PDL_PREFETCH
                                                                          and not pdl.late or ONE_ROW_PREFETCH,
                                                                          **l2_warming(weight, pdl.use_pdl),
                                                                          NX_PF=nx_on, PIPE=ONE_ROW_PIPE,
-                                                                         EARLY_EPI=EARLY_EPILOGUE, **tr)
+                                                                         EARLY_EPI=EARLY_EPILOGUE,
+                                                                         TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT, **tr)
     return y if normed is None else (y, normed)
 
 

@@ -66,6 +66,10 @@ _COUNTERS = DeviceBuffers("qkv_rope head counters", torch.int32)  # QK_NORM: one
 # then overlaps the weight stream instead of following the last tile. The same values: the same bits. Not in the
 # autotuning key (the tiles tuned or pinned without it apply).
 EARLY_EPILOGUE = False
+# The first K block's weight tile asked for right after the PDL wait, ahead of the norm prologue (TILE_AFTER_WAIT;
+# EngineConfig.tile_after_wait, as kernels/gemv_fused.py FIRST_TILE_AFTER_WAIT says why): at Qwen3-8B qkv's 48 MiB
+# stream from DRAM behind down_proj's tail (session 26: a ~4 us ramp a layer). The same bits.
+FIRST_TILE_AFTER_WAIT = False
 
 
 def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads: int,
@@ -89,7 +93,8 @@ if triton is not None:
                          K_P2: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                          QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64,
-                         EARLY_EPI: tl.constexpr = False, TRACE: tl.constexpr = False, tr_ptr=None):
+                         EARLY_EPI: tl.constexpr = False, TILE_AFTER_WAIT: tl.constexpr = False,
+                         TRACE: tl.constexpr = False, tr_ptr=None):
         HALF: tl.constexpr = D // 2
         if TRACE:  # kernels/trace.py (a diagnostic): this program's timeline row, written at its end
             t_start = _tr_now()
@@ -111,21 +116,23 @@ if triton is not None:
         if TRACE:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
+        if TILE_AFTER_WAIT:  # the first block's weights first (FIRST_TILE_AFTER_WAIT): ahead of the norm prologue
+            w0 = tl.load(w_ptr + rows + tl.arange(0, BLOCK_K)[None, :], mask=(tl.arange(0, BLOCK_K) < K)[None, :],
+                         other=0.0)
         if EARLY_EPI:  # the epilogue's loads (EARLY_EPILOGUE), after the wait: the same values, the same bits
             b1, b2, p = _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS, D)
             if not QK_NORM:  # (every program: v's ignore theirs, one round trip with the others)
                 c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, j, D)
+        rstd = 1.0
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # gemv_fused's one-row loop
+        if TILE_AFTER_WAIT:  # block 0 with the tile loaded above (the loop's body: the same order of sums)
+            acc = _qkv_block(acc, w0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+        for k0 in range(TILE_AFTER_WAIT * BLOCK_K, K, BLOCK_K):  # gemv_fused's one-row loop
             k_offs = k0 + tl.arange(0, BLOCK_K)
-            k_mask = k_offs < K
-            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
-            w = tl.load(w_ptr + rows + k_offs[None, :], mask=k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * h[None, :]
+            w = tl.load(w_ptr + rows + k_offs[None, :], mask=(k_offs < K)[None, :], other=0.0)
+            acc = _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
         if TRACE:
             t_looped = _tr_now()
         if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
@@ -178,6 +185,18 @@ if triton is not None:
             tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
         if TRACE:
             _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
+
+    @triton.jit
+    def _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr,
+                   ON_GPU: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The K loop's body for block k0 with its weight tile w loaded: x's block (normed with HAS_NORM) times w
+        into acc -> acc."""
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k_offs < K
+        h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
+        return acc + w.to(tl.float32) * h[None, :]
 
     @triton.jit
     def _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS: tl.constexpr, D: tl.constexpr):
@@ -282,10 +301,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
                  USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
+    flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT)
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
-        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, EARLY_EPI=EARLY_EPILOGUE, **tr)
+        _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, **tr)
     else:
-        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags, EARLY_EPI=EARLY_EPILOGUE, **tr)
+        _kernel[lambda meta: (pairs // meta["BLOCK_P"],)](*args, **flags, **tr)
     return q
 
 

@@ -299,6 +299,10 @@ register(_fused_switch(
     "early_epilogue",
     "the fused one-token path's GEMVs (and qkv + RoPE) load their epilogue's residual / bias / RoPE operands right "
     "after their wait, so that round trip overlaps the weight stream instead of following each program's last tile"))
+register(_fused_switch(
+    "tile_after_wait",
+    "the fused one-token path's GEMVs (and qkv + RoPE) ask for their first weight tile right after their wait, "
+    "ahead of the norm prologue, so the first DRAM round trip overlaps the input row's load and reduction"))
 register(Mechanism(
     "tuned_tiles", ("draft", "verify"), {"tuned_tiles": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_projections,
