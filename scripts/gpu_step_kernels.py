@@ -150,6 +150,13 @@ def measure(name: str, replays: int, rope_in_qkv: bool = False, pdl_trigger: str
     return out
 
 
+def print_shape(name: str, r: dict, keys: tuple) -> None:
+    """A shape's result as human lines: its `keys`, then one line per layer position and per launch outside."""
+    print(name, {k: r.get(k) for k in keys}, flush=True)
+    for label, row in {**r.get("per_layer", {}), **r.get("outside_layers", {})}.items():
+        print(f"  {label[:40]:40s} {row}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
@@ -178,12 +185,7 @@ def main(argv: list[str]) -> int:
     res = {}
     for name in shapes or ["qwen2.5-1.5b", "qwen3-8b"]:
         res[name] = measure(name, replays, rope_in_qkv, pdl_trigger)
-        r = res[name]
-        print(name, {k: r.get(k) for k in ("step_ms", "over_floor", "kernel_us", "gaps_us", "error")}, flush=True)
-        for label, row in r.get("per_layer", {}).items():
-            print(f"  {label:11s} {row}", flush=True)
-        for label, row in r.get("outside_layers", {}).items():
-            print(f"  {label[:40]:40s} {row}", flush=True)
+        print_shape(name, res[name], ("step_ms", "over_floor", "kernel_us", "gaps_us", "error"))
         torch.cuda.empty_cache()
     print(json.dumps(res))
     return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 CONTEXT, POOL = 512, 4096  # scripts/gpu_step_timing.py's
 LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")  # a fused layer's five launches (rope_in_qkv, default)
@@ -226,7 +227,7 @@ def parse(argv: list[str]) -> tuple[list[str], dict, int]:
             if replays < 1:
                 raise SystemExit("gpu_step_trace.py: --replays must be >= 1")
         elif a.startswith("--config="):
-            sys.path.insert(0, __file__.rsplit("/", 1)[0])
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
             from gpu_step_timing import configs  # the same field=value parsing and checks
 
             fields = configs([f"--config=c:{a.split('=', 1)[1]}"])[0][1]
@@ -248,16 +249,17 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_step_kernels import print_shape  # the same human lines
+
     if not torch.cuda.is_available():
         print("gpu_step_trace.py needs CUDA", file=sys.stderr)
         return 2
     res = {}
     for name in shapes:
-        r = res[name] = measure(name, fields, replays)
-        print(name, {k: r.get(k) for k in ("step_ms", "step_traced_ms", "traced_span_us", "timer_granularity_ns",
-                                           "sm_ghz", "layer_sum", "error")}, flush=True)
-        for label, row in {**r.get("per_layer", {}), **r.get("outside_layers", {})}.items():
-            print(f"  {label[:36]:36s} {row}", flush=True)
+        res[name] = measure(name, fields, replays)
+        print_shape(name, res[name], ("step_ms", "step_traced_ms", "traced_span_us", "timer_granularity_ns",
+                                      "sm_ghz", "layer_sum", "error"))
         torch.cuda.empty_cache()
     print(json.dumps(res))
     return 0

@@ -410,6 +410,23 @@ def test_pipelined_k_loop_gives_the_same_bits(monkeypatch, combo, paired, prefet
     assert (piped.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
 
 
+def _spy_on_launches(monkeypatch, gf, flag, run: bool = True) -> list:
+    """Replace the one-row kernel with a spy -> the list of each launch's `flag` kwarg (a tuple of them for a tuple
+    of names); each launch then runs the real (interpreted) kernel, unless `run` is False (a faked GPU launch:
+    nothing runs)."""
+    seen, real = [], gf._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(tuple(kw[f] for f in flag) if isinstance(flag, tuple) else kw[flag])
+                return real[grid](*args, **kw) if run else None
+            return launch
+
+    monkeypatch.setattr(gf, "_kernel", Spy())
+    return seen
+
+
 @pytest.mark.parametrize("interpret", [True, False])
 def test_pipelined_k_loop_sums_every_block_once(monkeypatch, interpret):
     """ONE_ROW_PIPE reaches both launches as PIPE (the GPU one faked: no kernel runs), and the pipelined loop
@@ -417,16 +434,7 @@ def test_pipelined_k_loop_sums_every_block_once(monkeypatch, interpret):
     fp32), for K of one to five blocks (BLOCK_K 64 under the interpreter)."""
     import specpilot.kernels.gemv_fused as gf
 
-    seen, real = [], gf._kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["PIPE"])
-                return real[grid](*args, **kw) if interpret else None
-            return launch
-
-    monkeypatch.setattr(gf, "_kernel", Spy())
+    seen = _spy_on_launches(monkeypatch, gf, "PIPE", run=interpret)
     monkeypatch.setattr(gf, "_INTERPRET", interpret)
     monkeypatch.setattr(gf, "ONE_ROW_PIPE", True)
     for K in (1, 63, 64, 65, 128, 129, 320):
@@ -443,17 +451,7 @@ def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_b
     off, it launches without (the M-row kernel never takes the flag)."""
     import specpilot.kernels.gemv_fused as gf
 
-    seen = []
-    real = gf._kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["PREFETCH"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(gf, "_kernel", Spy())
+    seen = _spy_on_launches(monkeypatch, gf, "PREFETCH")
     x, w, kw = _inputs("norm+silu_mul", 100, 2 * 19, torch.bfloat16, seed=5)
     plain = gemv_fused(x, w, **kw)
     monkeypatch.setattr(gf, "ONE_ROW_PREFETCH", True)
@@ -466,10 +464,13 @@ def test_one_row_prefetch_switch_launches_the_prefetching_kernel_with_the_same_b
 @pytest.mark.parametrize("paired, pipe", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("K", [40, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_early_epilogue_loads_give_the_same_bits(monkeypatch, combo, paired, pipe, K, dtype):
-    """EARLY_EPI (EngineConfig.early_epilogue): the bias and residual loaded right after the wait, before the K
-    loop, are the same values in the same sums: the same bits as the epilogue's own loads, with the plain and the
-    pipelined loop; and the launch passes the switch (a spy on the interpreted kernel)."""
+@pytest.mark.parametrize("switches", [("EARLY_EPILOGUE",), ("FIRST_TILE_AFTER_WAIT",),
+                                      ("EARLY_EPILOGUE", "FIRST_TILE_AFTER_WAIT")])
+def test_early_loads_give_the_same_bits(monkeypatch, combo, paired, pipe, K, dtype, switches):
+    """EARLY_EPI (EngineConfig.early_epilogue: the bias and residual loaded right after the wait, before the K loop)
+    and TILE_AFTER_WAIT (tile_after_wait: the first block's tile ahead of the norm prologue, summed first as the
+    loop would) are the same values in the same sums: the same bits as the plain kernel's, with the plain and the
+    pipelined loop, each and both; the launch passes each switch (a spy on the interpreted kernel)."""
     import specpilot.kernels.gemv_fused as gf
 
     if paired and "silu_mul" not in combo:
@@ -477,44 +478,14 @@ def test_early_epilogue_loads_give_the_same_bits(monkeypatch, combo, paired, pip
     x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=17)
     monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
     monkeypatch.setattr(gf, "ONE_ROW_PIPE", pipe)
-    seen, real = [], gf._kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **k):
-                seen.append(k["EARLY_EPI"])
-                return real[grid](*args, **k)
-            return launch
-
-    monkeypatch.setattr(gf, "_kernel", Spy())
+    seen = _spy_on_launches(monkeypatch, gf, ("EARLY_EPI", "TILE_AFTER_WAIT"))
     plain = gemv_fused(x, w, **kw)
-    monkeypatch.setattr(gf, "EARLY_EPILOGUE", True)
+    for name in switches:
+        monkeypatch.setattr(gf, name, True)
     early = gemv_fused(x, w, **kw)
-    assert seen == [False, True]
+    assert seen == [(False, False), ("EARLY_EPILOGUE" in switches, "FIRST_TILE_AFTER_WAIT" in switches)]
     assert torch.equal(early, plain)
     assert (early.float() - gemv_fused_reference(x, w, **kw).float()).abs().max().item() < 5e-2
-
-
-@pytest.mark.parametrize("combo", list(COMBOS))
-@pytest.mark.parametrize("paired, pipe", [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("K", [40, 300])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_tile_after_the_wait_gives_the_same_bits(monkeypatch, combo, paired, pipe, K, dtype):
-    """TILE_AFTER_WAIT (EngineConfig.tile_after_wait): the first block's tile loaded ahead of the norm prologue is
-    summed first, as the loop would: the same bits, with the plain and the pipelined loop, with the early epilogue
-    loads too."""
-    import specpilot.kernels.gemv_fused as gf
-
-    if paired and "silu_mul" not in combo:
-        pytest.skip("PAIRED is a SiLU x up layout")
-    x, w, kw = _inputs(combo, K, 2 * 19 if "silu_mul" in combo else 37, dtype, seed=19)
-    monkeypatch.setattr(gf, "INTERPRET_PAIRED", paired)
-    monkeypatch.setattr(gf, "ONE_ROW_PIPE", pipe)
-    plain = gemv_fused(x, w, **kw)
-    monkeypatch.setattr(gf, "FIRST_TILE_AFTER_WAIT", True)
-    assert torch.equal(gemv_fused(x, w, **kw), plain)
-    monkeypatch.setattr(gf, "EARLY_EPILOGUE", True)
-    assert torch.equal(gemv_fused(x, w, **kw), plain)
 
 
 _ONE_ROW_FLAGS = ("ONE_ROW_PREFETCH", "ONE_ROW_PIPE", "EARLY_EPILOGUE", "FIRST_TILE_AFTER_WAIT")
