@@ -59,6 +59,18 @@ def launch_stats(rows: list[list[int]], t0: int) -> dict:
             "busy_cycles": _med([c1 - c0 for c0, c1 in zip(col("clock_waited"), col("clock_end"))])}
 
 
+def attention_chain(rows: list[list[int]]) -> dict:
+    """One attention launch's programs (tags: 0 exited early, 1 published a partial, 2 published and merged) ->
+    att_publish_us (median over the working programs of wait -> partial published: the slice's loads, softmax,
+    stores, barrier and atomic), att_merge_us (the last arrival's merge: published -> end) and att_working."""
+    w, lo, e, tag = (FIELD[k] for k in ("waited", "looped", "end", "tag"))
+    work = [r for r in rows if r[tag] in (1, 2)]
+    if not work:
+        return {}
+    return {"att_publish_us": _med([(r[lo] - r[w]) / 1e3 for r in work]),
+            "att_merge_us": _med([(r[e] - r[lo]) / 1e3 for r in work if r[tag] == 2]), "att_working": len(work)}
+
+
 def boundaries(launches: list[dict]) -> list[dict]:
     """One replay's launches (kernels/trace.py `read`, in launch order) -> per launch its stats and, from the second
     on, what it adds after the one ahead (release, run, share, lead, spread, tail; module docstring)."""
@@ -67,6 +79,8 @@ def boundaries(launches: list[dict]) -> list[dict]:
     for launch in launches:
         s = launch_stats(launch["rows"], t0)
         s["name"] = launch["name"]
+        if "attention" in launch["name"]:
+            s.update(attention_chain(launch["rows"]))
         s["run"] = s["end_last"] - s["wait_first"]
         s["spread"] = s["wait_last"] - s["wait_first"]
         s["tail"] = s["end_last"] - s["end_med"]
@@ -92,7 +106,8 @@ def layer_offset(names: list[str], layers: int) -> int:
                      f"{names[:8]}")
 
 
-SUMMED = ("release", "run", "share", "lead", "spread", "tail", "busy_us", "busy_cycles")
+SUMMED = ("release", "run", "share", "lead", "spread", "tail", "busy_us", "busy_cycles", "att_publish_us",
+          "att_merge_us", "att_working")
 
 
 def summarize(replays: list[list[dict]], layers: int, floors_us: dict | None = None) -> dict:

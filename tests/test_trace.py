@@ -105,6 +105,8 @@ def test_boundaries_and_summary_on_a_synthetic_step():
     assert att["spread"] == pytest.approx(0.2) and att["tail"] == pytest.approx(0.5)
     assert att["programs"] == 2 and att["sms"] == 2
     assert att["busy_us"] == pytest.approx(2.4) and att["busy_cycles"] == pytest.approx(4800)
+    assert att["att_working"] == 2 and att["att_publish_us"] == pytest.approx(0.0)  # looped = waited here
+    assert "att_publish_us" not in b[0] and "att_publish_us" not in b[2]  # the attention's alone
     s = gst.summarize([b, b], 3, {"qkv": 1.0, "o_proj": 0.5, "lm_head": 2.0})
     assert s["offset"] == 0 and s["launches"] == 16
     pl = s["per_layer"]
@@ -118,6 +120,13 @@ def test_boundaries_and_summary_on_a_synthetic_step():
     assert s["traced_span_us"] == pytest.approx((t + 5700 - 9500) / 1e3, abs=0.01)
     with pytest.raises(ValueError, match="different launch"):
         gst.summarize([b, b[:-1]], 3)
+
+
+def test_attention_chain_splits_publish_and_merge():
+    rows = [_row(0, 1000, 1500, tag=0), _row(0, 1000, 5000, looped=4000), _row(0, 1200, 9000, looped=5200, tag=2)]
+    c = gst.attention_chain(rows)
+    assert c == {"att_publish_us": pytest.approx(3.5), "att_merge_us": pytest.approx(3.8), "att_working": 2}
+    assert gst.attention_chain([_row(0, 1000, 1500, tag=0)]) == {}
 
 
 def test_layer_offset_needs_the_five_launch_layer():
