@@ -9,7 +9,8 @@ programmatic dependent launch, norm_epilogue: the fused layer's norms written by
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
 its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue, gemv_pipeline: their K loop one
 block ahead, early_epilogue: their (and qkv + RoPE's) epilogue operands loaded right after the wait,
-tile_after_wait: their first weight tile right after it,
+tile_after_wait: their first weight tile right after it, qkv_trigger_first: qkv + RoPE letting the attention
+launch first thing, with the attention's older K/V rows loaded before its wait,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -37,7 +38,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
-            "tile_after_wait", "rope_split",
+            "tile_after_wait", "qkv_trigger_first", "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -515,14 +516,14 @@ def main(only: tuple[str, ...] = ()) -> int:
     def gemv_pipeline():  # the K loop one block ahead
         one_row_switch("gemv_pipeline", "ONE_ROW_PIPE")
 
-    def early_loads(field: str):
+    def early_loads(field: str, **more):
         # a switch of the one-row GEMVs and qkv + RoPE that the engine sets from the config (kernels/gemv_fused.py
         # and qkv_rope.py; tiles not re-tuned): graphed AR with RoPE in the qkv GEMV's epilogue against the same
         # without the switch, eager AR, n-gram speculation
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
         riq = fast.use_rope_in_qkv()
         off_cfg = base.with_(fused_verify=True, rope_in_qkv=True)
-        on_cfg = off_cfg.with_(**{field: True})
+        on_cfg = off_cfg.with_(**{field: True}, **more)
         off = [Engine(riq, off_cfg).generate(p) for p in prompts]
         on = [Engine(riq, on_cfg).generate(p) for p in prompts]
         try:
@@ -538,6 +539,9 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     def tile_after_wait():  # the first weight tile right after the wait, ahead of the norm prologue
         early_loads("tile_after_wait")
+
+    def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
+        early_loads("qkv_trigger_first", attn_kv_preload=True)
 
     def rope_split():
         # q's heads over several RoPE + K/V-write programs (kernels/rope_write.py Q_HEADS_PER_PROGRAM, 4 a program):
@@ -696,7 +700,7 @@ def main(only: tuple[str, ...] = ()) -> int:
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "gemv_pipeline": gemv_pipeline, "early_epilogue": early_epilogue,
-              "tile_after_wait": tile_after_wait, "rope_split": rope_split, "attn_split": attn_split,
+              "tile_after_wait": tile_after_wait, "qkv_trigger_first": qkv_trigger_first, "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,

@@ -159,6 +159,9 @@ class EngineConfig:
     # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
     # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
     # Off: not faster on the H200 (session 35: 1.5B +1.3 / +2.4% with 8 warps, 8B -0.7%); the loop searches it
+    qkv_trigger_first: bool = False  # with pdl (late trigger): qkv + RoPE lets the attention launch first thing
+    # (kernels/qkv_rope.py TRIGGER_FIRST: one wave, so no program of it is stranded), so the attention's programs are
+    # resident during the qkv GEMV and attn_kv_preload's older K/V rows load under its weight stream. Same numbers
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200
@@ -309,6 +312,8 @@ class EngineConfig:
                               f"{self.attn_warps!r}")
         if not isinstance(self.attn_kv_preload, bool):
             raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
+        if not isinstance(self.qkv_trigger_first, bool):
+            raise ConfigError(f"qkv_trigger_first must be true or false, got {self.qkv_trigger_first!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.tuned_tiles, bool):  # as pdl: "false" from a file must not turn it on

@@ -680,3 +680,51 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 norm = "qk_norm" in name  # with Qwen3's per-head norm only
                 assert ("atom.global.gpu.acq_rel.add.u32" in case["atomics"]) == norm, (name, case)
                 assert (case["cg_loads"] > 0) == norm, (name, case)
+
+
+def test_qkv_trigger_first_lets_the_attention_launch_at_qkv_start(monkeypatch):
+    """EngineConfig.qkv_trigger_first -> kernels/qkv_rope.py TRIGGER_FIRST with PDL on only: under the late trigger
+    qkv + RoPE then launches with PDL_LATE False (launch_dependents first thing) and the same bits; validated, a CLI
+    flag, in the loop's layout key, a loop mechanism only under the late trigger."""
+    import argparse
+
+    import specpilot.kernels.qkv_rope as qr
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.engine import _apply_pdl
+    from specpilot.errors import ConfigError
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    monkeypatch.setattr(qr, "TRIGGER_FIRST", False)
+    assert EngineConfig().qkv_trigger_first is False
+    _apply_pdl(EngineConfig(device="cuda", qkv_trigger_first=True))
+    assert pdl.enabled() and qr.TRIGGER_FIRST is True
+    _apply_pdl(EngineConfig(device="cuda"))
+    assert qr.TRIGGER_FIRST is False
+    _apply_pdl(EngineConfig(device="cuda", qkv_trigger_first=True, pdl=False))
+    assert not pdl.enabled() and qr.TRIGGER_FIRST is False
+    with pytest.raises(ConfigError, match="qkv_trigger_first must be true or false"):
+        EngineConfig(qkv_trigger_first=1)
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--qkv-trigger-first"])).qkv_trigger_first is True
+    assert "qkv_trigger_first" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert REGISTRY["qkv_trigger_first"].candidates(gpu.config, gpu) == [{"qkv_trigger_first": True}]
+    assert not REGISTRY["qkv_trigger_first"].applies(gpu, gpu.config.with_(pdl_trigger="start"))
+    log = []
+    monkeypatch.setattr(qr, "_kernel", Recorder("qkv_rope", qr._kernel, log))
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D, K, S = 4, 2, 16, 64, 8
+    x, w = torch.randn(1, K, generator=g), torch.randn((H + 2 * Hkv) * D, K, generator=g) / 8
+    cos, sin = torch.ones(1, 1, 1, D), torch.zeros(1, 1, 1, D)
+    outs = []
+    for trigger, first, late in (("late", False, True), ("late", True, False), ("start", True, False)):
+        assert pdl.set_enabled(True, trigger=trigger)
+        monkeypatch.setattr(qr, "TRIGGER_FIRST", first)
+        kc, vc = torch.zeros(1, Hkv, S, D), torch.zeros(1, Hkv, S, D)
+        outs.append((qr.qkv_rope(x, w, None, None, 1e-6, cos, sin, torch.tensor([[3]]), kc, vc, H), kc, vc))
+        assert log[-1][1]["PDL_LATE"] is late and log[-1][1]["USE_PDL"] is True, (trigger, first)
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
+    pdl.set_enabled(False)

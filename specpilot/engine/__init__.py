@@ -153,7 +153,7 @@ def _apply_pdl(config: EngineConfig) -> None:
     only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
     it stays off without a word: it is on by default, and the kernels are the same without it."""
-    from specpilot.kernels import decode_attention, gemv_fused, pdl
+    from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope
 
     want = _fused_switch_wanted(config, "pdl", "only the fused one-token path launches with PDL", quiet=True)
     pdl.set_enabled(want and _kernel_on(config, "pdl"), config.device if want else None, config.pdl_trigger,
@@ -165,6 +165,7 @@ def _apply_pdl(config: EngineConfig) -> None:
         decode_attention.PDL_KV_L2 = config.pdl_kv_l2 and pdl.enabled()  # the attention's K/V hint, as above
         decode_attention.PDL_EARLY_POS = config.attn_early_pos and pdl.enabled()  # its positions before the wait
         decode_attention.KV_PRELOAD = config.attn_kv_preload and pdl.enabled()  # its older K/V rows, too
+        qkv_rope.TRIGGER_FIRST = config.qkv_trigger_first and pdl.enabled()  # the attention resident during qkv
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:

@@ -70,6 +70,15 @@ EARLY_EPILOGUE = False
 # EngineConfig.tile_after_wait, as kernels/gemv_fused.py FIRST_TILE_AFTER_WAIT says why): at Qwen3-8B qkv's 48 MiB
 # stream from DRAM behind down_proj's tail (session 26: a ~4 us ramp a layer). The same bits.
 FIRST_TILE_AFTER_WAIT = False
+# Under the late PDL trigger, qkv + RoPE lets the attention launch first thing anyway (EngineConfig.
+# qkv_trigger_first). Why: the late trigger exists for GEMVs of several waves, whose later programs would find their
+# slots taken by the next kernel's waiting programs; qkv + RoPE is ONE wave (1.5B: 256 programs, every one past its
+# wait within 32 ns; Qwen3-8B 384), so nothing of it can be stranded, while the late trigger kept the attention's
+# programs from being resident before qkv's last tile (session 37 trace, H100: the attention's first program started
+# 0.2-0.4 us AFTER qkv's last end at 1.5B). Resident early, the attention can load its slice's older K/V rows before
+# its wait (EngineConfig.attn_kv_preload): their DRAM round trips overlap qkv's weight stream. Numbers unchanged:
+# only when the next grid may start.
+TRIGGER_FIRST = False
 
 
 def qkv_rope_reference(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads: int,
@@ -298,7 +307,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, ON_GPU=not _INTERPRET,
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D, QK_NORM=qk_norm,
-                 USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
+                 USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late and not TRIGGER_FIRST, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
     flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT)

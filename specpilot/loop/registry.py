@@ -278,6 +278,11 @@ register(Mechanism(
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
     "before its wait, so only q and the new token's row are read behind it"))
 register(Mechanism(
+    "qkv_trigger_first", ("verify", "draft"), {"qkv_trigger_first": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode,
+    "under the late PDL trigger, qkv + RoPE (one wave) lets the attention launch first thing, so its programs are "
+    "resident during the qkv GEMV (with attn_kv_preload: its older K/V rows load meanwhile)"))
+register(Mechanism(
     "verify_l2", ("verify",), {"verify_l2_mb": [8, 16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's attention warms o_proj's weight in L2 while it runs (latency-bound: HBM idles), so the "
