@@ -10,7 +10,8 @@ rope_in_attention: a one-token layer's RoPE + K/V write inside its attention lau
 its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahead of their norm prologue, gemv_pipeline: their K loop one
 block ahead, early_epilogue: their (and qkv + RoPE's) epilogue operands loaded right after the wait,
 tile_after_wait: their first weight tile right after it, qkv_trigger_first: qkv + RoPE letting the attention
-launch first thing, with the attention's older K/V rows loaded before its wait,
+launch first thing, with the attention's older K/V rows loaded before its wait, attn_single_direct: the
+one-token attention's only working slice storing the output itself,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -38,7 +39,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
-            "tile_after_wait", "qkv_trigger_first", "rope_split",
+            "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -540,6 +541,9 @@ def main(only: tuple[str, ...] = ()) -> int:
     def tile_after_wait():  # the first weight tile right after the wait, ahead of the norm prologue
         early_loads("tile_after_wait")
 
+    def attn_single_direct():  # the only working slice stores the output itself (256 keys a program: 1 slice)
+        early_loads("attn_single_direct", attn_split_keys=256)
+
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)
 
@@ -700,7 +704,8 @@ def main(only: tuple[str, ...] = ()) -> int:
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "gemv_pipeline": gemv_pipeline, "early_epilogue": early_epilogue,
-              "tile_after_wait": tile_after_wait, "qkv_trigger_first": qkv_trigger_first, "rope_split": rope_split, "attn_split": attn_split,
+              "tile_after_wait": tile_after_wait, "qkv_trigger_first": qkv_trigger_first,
+              "attn_single_direct": attn_single_direct, "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,

@@ -36,7 +36,7 @@ l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fus
 `--config=NAME:field=value,field=value` (repeatable) times the graphed step of a fresh random model laid out by
 the engine itself (engine._apply_layout) for `EngineConfig(device="cuda", dtype="bfloat16", field=value, ...)`:
 what `specpilot` runs for that config (without --variants, only those rows), e.g. `--config=default: --config=l2:pdl_l2_mb=36
---config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". `--rounds=N` times every
+--config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". `--context=N` (default 512) the tokens in the cache before a --config row's step; `--rounds=N` times every
 config N times in turn (a fresh capture each) and reports the median. Median of
 100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
 stdout line: one JSON object.
@@ -56,7 +56,7 @@ from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, syn
 from specpilot.costmodel.hardware import time_median_s
 from specpilot.engine import _apply_layout
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import decode_attention, gemv_fused, l2_prefetch, pdl, rope_write
+from specpilot.kernels import decode_attention, gemv_fused, l2_prefetch, pdl, qkv_rope, rope_write
 from specpilot.models import fused_decode, random_model
 
 
@@ -111,6 +111,7 @@ def main(shapes, flags=()) -> int:
     frac = [f.split("=", 1)[1] for f in flags if f.startswith("--l2-fraction=")]
     l2_fraction = float(frac[0]) if frac else 0.5
     cfgs, n_rounds = configs(flags), rounds(flags)  # --config / --rounds, parsed once
+    ctx = context(flags)  # --context: the --config rows' tokens already in the cache
     hw = load_or_measure("cuda")
     out = {"hardware": hw.to_dict(), "shapes": {}}
     print("hardware", json.dumps(out["hardware"]), flush=True)  # first: a run cut by its time limit keeps it
@@ -203,11 +204,11 @@ def main(shapes, flags=()) -> int:
                 runner = ModelRunner(m.eval(), m.new_cache(1, POOL), buckets=tokens, cuda_graphs=True,
                                      compile=ecfg.compile)
                 setup = time.time() - t0
-                runner.prefill(torch.randint(0, cfg.vocab_size, (512,), device="cuda"), 0)
+                runner.prefill(torch.randint(0, cfg.vocab_size, (ctx,), device="cuda"), 0)
                 for T in tokens:
                     ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda")
-                    times.setdefault((cname, T), []).append(median_ms(lambda: runner.step(ids, 512)))
-                    floor = pass_floor_s(forward_cost(cfg, T, 512), hw) * 1e3
+                    times.setdefault((cname, T), []).append(median_ms(lambda: runner.step(ids, ctx)))
+                    floor = pass_floor_s(forward_cost(cfg, T, ctx), hw) * 1e3
                     ms = statistics.median(times[cname, T])
                     key = f"graphed_cfg_{cname}_T{T}"
                     res[key] = {"ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3),
@@ -235,6 +236,16 @@ def reset_switches() -> None:
     decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
     decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
     decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False
+    decode_attention.SINGLE_DIRECT, decode_attention.KV_PRELOAD, qkv_rope.TRIGGER_FIRST = False, False, False
+
+
+def context(flags) -> int:
+    """--context=N (default 512): the tokens prefilled before a --config row's step, i.e. the keys its attention
+    sees (how the one-token attention's slices and merge grow with the context); 1 <= N <= POOL - 16."""
+    got = [f.split("=", 1)[1] for f in flags if f.startswith("--context=")]
+    if got and not (got[-1].isdigit() and 1 <= int(got[-1]) <= POOL - 16):
+        raise ValueError(f"--context takes an integer in [1, {POOL - 16}], got {got[-1]!r}")
+    return int(got[-1]) if got else 512
 
 
 def rounds(flags) -> int:
@@ -296,11 +307,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
         print(__doc__.strip())
         print(f"\nusage: gpu_step_timing.py [SHAPE ...] [--no-compile] [--compiled-kernel-only] "
               f"[--variants={','.join(VARIANT_NAMES)}] [--tokens=1,4,8,16,32,64] "
-              f"[--config=NAME:field=value,...] [--rounds=N]")
+              f"[--config=NAME:field=value,...] [--rounds=N] [--context=N]")
         sys.exit(0)
     flags = [a for a in argv if a.startswith("--")]
     try:
-        configs(flags), rounds(flags)
+        configs(flags), rounds(flags), context(flags)
     except Exception as e:  # a bad --config: a clear message, before any GPU time
         print(f"gpu_step_timing.py: {e}", file=sys.stderr)
         sys.exit(2)

@@ -159,6 +159,9 @@ class EngineConfig:
     # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
     # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
     # Off: not faster on the H200 (session 35: 1.5B +1.3 / +2.4% with 8 warps, 8B -0.7%); the loop searches it
+    attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
+    # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
+    # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits
     qkv_trigger_first: bool = False  # with pdl (late trigger): qkv + RoPE lets the attention launch first thing
     # (kernels/qkv_rope.py TRIGGER_FIRST: one wave, so no program of it is stranded), so the attention's programs are
     # resident during the qkv GEMV and attn_kv_preload's older K/V rows load under its weight stream. Same numbers
@@ -312,6 +315,8 @@ class EngineConfig:
                               f"{self.attn_warps!r}")
         if not isinstance(self.attn_kv_preload, bool):
             raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
+        if not isinstance(self.attn_single_direct, bool):
+            raise ConfigError(f"attn_single_direct must be true or false, got {self.attn_single_direct!r}")
         if not isinstance(self.qkv_trigger_first, bool):
             raise ConfigError(f"qkv_trigger_first must be true or false, got {self.qkv_trigger_first!r}")
         if not isinstance(self.gemv_prefetch, bool):  # as pdl: "false" from a file must not turn it on

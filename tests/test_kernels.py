@@ -74,6 +74,66 @@ def test_decode_attention_one_launch_matches_reference_and_resets_its_counters(B
         assert torch.equal(again, one) and not counters.any()
 
 
+@pytest.mark.parametrize("chunk", [0, 4])
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(2, 12, 2, 1, 140, 16), (2, 4, 1, 5, 70, 32), (1, 8, 8, 1, 33, 16)])
+def test_decode_attention_one_launch_single_slice_stores_directly_bit_for_bit(monkeypatch, chunk, B, H, Hkv, T, S,
+                                                                                D):
+    """SINGLE_DIRECT (EngineConfig.attn_single_direct): where one slice holds every visible key (n_used == 1) its
+    program stores the output itself instead of a partial, an arrival and a merge of one: the same bits as the
+    merge (serial or chunked), rows of one launch on both paths (one short, one over several slices), no counter
+    left raised."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(B + H + T + chunk)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
+    for split, block in ((16, 16), (32, 16), (64, 32), (256, 64)):
+        for end0 in (T - 1, split - 1, split):  # one slice's first slot, its last, the next slice's first
+            ends = torch.full((B,), min(end0, S - 1))
+            if B > 1:
+                ends[1] = S - 1  # every slice works
+            positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+            monkeypatch.setattr(da, "SINGLE_DIRECT", False)
+            want = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+            monkeypatch.setattr(da, "SINGLE_DIRECT", True)
+            got = da.decode_attention(q, k, v, positions, split_s=split, block_s=block, one_launch=True)
+            assert torch.equal(got, want), (split, block, end0)
+            assert not da._COUNTERS[q.device].any()
+    ref = da.decode_attention_reference(q, k, v, positions)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch):
+    """EngineConfig.attn_single_direct -> decode_attention.SINGLE_DIRECT on CUDA only (off by default); validated, a
+    CLI flag, in the loop's layout key; the loop's mechanism searches it with the keys a program."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    monkeypatch.setattr(da, "SINGLE_DIRECT", False)
+    monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
+    assert EngineConfig().attn_single_direct is False
+    _apply_program_splits(EngineConfig(device="cuda", attn_single_direct=True, attn_split_keys=512))
+    assert da.SINGLE_DIRECT is True and da.ONE_LAUNCH_SPLIT == (512, 64)
+    _apply_program_splits(EngineConfig(attn_single_direct=True))  # CPU: the default layout
+    assert da.SINGLE_DIRECT is False
+    with pytest.raises(ConfigError, match="attn_single_direct must be true or false"):
+        EngineConfig(attn_single_direct="yes")
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--attn-single-direct"])).attn_single_direct is True
+    assert "attn_single_direct" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert {"attn_single_direct": True, "attn_split_keys": 512} in REGISTRY["attn_single"].candidates(gpu.config, gpu)
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(2, 4, 1, 5, 70, 32), (2, 12, 2, 1, 140, 16), (1, 6, 2, 16, 33, 16)])
 def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, Hkv, T, S, D):

@@ -390,9 +390,10 @@ def test_step_timing_configs_are_engine_configs_checked_before_any_gpu_time():
                       "l2_prefetch=0.5"]) == [("base", {}), ("x", {"pdl_l2_mb": 36, "pdl_kv_l2": True,
                                                                "pdl_trigger": "start", "l2_prefetch": 0.5})]
     assert g.rounds([]) == 1 and g.rounds(["--rounds=3"]) == 3
+    assert g.context([]) == 512 and g.context(["--context=1024"]) == 1024
     for bad, why in (("--config=x:nofield=1", "not field=value"), ("--config=x:pdl=maybe", "true or false"),
                      ("--config=x:pdl=false,pdl_kv_l2=true", "needs pdl"), ("--config=:pdl=true", "NAME:field"),
-                     ("--rounds=0", "positive integer")):
+                     ("--rounds=0", "positive integer"), ("--context=5000", "--context takes")):
         r = subprocess.run([sys.executable, str(SCRIPTS / "gpu_step_timing.py"), bad], capture_output=True,
                            text=True, timeout=120, env=env)
         assert r.returncode == 2 and why in r.stderr, (bad, r.stderr)

@@ -100,6 +100,15 @@ MERGE_CHUNK = 0
 # EngineConfig.verify_l2_mb sets it (engine._apply_program_splits); 0: off. Neutral on the H200 (session 29, 1.5B
 # graphed verify steps: 5 tokens +0.3%, 16 tokens +0.4%): off, searched by the loop.
 VERIFY_WARM_MAX_BYTES = 0
+# The one-launch kernel's only working slice (the context fits in one program's keys: n_used == 1) stores the output
+# itself, without publishing a partial, the atomic arrival and the merge's reads of what it just wrote
+# (EngineConfig.attn_single_direct). Why: the session-37 trace put the 1.5B one-token attention at 8.1 us a layer
+# for a 0.17 us floor, nearly all of it the chain after the slices' loads (stores, a gpu-scope release, the atomic,
+# the last arrival's L2 reads); with one slice that chain merges one partial into itself. With attn_split_keys
+# 256-512 a context up to that many keys takes this path (one program a KV head streams the whole slice, its loads
+# pipelined by the tl.dot loop). The same operations on the same values as the merge (e^(m - m) = 1 scalings),
+# so the same bits (tests). Off by default until timed on a GPU.
+SINGLE_DIRECT = False
 
 
 def decode_attention_reference(q, k, v, positions, scale: float | None = None) -> torch.Tensor:
@@ -317,6 +326,25 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
+    def _store_single(out_ptr, m_i, l_i, acc, b, hk, row0, so_b, so_h, so_t, T, G, D: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+        """`_merge_store` of one slice's partial (m_i, l_i, acc) held in registers (SINGLE_DIRECT): the merge's
+        scalings e^(m - M) with M = this slice's maximum (rows that see nothing: M = 0), the same operations on the
+        same values, so the same output bits, without the partial's round trip through memory."""
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, D)
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        w = tl.exp(m_i - m_use)
+        l_run = l_i * w
+        acc = acc * w[:, None]
+        valid = row0 + r < G * T
+        out = acc / tl.where(valid, l_run, 1.0)[:, None]
+        j = (row0 + r) // T
+        t = (row0 + r) % T
+        tl.store(out_ptr + b * so_b + (hk * G + j)[:, None] * so_h + t[:, None] * so_t + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
                       H_KV, S, T, G, SPLIT_S, NUM_SPLITS, NUM_RB, scale, warm_ptr, warm_span, warm_bytes,
@@ -364,7 +392,8 @@ if triton is not None:
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
                             KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
                             EARLY_POS: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                            PRE_NB: tl.constexpr = 1, TRACE: tl.constexpr = False, tr_ptr=None):
+                            PRE_NB: tl.constexpr = 1, SINGLE: tl.constexpr = False, TRACE: tl.constexpr = False,
+                            tr_ptr=None):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -378,8 +407,10 @@ if triton is not None:
         # later (see PDL_EARLY_POS for why that read may precede the wait). MERGE_CH / MERGE_R: `_merge_store`.
         # PRELOAD (KV_PRELOAD; T == 1, SPLIT_S = PRE_NB * BLOCK_S): the slice's older K/V rows into registers before
         # the wait (with or without PDL: the same numbers), slot p's row after it (`_slice_partial_preloaded`).
+        # SINGLE (SINGLE_DIRECT): the only working slice (n_used == 1) stores the output itself (`_store_single`).
         # TRACE (kernels/trace.py, a diagnostic): each program's timeline row at its end, tagged 0 (exited early),
-        # 1 (a partial) or 2 (a partial and the merge); "looped": when its partial was published.
+        # 1 (a partial) or 2 (a partial and the merge); "looped": when its partial was published (SINGLE: when
+        # its sums were done; tagged 2).
         if TRACE:
             t_start = _tr_now()
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
@@ -432,27 +463,35 @@ if triton is not None:
                 m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
                                                sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
                                                UPCAST)
-            _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D, BLOCK_R)
-            # Publish: every thread's partial stores happen before the barrier; the one thread that performs the
-            # scalar atomic then releases them at gpu scope (acq_rel: release for ours, acquire for the others'
-            # when we are last) -- the CTA-barrier-then-release pattern of split-K semaphores. (Compiled for sm_90
-            # with Triton 3.9: st.global partials; bar.sync; @tid0 atom.global.gpu.acq_rel.add; the old value
-            # broadcast through shared memory behind another bar.sync; then the branch and ld.global.cg.)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
-            if TRACE:
-                t_looped = _tr_now()
-                tag = tl.full([], 1, tl.int32)
-            if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
-                # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs), never
-                # from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
-                _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G,
-                             NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R)
-                # back to zero for the next launch (a later layer, a graph replay): every arrival of this launch
-                # is in, so nothing else touches this counter before the kernel ends
-                tl.store(cnt_ptr + pid_bh, 0)
+            if SINGLE and n_used == 1:  # the only slice: no partial, no arrival, no merge reads
                 if TRACE:
+                    t_looped = _tr_now()
                     tag = tl.full([], 2, tl.int32)
+                _store_single(out_ptr, m_i, l_i, acc, b, hk, row0, so_b, so_h, so_t, T, G, D, BLOCK_R)
+            else:
+                _store_partial(o_ptr, m_ptr, l_ptr, (pid_bh * NUM_SPLITS + pid_s) * BLOCK_R, m_i, l_i, acc, D,
+                               BLOCK_R)
+                # Publish: every thread's partial stores happen before the barrier; the one thread that performs
+                # the scalar atomic then releases them at gpu scope (acq_rel: release for ours, acquire for the
+                # others' when we are last) -- the CTA-barrier-then-release pattern of split-K semaphores.
+                # (Compiled for sm_90 with Triton 3.9: st.global partials; bar.sync; @tid0
+                # atom.global.gpu.acq_rel.add; the old value broadcast through shared memory behind another
+                # bar.sync; then the branch and ld.global.cg.)
+                tl.debug_barrier()
+                arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+                if TRACE:
+                    t_looped = _tr_now()
+                    tag = tl.full([], 1, tl.int32)
+                if arrived == n_used - 1:  # the last of the n_used: every partial of this (b, hk) is published
+                    # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs),
+                    # never from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
+                    _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T,
+                                 G, NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R)
+                    # back to zero for the next launch (a later layer, a graph replay): every arrival of this
+                    # launch is in, so nothing else touches this counter before the kernel ends
+                    tl.store(cnt_ptr + pid_bh, 0)
+                    if TRACE:
+                        tag = tl.full([], 2, tl.int32)
         if TRACE:
             _tr_record(tr_ptr, pid_bh * tl.num_programs(1) + pid_s, t_start, t_waited, t_looped, c_waited, tag)
 
@@ -549,7 +588,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
-            PRE_NB=pre_nb if preload else 1, **pdl.kwargs, **warps, **tr)
+            PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, **pdl.kwargs, **warps, **tr)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,

@@ -278,6 +278,11 @@ register(Mechanism(
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
     "before its wait, so only q and the new token's row are read behind it"))
 register(Mechanism(
+    "attn_single", ("verify", "draft"), {"attn_single_direct": [True, False], "attn_split_keys": [512, 256, 128]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's only working slice stores the output itself (no partial, atomic arrival or merge); "
+    "with 256-512 keys a program most decode contexts take that path"))
+register(Mechanism(
     "qkv_trigger_first", ("verify", "draft"), {"qkv_trigger_first": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode,
     "under the late PDL trigger, qkv + RoPE (one wave) lets the attention launch first thing, so its programs are "
