@@ -135,6 +135,9 @@ def _cases():
     # the slice's older K/V rows loaded before the wait (decode_attention.KV_PRELOAD), with the early positions
     yield "attention_one_launch_kv_preload", da._split_merge_kernel, {**attn, "EARLY_POS": True, "PRELOAD": True,
                                                                       "PRE_NB": 2}, attn_types
+    # the only working slice storing the output itself (decode_attention.SINGLE_DIRECT), with the early positions
+    yield "attention_one_launch_single_early_pos", da._split_merge_kernel, {**attn, "EARLY_POS": True,
+                                                                           "SINGLE": True}, attn_types
 
     def qkv_rope_types(n):  # EngineConfig.rope_in_qkv: the positions, the q/k heads' arrival counters
         return {"pos_ptr": "*i64", "cnt_ptr": "*i32"}.get(n) or ("*bf16" if n.endswith("_ptr") else "fp32"
@@ -143,6 +146,8 @@ def _cases():
     qkv = dict(HAS_BIAS=True, HAS_NORM=True, ON_GPU=True, K_P2=2048, D=128, BLOCK_P=8, BLOCK_K=256, QK_NORM=False,
                PDL_LATE=True, L2_PF=False)
     yield "qkv_rope_late", qr._qkv_rope_kernel, qkv, qkv_rope_types
+    # qkv + RoPE triggering first thing (EngineConfig.qkv_trigger_first): launch_dependents, then the wait, first
+    yield "qkv_rope_trigger_first", qr._qkv_rope_kernel, {**qkv, "PDL_LATE": False}, qkv_rope_types
     # Qwen3's per-head q/k norm: stores, the arrival atomic and the last program's L2-only reads after the wait
     yield "qkv_rope_qk_norm_late", qr._qkv_rope_kernel, {**qkv, "HAS_BIAS": False, "QK_NORM": True}, qkv_rope_types
     # L2_PF (qkv's weight under PDL_L2_MAX_BYTES, the 1.5B's): its two row ranges' bulk prefetches before the wait
