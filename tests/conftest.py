@@ -138,3 +138,32 @@ def launch_spy(monkeypatch):
 
     spy.launches = launches
     return spy
+
+
+@pytest.fixture
+def switch_wired():
+    """Checks that a boolean EngineConfig switch is wired end to end: off by default, a non-bool value one clear
+    ConfigError, its CLI flag, in the loop's layout key (a new layout re-applies the process-wide switch), and a loop
+    mechanism proposing `candidate` on a GPU deployment -> that deployment (for further checks)."""
+
+    def check(field: str, flag: str, mechanism: str, candidate: dict):
+        import argparse
+
+        from specpilot.cli import add_engine_flags, engine_config
+        from specpilot.config import EngineConfig
+        from specpilot.errors import ConfigError
+        from specpilot.loop import EngineMeasure
+        from specpilot.loop.registry import REGISTRY, Deployment
+
+        assert getattr(EngineConfig(), field) is False
+        with pytest.raises(ConfigError, match=f"{field} must be true or false"):
+            EngineConfig(**{field: "yes"})
+        parser = argparse.ArgumentParser()
+        add_engine_flags(parser)
+        assert getattr(engine_config(parser.parse_args([flag])), field) is True
+        assert field in EngineMeasure.LAYOUT
+        gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+        assert candidate in REGISTRY[mechanism].candidates(gpu.config, gpu)
+        return gpu
+
+    return check

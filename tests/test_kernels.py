@@ -104,34 +104,21 @@ def test_decode_attention_one_launch_single_slice_stores_directly_bit_for_bit(mo
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch):
+def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch, switch_wired):
     """EngineConfig.attn_single_direct -> decode_attention.SINGLE_DIRECT on CUDA only (off by default); validated, a
     CLI flag, in the loop's layout key; the loop's mechanism searches it with the keys a program."""
-    import argparse
-
-    from specpilot.cli import add_engine_flags, engine_config
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
-    from specpilot.errors import ConfigError
     from specpilot.kernels import decode_attention as da
-    from specpilot.loop import EngineMeasure
-    from specpilot.loop.registry import REGISTRY, Deployment
 
     monkeypatch.setattr(da, "SINGLE_DIRECT", False)
     monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
-    assert EngineConfig().attn_single_direct is False
     _apply_program_splits(EngineConfig(device="cuda", attn_single_direct=True, attn_split_keys=512))
     assert da.SINGLE_DIRECT is True and da.ONE_LAUNCH_SPLIT == (512, 64)
     _apply_program_splits(EngineConfig(attn_single_direct=True))  # CPU: the default layout
     assert da.SINGLE_DIRECT is False
-    with pytest.raises(ConfigError, match="attn_single_direct must be true or false"):
-        EngineConfig(attn_single_direct="yes")
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--attn-single-direct"])).attn_single_direct is True
-    assert "attn_single_direct" in EngineMeasure.LAYOUT
-    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert {"attn_single_direct": True, "attn_split_keys": 512} in REGISTRY["attn_single"].candidates(gpu.config, gpu)
+    switch_wired("attn_single_direct", "--attn-single-direct", "attn_single",
+                 {"attn_single_direct": True, "attn_split_keys": 512})
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])

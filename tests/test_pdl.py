@@ -683,36 +683,23 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 assert (case["cg_loads"] > 0) == norm, (name, case)
 
 
-def test_qkv_trigger_first_lets_the_attention_launch_at_qkv_start(monkeypatch):
+def test_qkv_trigger_first_lets_the_attention_launch_at_qkv_start(monkeypatch, switch_wired):
     """EngineConfig.qkv_trigger_first -> kernels/qkv_rope.py TRIGGER_FIRST with PDL on only: under the late trigger
     qkv + RoPE then launches with PDL_LATE False (launch_dependents first thing) and the same bits; validated, a CLI
     flag, in the loop's layout key, a loop mechanism only under the late trigger."""
-    import argparse
-
     import specpilot.kernels.qkv_rope as qr
-    from specpilot.cli import add_engine_flags, engine_config
     from specpilot.engine import _apply_pdl
-    from specpilot.errors import ConfigError
-    from specpilot.loop import EngineMeasure
-    from specpilot.loop.registry import REGISTRY, Deployment
+    from specpilot.loop.registry import REGISTRY
 
     monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
     monkeypatch.setattr(qr, "TRIGGER_FIRST", False)
-    assert EngineConfig().qkv_trigger_first is False
     _apply_pdl(EngineConfig(device="cuda", qkv_trigger_first=True))
     assert pdl.enabled() and qr.TRIGGER_FIRST is True
     _apply_pdl(EngineConfig(device="cuda"))
     assert qr.TRIGGER_FIRST is False
     _apply_pdl(EngineConfig(device="cuda", qkv_trigger_first=True, pdl=False))
     assert not pdl.enabled() and qr.TRIGGER_FIRST is False
-    with pytest.raises(ConfigError, match="qkv_trigger_first must be true or false"):
-        EngineConfig(qkv_trigger_first=1)
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--qkv-trigger-first"])).qkv_trigger_first is True
-    assert "qkv_trigger_first" in EngineMeasure.LAYOUT
-    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert REGISTRY["qkv_trigger_first"].candidates(gpu.config, gpu) == [{"qkv_trigger_first": True}]
+    gpu = switch_wired("qkv_trigger_first", "--qkv-trigger-first", "qkv_trigger_first", {"qkv_trigger_first": True})
     assert not REGISTRY["qkv_trigger_first"].applies(gpu, gpu.config.with_(pdl_trigger="start"))
     log = []
     monkeypatch.setattr(qr, "_kernel", Recorder("qkv_rope", qr._kernel, log))

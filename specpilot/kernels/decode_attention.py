@@ -318,6 +318,12 @@ if triton is not None:
                 m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
                 o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
                 acc += o_s * tl.exp(m_s - m_use)[:, None]
+        _store_out(out_ptr, acc, l_run, r, d, b, hk, row0, so_b, so_h, so_t, T, G)
+
+    @triton.jit
+    def _store_out(out_ptr, acc, l_run, r, d, b, hk, row0, so_b, so_h, so_t, T, G):
+        """The softmax's end for rows r (row0 + r = (query head j, token t)): acc / l_run into the output, rows past
+        the group's G * T masked (their l_run may be 0)."""
         valid = row0 + r < G * T
         out = acc / tl.where(valid, l_run, 1.0)[:, None]
         j = (row0 + r) // T
@@ -337,12 +343,7 @@ if triton is not None:
         w = tl.exp(m_i - m_use)
         l_run = l_i * w
         acc = acc * w[:, None]
-        valid = row0 + r < G * T
-        out = acc / tl.where(valid, l_run, 1.0)[:, None]
-        j = (row0 + r) // T
-        t = (row0 + r) % T
-        tl.store(out_ptr + b * so_b + (hk * G + j)[:, None] * so_h + t[:, None] * so_t + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        _store_out(out_ptr, acc, l_run, r, d, b, hk, row0, so_b, so_h, so_t, T, G)
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,

@@ -268,13 +268,18 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
     "under PDL, the one-token attention reads the positions (a graph input no kernel writes) before its wait, so "
     "its K/V loads follow the wait at once"))
+def _under_pdl_late(dep: Deployment, cfg: EngineConfig) -> bool:
+    """A one-token-path switch that acts only under PDL with the late trigger (the fused path on CUDA)."""
+    return dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode
+
+
 register(Mechanism(
     "attn_warps", ("verify", "draft"), {"attn_warps": [8, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's programs run 8 warps instead of 4, so its 255 registers a thread do not spill"))
 register(Mechanism(
     "attn_kv_preload", ("verify", "draft"), {"attn_kv_preload": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode,
+    _under_pdl_late,
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
     "before its wait, so only q and the new token's row are read behind it"))
 register(Mechanism(
@@ -284,7 +289,7 @@ register(Mechanism(
     "with 256-512 keys a program most decode contexts take that path"))
 register(Mechanism(
     "qkv_trigger_first", ("verify", "draft"), {"qkv_trigger_first": [True, False]},
-    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.pdl_trigger == "late" and cfg.fused_decode,
+    _under_pdl_late,
     "under the late PDL trigger, qkv + RoPE (one wave) lets the attention launch first thing, so its programs are "
     "resident during the qkv GEMV (with attn_kv_preload: its older K/V rows load meanwhile)"))
 register(Mechanism(
