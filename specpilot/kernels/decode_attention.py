@@ -76,9 +76,12 @@ PDL_EARLY_POS = False
 # RoPE + K/V write, which triggers first thing, only follows the qkv GEMV); with the "start" trigger a deep chain of
 # early launches could still be running, so the host turns the preload off there. Rows at or above p are masked to
 # 0 before the wait (the cache's stale rows there only ever meet a zero softmax weight), so the numbers equal the
-# loop's. Off: not faster on the H200 (session 35, graphed one-token step: 1.5B with 8 warps +1.3 / +2.4% in a
-# steady 8-round call, Qwen3-8B -0.6 to -0.8%, within that call's drift of 0.8%); the loop searches it
-# (`attn_kv_preload`).
+# loop's. With qkv + RoPE triggering first (kernels/qkv_rope.py TRIGGER_FIRST) the attention is resident while qkv
+# and the down GEMV ahead of it may still run: neither writes a slot below p (qkv writes slot p, down the residual),
+# and down triggers late, so everything before it has completed. Off: not faster on the H200 (session 35, graphed
+# one-token step: 1.5B with 8 warps +1.3 / +2.4% in a steady 8-round call, Qwen3-8B -0.6 to -0.8%, within that
+# call's drift of 0.8%), but its programs were resident only after qkv's last end there (session 37 trace); the
+# loop searches it (`attn_kv_preload`).
 KV_PRELOAD = False
 # Warps a program of the one-launch kernel runs (0: Triton's default, 4). Compiled for sm_90 it holds 255 registers
 # a thread with 4 warps and spills (32 B a thread; 1.4 KB with KV_PRELOAD's two blocks, 0.3 KB with one); with 8:

@@ -307,7 +307,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
     flags = dict(HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, ON_GPU=not _INTERPRET,
                  K_P2=triton.next_power_of_2(K) if norm_weight is not None else 1, D=D, QK_NORM=qk_norm,
-                 USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late and not TRIGGER_FIRST, **pdl.kwargs, **l2_warming(weight, pdl.use_pdl))
+                 USE_PDL=pdl.use_pdl, PDL_LATE=pdl.late and not TRIGGER_FIRST, **pdl.kwargs,
+                 **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
     flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT)
