@@ -37,9 +37,9 @@ l2_prefetch, kernels/l2_prefetch.py MODE load / prefetch / bulk; `--variants=fus
 the engine itself (engine._apply_layout) for `EngineConfig(device="cuda", dtype="bfloat16", field=value, ...)`:
 what `specpilot` runs for that config (without --variants, only those rows), e.g. `--config=default: --config=l2:pdl_l2_mb=36
 --config=kvl2:pdl_kv_l2=true,rope_q_heads=4`; its rows are "graphed_cfg_NAME_T..". `--context=N` (default 512)
-the tokens in the cache before a --config row's step; `--rounds=N` times every config N times in turn (a fresh capture each) and reports the median. Median of
-100 replays timed with CUDA events. Floors from the cost model with measured ceilings. `--help`: this text. Last
-stdout line: one JSON object.
+the tokens in the cache before a --config row's step; `--rounds=N` times every config N times in turn (a fresh
+capture each) and reports the median. Median of 100 replays timed with CUDA events. Floors from the cost model
+with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
