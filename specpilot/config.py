@@ -161,10 +161,13 @@ class EngineConfig:
     # Off: not faster on the H200 (session 35: 1.5B +1.3 / +2.4% with 8 warps, 8B -0.7%); the loop searches it
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
-    # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits
+    # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.
+    # Off: SLOWER on an H100 (session 39: 1.5B +14.2% with 512 keys, +5.5% with 256; Qwen3-8B +3.1% with 512): one
+    # program streaming 512 keys took 13.3 us to its store, four of 128 plus the merge 7.4; the loop searches it
     qkv_trigger_first: bool = False  # with pdl (late trigger): qkv + RoPE lets the attention launch first thing
     # (kernels/qkv_rope.py TRIGGER_FIRST: one wave, so no program of it is stranded), so the attention's programs are
-    # resident during the qkv GEMV and attn_kv_preload's older K/V rows load under its weight stream. Same numbers
+    # resident during the qkv GEMV and attn_kv_preload's older K/V rows load under its weight stream. Same numbers.
+    # Off: on an H100 (session 39) alone +5.5% at 1.5B, with attn_kv_preload -0.0% (1.5B) / +0.4% (Qwen3-8B)
     gemv_prefetch: bool = False  # CUDA, with fused_decode: the one-row GEMVs (kernels/gemv_fused.py) load their first
     # weight tile before the norm prologue's row load and reduction, without PDL, so that DRAM round trip overlaps
     # it (qkv, gate/up: every program). A process-wide switch, as pdl. Same numbers. Off: SLOWER on the H200

@@ -110,7 +110,9 @@ VERIFY_WARM_MAX_BYTES = 0
 # the last arrival's L2 reads); with one slice that chain merges one partial into itself. With attn_split_keys
 # 256-512 a context up to that many keys takes this path (one program a KV head streams the whole slice, its loads
 # pipelined by the tl.dot loop). The same operations on the same values as the merge (e^(m - m) = 1 scalings),
-# so the same bits (tests). Off by default until timed on a GPU.
+# so the same bits (tests). Off: SLOWER on an H100 (session 39, graphed one-token step: 1.5B +14.2% with 512
+# keys, +5.5% with 256; Qwen3-8B +3.1%): the one program took 13.3 us to its store, a 128-key slice 4.9 plus a 2.5 us
+# merge; a program's K/V loads are latency-bound, so more programs beat no merge.
 SINGLE_DIRECT = False
 
 
