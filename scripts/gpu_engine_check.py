@@ -39,7 +39,7 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
-            "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "rope_split",
+            "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -517,14 +517,14 @@ def main(only: tuple[str, ...] = ()) -> int:
     def gemv_pipeline():  # the K loop one block ahead
         one_row_switch("gemv_pipeline", "ONE_ROW_PIPE")
 
-    def early_loads(field: str, **more):
+    def early_loads(field: str, value=True, off_more=None, **more):
         # a switch of the one-row GEMVs and qkv + RoPE that the engine sets from the config (kernels/gemv_fused.py
         # and qkv_rope.py; tiles not re-tuned): graphed AR with RoPE in the qkv GEMV's epilogue against the same
-        # without the switch, eager AR, n-gram speculation
+        # without the switch (off_more: fields both runs take), eager AR, n-gram speculation
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
         riq = fast.use_rope_in_qkv()
-        off_cfg = base.with_(fused_verify=True, rope_in_qkv=True)
-        on_cfg = off_cfg.with_(**{field: True}, **more)
+        off_cfg = base.with_(fused_verify=True, rope_in_qkv=True, **(off_more or {}))
+        on_cfg = off_cfg.with_(**{field: value}, **more)
         off = [Engine(riq, off_cfg).generate(p) for p in prompts]
         on = [Engine(riq, on_cfg).generate(p) for p in prompts]
         try:
@@ -543,6 +543,9 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     def attn_single_direct():  # the only working slice stores the output itself (256 keys a program: 1 slice)
         early_loads("attn_single_direct", attn_split_keys=256)
+
+    def attn_merge_unroll():  # the merge's loads 4 slices at a time (64 keys a program: several slices), both runs
+        early_loads("attn_merge_unroll", 4, dict(attn_split_keys=64))
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)
@@ -705,7 +708,8 @@ def main(only: tuple[str, ...] = ()) -> int:
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
               "gemv_prefetch": gemv_prefetch, "gemv_pipeline": gemv_pipeline, "early_epilogue": early_epilogue,
               "tile_after_wait": tile_after_wait, "qkv_trigger_first": qkv_trigger_first,
-              "attn_single_direct": attn_single_direct, "rope_split": rope_split, "attn_split": attn_split,
+              "attn_single_direct": attn_single_direct, "attn_merge_unroll": attn_merge_unroll,
+              "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,

@@ -235,7 +235,7 @@ def reset_switches() -> None:
     gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.PDL_L2_PART, gemv_fused.ONE_ROW_PREFETCH = 0, 64, False
     decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
     decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
-    decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS = 0, False
+    decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS, decode_attention.MERGE_UNROLL = 0, False, 0
     decode_attention.SINGLE_DIRECT, decode_attention.KV_PRELOAD, qkv_rope.TRIGGER_FIRST = False, False, False
 
 

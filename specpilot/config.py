@@ -146,6 +146,10 @@ class EngineConfig:
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
     # -5.6% at 5 / 8 tokens on one H200 (session 29, 1.5B), to be confirmed (a 5-token step cost 7% more than a
     # 9-token one on another)
+    attn_merge_unroll: int = 0  # CUDA: the one-token attention's last-arriving program issues this many slices'
+    # loads (2 or 4) before summing them, in the loop's order (kernels/decode_attention.py MERGE_UNROLL: the same
+    # bits as the loop, fewer dependent L2 round trips; attn_merge_chunk, if set, takes precedence). 0: the loop, a
+    # slice an iteration. Off until timed on a GPU (session 39's H100 traces: the merge is 2.4-2.6 us a layer)
     attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step
@@ -311,6 +315,8 @@ class EngineConfig:
         if (not isinstance(self.attn_merge_chunk, int) or isinstance(self.attn_merge_chunk, bool)
                 or not 0 <= self.attn_merge_chunk <= 64 or self.attn_merge_chunk & (self.attn_merge_chunk - 1)):
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")
+        if self.attn_merge_unroll not in (0, 2, 4) or isinstance(self.attn_merge_unroll, bool):
+            raise ConfigError(f"attn_merge_unroll must be 0, 2 or 4, got {self.attn_merge_unroll!r}")
         if not isinstance(self.attn_early_pos, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"attn_early_pos must be true or false, got {self.attn_early_pos!r}")
         if self.attn_warps not in (0, 1, 2, 4, 8, 16) or isinstance(self.attn_warps, bool):

@@ -138,6 +138,9 @@ def _cases():
     # the only working slice storing the output itself (decode_attention.SINGLE_DIRECT), with the early positions
     yield "attention_one_launch_single_early_pos", da._split_merge_kernel, {**attn, "EARLY_POS": True,
                                                                            "SINGLE": True}, attn_types
+    # the merge's loads four slices at a time (decode_attention.MERGE_UNROLL), with the early positions
+    yield "attention_one_launch_unroll_early_pos", da._split_merge_kernel, {**attn, "EARLY_POS": True,
+                                                                           "MERGE_UN": 4}, attn_types
 
     def qkv_rope_types(n):  # EngineConfig.rope_in_qkv: the positions, the q/k heads' arrival counters
         return {"pos_ptr": "*i64", "cnt_ptr": "*i32"}.get(n) or ("*bf16" if n.endswith("_ptr") else "fp32"

@@ -121,6 +121,65 @@ def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch, switch
                  {"attn_single_direct": True, "attn_split_keys": 512})
 
 
+@pytest.mark.parametrize("unroll", [2, 4])
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(3, 12, 2, 1, 140, 16), (2, 4, 1, 5, 70, 32), (1, 6, 2, 16, 33, 16)])
+def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monkeypatch, unroll, B, H, Hkv, T, S, D):
+    """MERGE_UNROLL (EngineConfig.attn_merge_unroll): the last program issues `unroll` slices' loads before it sums
+    them, in the loop's order, so the output is the serial merge's bit for bit: one slice working, a partial last
+    group (slices past n_used masked to -inf / 0), several groups (5-9 slices of 16 keys), T = 1 and a verify
+    block; the counters end at zero. A merge that skipped or repeated a slice, or summed in another order, fails."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(B * 100 + T + unroll)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1  # one slice works
+    if B > 1:
+        ends[1] = S - 1  # every slice works
+    if B > 2:
+        ends[2] = 16 * 5 + 3  # six slices: one group of 4 and a partial one, three of 2
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    monkeypatch.setattr(da, "MERGE_CHUNK", 0)
+    monkeypatch.setattr(da, "MERGE_UNROLL", 0)
+    serial = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
+    monkeypatch.setattr(da, "MERGE_UNROLL", unroll)
+    got = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
+    assert torch.equal(got, serial)
+    assert (got - da.decode_attention_reference(q, k, v, positions)).abs().max().item() < 1e-4
+    assert not da._COUNTERS[q.device].any()
+
+
+def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
+    """EngineConfig.attn_merge_unroll -> decode_attention.MERGE_UNROLL on CUDA only (0 by default, the loop);
+    only 0, 2 or 4 pass validation; a CLI flag; in the loop's layout key and searched by its mechanism."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    monkeypatch.setattr(da, "MERGE_UNROLL", 0)
+    assert EngineConfig().attn_merge_unroll == 0
+    _apply_program_splits(EngineConfig(device="cuda", attn_merge_unroll=4))
+    assert da.MERGE_UNROLL == 4
+    _apply_program_splits(EngineConfig(attn_merge_unroll=4))  # CPU: the loop the CPU tests pin
+    assert da.MERGE_UNROLL == 0
+    for bad in (3, 8, -2, True, "4"):
+        with pytest.raises(ConfigError, match="attn_merge_unroll must be 0, 2 or 4"):
+            EngineConfig(attn_merge_unroll=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--attn-merge-unroll", "2"])).attn_merge_unroll == 2
+    assert "attn_merge_unroll" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert {"attn_merge_unroll": 4} in REGISTRY["attn_merge_unroll"].candidates(gpu.config, gpu)
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(2, 4, 1, 5, 70, 32), (2, 12, 2, 1, 140, 16), (1, 6, 2, 16, 33, 16)])
 def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, Hkv, T, S, D):

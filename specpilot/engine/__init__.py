@@ -190,8 +190,9 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, attn_warps -> its
-    ONE_LAUNCH_WARPS, attn_single_direct -> its SINGLE_DIRECT, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
+    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, attn_merge_unroll -> its
+    MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its SINGLE_DIRECT, verify_l2_mb -> its
+    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
     whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
@@ -201,6 +202,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     keys = config.attn_split_keys if cuda else 128
     decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
+    decode_attention.MERGE_UNROLL = config.attn_merge_unroll if cuda else 0
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
     decode_attention.SINGLE_DIRECT = config.attn_single_direct and cuda  # one slice: no merge
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj

@@ -94,6 +94,15 @@ ONE_LAUNCH_WARPS = 0
 # Another summation order of the same fp32 partials. H200 (session 28): 8 faster at Qwen3-8B (-1.5 to -2.9%), slower
 # at 1.5B (+1.6 to +3.5%): off by default, searched by the loop.
 MERGE_CHUNK = 0
+# The last-arriving program's merge loop issues MERGE_UNROLL slices' loads (their maxima and [rows, D] accumulators,
+# plain 2-D tiles as the loop's) before it sums the first of them, then sums them in slice order
+# (EngineConfig.attn_merge_unroll; 0: the loop, one slice an iteration). Why: the session-39 traces put the merge at
+# 2.4-2.6 us a layer at both shapes (H100, 4-5 slices at 512 tokens): a slice's L2 round trip each, because each
+# iteration's sum waits for its loads before the next iteration's are issued. MERGE_CHUNK's [chunk, rows, D] tiles
+# cost more than that at 1.5B in every form (+2 to +14%), and they sum in another order; here every slice is added
+# to the accumulator in the same order with the same operations as the loop (a slice past the last used adds
+# 0 x e^-inf = 0), so the output is the loop's, bit for bit (tests). MERGE_CHUNK, when set, takes precedence.
+MERGE_UNROLL = 0
 # A verify block's attention (the two-launch split + merge path, T > 1) warms the NEXT GEMV's weight (o_proj, which
 # the caller hands over as `warm`) in L2 when it is at most this many bytes: every split program issues bulk L2
 # prefetches of its share of it first thing, so the weight streams in while the attention (latency-bound: HBM
@@ -292,9 +301,21 @@ if triton is not None:
         return acc, l_run
 
     @triton.jit
+    def _slice_part(o_ptr, m_ptr, pid_bh, s, n_used, NUM_SPLITS, r, d, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                    CACHE: tl.constexpr):
+        """Slice s's maxima [BLOCK_R] and accumulator [BLOCK_R, D] (-inf and 0 when s >= n_used): loads only, so
+        that the caller can have several slices' loads in flight before it uses any (MERGE_UNROLL)."""
+        used = (r * 0 + s) < n_used  # [BLOCK_R] (a vector mask: the interpreter takes no scalar one)
+        part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
+        m_s = tl.load(m_ptr + part + r, mask=used, other=float("-inf"), cache_modifier=CACHE)
+        o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], mask=used[:, None], other=0.0,
+                      cache_modifier=CACHE)
+        return m_s, o_s
+
+    @triton.jit
     def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr,
-                     MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16):
+                     MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16, MERGE_UN: tl.constexpr = 0):
         # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
         # the slices at or below the largest query position only (the others exited early). Two passes, so that
         # no step waits on the one before: the slices' maxima and sums in one [SPLITS_P2, BLOCK_R] load (M and
@@ -302,6 +323,7 @@ if triton is not None:
         # each other (an online merge chains every slice's exp on the previous running maximum).
         # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
         # MERGE_CH > 0 (MERGE_CHUNK): `_merge_chunks`, a round trip a chunk, instead of the loop below (one a slice).
+        # MERGE_UN 2 or 4 (MERGE_UNROLL): the loop with that many slices' loads issued before their sums.
         d = tl.arange(0, D)
         if MERGE_CH > 0:
             r = tl.arange(0, MERGE_R)
@@ -318,11 +340,27 @@ if triton is not None:
             m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
             l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
             acc = tl.zeros([BLOCK_R, D], tl.float32)
-            for s in range(0, n_used):
-                part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
-                m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
-                o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
-                acc += o_s * tl.exp(m_s - m_use)[:, None]
+            if MERGE_UN >= 2:  # loads of MERGE_UN slices first, then their sums in slice order (as the loop's)
+                for s0 in range(0, n_used, MERGE_UN):
+                    m_0, o_0 = _slice_part(o_ptr, m_ptr, pid_bh, s0, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
+                    m_1, o_1 = _slice_part(o_ptr, m_ptr, pid_bh, s0 + 1, n_used, NUM_SPLITS, r, d, BLOCK_R, D,
+                                           CACHE)
+                    if MERGE_UN == 4:
+                        m_2, o_2 = _slice_part(o_ptr, m_ptr, pid_bh, s0 + 2, n_used, NUM_SPLITS, r, d, BLOCK_R, D,
+                                               CACHE)
+                        m_3, o_3 = _slice_part(o_ptr, m_ptr, pid_bh, s0 + 3, n_used, NUM_SPLITS, r, d, BLOCK_R, D,
+                                               CACHE)
+                    acc += o_0 * tl.exp(m_0 - m_use)[:, None]
+                    acc += o_1 * tl.exp(m_1 - m_use)[:, None]
+                    if MERGE_UN == 4:
+                        acc += o_2 * tl.exp(m_2 - m_use)[:, None]
+                        acc += o_3 * tl.exp(m_3 - m_use)[:, None]
+            else:
+                for s in range(0, n_used):
+                    part = (pid_bh * NUM_SPLITS + s) * BLOCK_R
+                    m_s = tl.load(m_ptr + part + r, cache_modifier=CACHE)
+                    o_s = tl.load(o_ptr + (part + r)[:, None] * D + d[None, :], cache_modifier=CACHE)
+                    acc += o_s * tl.exp(m_s - m_use)[:, None]
         _store_out(out_ptr, acc, l_run, r, d, b, hk, row0, so_b, so_h, so_t, T, G)
 
     @triton.jit
@@ -398,8 +436,8 @@ if triton is not None:
                             UPCAST: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
                             KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
                             EARLY_POS: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                            PRE_NB: tl.constexpr = 1, SINGLE: tl.constexpr = False, TRACE: tl.constexpr = False,
-                            tr_ptr=None):
+                            PRE_NB: tl.constexpr = 1, SINGLE: tl.constexpr = False, MERGE_UN: tl.constexpr = 0,
+                            TRACE: tl.constexpr = False, tr_ptr=None):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -410,7 +448,8 @@ if triton is not None:
         # KV_L2 (PDL_KV_L2): before the wait, an L2 prefetch of this slice's K/V rows (a hint: see PDL_KV_L2).
         # EARLY_POS (PDL_EARLY_POS): the positions are read before the wait and decide which slices work, so a
         # working program issues its K/V loads right behind the wait, together with q's, instead of one round trip
-        # later (see PDL_EARLY_POS for why that read may precede the wait). MERGE_CH / MERGE_R: `_merge_store`.
+        # later (see PDL_EARLY_POS for why that read may precede the wait).
+        # MERGE_CH / MERGE_R / MERGE_UN: `_merge_store`.
         # PRELOAD (KV_PRELOAD; T == 1, SPLIT_S = PRE_NB * BLOCK_S): the slice's older K/V rows into registers before
         # the wait (with or without PDL: the same numbers), slot p's row after it (`_slice_partial_preloaded`).
         # SINGLE (SINGLE_DIRECT): the only working slice (n_used == 1) stores the output itself (`_store_single`).
@@ -492,7 +531,7 @@ if triton is not None:
                     # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs),
                     # never from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
                     _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T,
-                                 G, NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R)
+                                 G, NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R, MERGE_UN)
                     # back to zero for the next launch (a later layer, a graph replay): every arrival of this
                     # launch is in, so nothing else touches this counter before the kernel ends
                     tl.store(cnt_ptr + pid_bh, 0)
@@ -585,6 +624,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         pdl = launch_options()
         kv_l2 = pdl.use_pdl and PDL_KV_L2 and _bulk_rows(k) and _bulk_rows(v)
         chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
+        unroll = MERGE_UNROLL if MERGE_UNROLL in (2, 4) else 0  # (the config allows only these)
         pre_nb = split_s // block_s
         preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
         warps = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
@@ -594,7 +634,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
-            PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, **pdl.kwargs, **warps, **tr)
+            PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, MERGE_UN=unroll, **pdl.kwargs, **warps, **tr)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,

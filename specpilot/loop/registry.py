@@ -264,6 +264,11 @@ register(Mechanism(
     "the one-token attention's last program reads the slices' partials a chunk at a time (one L2 round trip a "
     "chunk) instead of one dependent round trip a slice"))
 register(Mechanism(
+    "attn_merge_unroll", ("verify", "draft"), {"attn_merge_unroll": [4, 2, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's last program issues 2-4 slices' partial loads before it sums them (the loop's order, "
+    "the same bits), so their L2 round trips overlap"))
+register(Mechanism(
     "attn_early_pos", ("verify", "draft"), {"attn_early_pos": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode,
     "under PDL, the one-token attention reads the positions (a graph input no kernel writes) before its wait, so "
