@@ -35,7 +35,7 @@ from pathlib import Path
 CONTEXT, POOL = 512, 4096  # scripts/gpu_step_timing.py's
 LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")  # a fused layer's five launches (rope_in_qkv, default)
 FIELD = {name: i for i, name in enumerate(("start", "waited", "looped", "end", "sm", "tag", "clock_waited",
-                                           "clock_end"))}
+                                           "clock_end", "summed"))}  # kernels/trace.py FIELDS
 
 
 def _med(xs) -> float:
@@ -62,12 +62,16 @@ def launch_stats(rows: list[list[int]], t0: int) -> dict:
 def attention_chain(rows: list[list[int]]) -> dict:
     """One attention launch's programs (tags: 0 exited early, 1 published a partial, 2 published and merged) ->
     att_publish_us (median over the working programs of wait -> partial published: the slice's loads, softmax,
-    stores, barrier and atomic), att_merge_us (the last arrival's merge: published -> end) and att_working."""
-    w, lo, e, tag = (FIELD[k] for k in ("waited", "looped", "end", "tag"))
+    stores, barrier and atomic), split into att_slice_us (wait -> the slice's sums issued: loads and softmax) and
+    att_store_us (-> published: the partial's stores, the barrier and the gpu-scope atomic), att_merge_us (the last
+    arrival's merge: published -> end) and att_working."""
+    w, lo, e, tag, su = (FIELD[k] for k in ("waited", "looped", "end", "tag", "summed"))
     work = [r for r in rows if r[tag] in (1, 2)]
     if not work:
         return {}
     return {"att_publish_us": _med([(r[lo] - r[w]) / 1e3 for r in work]),
+            "att_slice_us": _med([(r[su] - r[w]) / 1e3 for r in work]),
+            "att_store_us": _med([(r[lo] - r[su]) / 1e3 for r in work]),
             "att_merge_us": _med([(r[e] - r[lo]) / 1e3 for r in work if r[tag] == 2]), "att_working": len(work)}
 
 
@@ -107,7 +111,7 @@ def layer_offset(names: list[str], layers: int) -> int:
 
 
 SUMMED = ("release", "run", "share", "lead", "spread", "tail", "busy_us", "busy_cycles", "att_publish_us",
-          "att_merge_us", "att_working")
+          "att_slice_us", "att_store_us", "att_merge_us", "att_working")
 
 
 def summarize(replays: list[list[dict]], layers: int, floors_us: dict | None = None) -> dict:

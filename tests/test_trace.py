@@ -39,11 +39,11 @@ def test_regions_in_launch_order_wrap_and_read(cpu_trace):
     assert [r["tr_ptr"].data_ptr() for r in regions[3:]] == [regions[0]["tr_ptr"].data_ptr(),
                                                             regions[1]["tr_ptr"].data_ptr()]
     trace.clear()
-    regions[4]["tr_ptr"][0] = torch.tensor([1, 2, 3, 4, 5, 1, 6, 7])  # launch 4 (region 1): one program
+    regions[4]["tr_ptr"][0] = torch.tensor([1, 2, 3, 4, 5, 1, 6, 7, 8])  # launch 4 (region 1): one program
     regions[2]["tr_ptr"][1, 3] = 9  # launch 2 (region 2): program 1 only
     got = trace.read()
     assert [(g["index"], g["name"]) for g in got] == [(2, "k2"), (4, "k4")]
-    assert got[1]["rows"] == [[1, 2, 3, 4, 5, 1, 6, 7]] and len(got[0]["rows"]) == 1
+    assert got[1]["rows"] == [[1, 2, 3, 4, 5, 1, 6, 7, 8]] and len(got[0]["rows"]) == 1
     trace.clear()
     assert trace.read() == []
 
@@ -60,7 +60,8 @@ def test_enable_refuses_cpu_and_the_interpreter(monkeypatch):
 def test_compiled_trace_reads_the_timers_around_the_wait_and_only_when_on(sm90_report):
     """tests/trace_ptx.py: with TRACE off no timer read and no 64-bit store is compiled (the kernels' own stores
     are 16/32-bit); on: four global-timer reads (start before the PDL wait, the next right after it, then the
-    loop's end and the program's end), two %clock64 reads, one %smid, the row's eight 64-bit stores."""
+    loop's end and the program's end; the attention a fifth, its slice's sums, between the wait's and the
+    published partial's), two %clock64 reads, one %smid, the row's nine 64-bit stores."""
     report = sm90_report("trace_ptx.py")
     assert set(report) == {"gemv_norm_silu_mul_late", "gemv_residual_l2_next_late", "qkv_rope_late",
                            "qkv_rope_qk_norm_late", "attention_one_launch_early_pos"}
@@ -68,13 +69,15 @@ def test_compiled_trace_reads_the_timers_around_the_wait_and_only_when_on(sm90_r
         off, on = case["off"], case["on"]
         assert off["globaltimer"] == [] and off["clock64"] == off["smid"] == off["stores_b64"] == 0, name
         t = on["globaltimer"]
-        assert len(t) == 4 and t[0] < on["wait"] < t[1] < t[2] < t[3], (name, on)
-        assert on["clock64"] == 2 and on["smid"] == 1 and on["stores_b64"] == 8, (name, on)
+        assert len(t) == (5 if name.startswith("attention") else 4), (name, on)
+        assert t[0] < on["wait"] < t[1] and t == sorted(t), (name, on)
+        assert on["clock64"] == 2 and on["smid"] == 1 and on["stores_b64"] == 9, (name, on)
 
 
-def _row(start, waited, end, looped=None, sm=0, tag=1, cw=0, ce=None):
-    return [start, waited, waited if looped is None else looped, end, sm, tag, cw, (end - waited) * 2 if ce is None
-            else ce]
+def _row(start, waited, end, looped=None, sm=0, tag=1, cw=0, ce=None, summed=None):
+    looped = waited if looped is None else looped
+    return [start, waited, looped, end, sm, tag, cw, (end - waited) * 2 if ce is None else ce,
+            looped if summed is None else summed]
 
 
 def _layer(t, layer):
@@ -123,9 +126,11 @@ def test_boundaries_and_summary_on_a_synthetic_step():
 
 
 def test_attention_chain_splits_publish_and_merge():
-    rows = [_row(0, 1000, 1500, tag=0), _row(0, 1000, 5000, looped=4000), _row(0, 1200, 9000, looped=5200, tag=2)]
+    rows = [_row(0, 1000, 1500, tag=0), _row(0, 1000, 5000, looped=4000, summed=2000),
+            _row(0, 1200, 9000, looped=5200, summed=3200, tag=2)]
     c = gst.attention_chain(rows)
-    assert c == {"att_publish_us": pytest.approx(3.5), "att_merge_us": pytest.approx(3.8), "att_working": 2}
+    assert c == {"att_publish_us": pytest.approx(3.5), "att_slice_us": pytest.approx(1.5),
+                 "att_store_us": pytest.approx(2.0), "att_merge_us": pytest.approx(3.8), "att_working": 2}
     assert gst.attention_chain([_row(0, 1000, 1500, tag=0)]) == {}
 
 

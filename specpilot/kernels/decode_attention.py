@@ -455,7 +455,7 @@ if triton is not None:
         # SINGLE (SINGLE_DIRECT): the only working slice (n_used == 1) stores the output itself (`_store_single`).
         # TRACE (kernels/trace.py, a diagnostic): each program's timeline row at its end, tagged 0 (exited early),
         # 1 (a partial) or 2 (a partial and the merge); "looped": when its partial was published (SINGLE: when
-        # its sums were done; tagged 2).
+        # its sums were done; tagged 2); "summed": when its slice's sums were issued, before the stores.
         if TRACE:
             t_start = _tr_now()
         pid_bh = tl.program_id(0)  # (b, kv head, row block): one counter each
@@ -490,6 +490,7 @@ if triton is not None:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
             t_looped = t_waited
+            t_summed = t_waited
             tag = tl.full([], 0, tl.int32)
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D, BLOCK_R, UPCAST)
         if USE_PDL and EARLY_POS:
@@ -508,6 +509,8 @@ if triton is not None:
                 m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
                                                sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
                                                UPCAST)
+            if TRACE:  # the slice's sums issued (before the partial's stores and the arrival)
+                t_summed = _tr_now()
             if SINGLE and n_used == 1:  # the only slice: no partial, no arrival, no merge reads
                 if TRACE:
                     t_looped = _tr_now()
@@ -538,7 +541,8 @@ if triton is not None:
                     if TRACE:
                         tag = tl.full([], 2, tl.int32)
         if TRACE:
-            _tr_record(tr_ptr, pid_bh * tl.num_programs(1) + pid_s, t_start, t_waited, t_looped, c_waited, tag)
+            _tr_record(tr_ptr, pid_bh * tl.num_programs(1) + pid_s, t_start, t_waited, t_looped, c_waited, tag,
+                       t_summed)
 
 
 def _bulk_rows(t: torch.Tensor) -> bool:

@@ -506,7 +506,7 @@ if triton is not None:
         if NORM_OUT:
             norm_rows_when_last(y_ptr, N, 1, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr, tl.num_programs(0), OUT_P2)
         if TRACE:
-            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
+            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1, t_looped)
 
     @triton.jit
     def _dot_acc(h, w, acc, ON_GPU: tl.constexpr):

@@ -193,7 +193,7 @@ if triton is not None:
             tl.store(vc + j, _to_dtype(y1, dt), mask=in_pool)
             tl.store(vc + HALF + j, _to_dtype(y2, dt), mask=in_pool)
         if TRACE:
-            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1)
+            _tr_record(tr_ptr, tl.program_id(0), t_start, t_waited, t_looped, c_waited, 1, t_looped)
 
     @triton.jit
     def _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr,

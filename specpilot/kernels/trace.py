@@ -6,12 +6,13 @@ what is left of the 1.5B step over its floor (~18 us a layer) cannot be split be
 attention's chain and the GEMVs' ramps and tails by timing whole steps. With the switch on, each program of the
 traced kernels (the one-row GEMVs, qkv + RoPE, the one-token attention) writes one row when it ends:
 
-  [start, waited, looped, end, sm, tag, clock_waited, clock_end]
+  [start, waited, looped, end, sm, tag, clock_waited, clock_end, summed]
 
 start / waited / looped / end: the GPU's global nanosecond timer (%globaltimer, one clock for every SM) at the
 program's first instruction, right after its PDL wait, after its main loop (where the late trigger sits) and at its
 end; sm: %smid; tag: what the program did (kernel-specific: the attention's 0 = exited early, 1 = a partial, 2 = a
-partial and the merge); clock_*: the SM's cycle counter (%clock64) at the wait and at the end, for programs' own
+partial and the merge); summed: the attention's working programs' time when their slice's sums were done, before
+the partial's stores and the arrival atomic (splits its publish; the GEMVs write `looped` there); clock_*: the SM's cycle counter (%clock64) at the wait and at the end, for programs' own
 durations where the global timer is coarse. So `scripts/gpu_step_trace.py` can say, per layer, when each kernel's
 programs passed their wait after the one ahead ended (a boundary's cost), how long they then ran, and where a tail
 of late programs held the next kernel back.
@@ -21,7 +22,7 @@ time, in launch order, so a CUDA graph captured with the switch on keeps the reg
 past MAX_PROGRAMS write nothing. The kernels get TRACE and the region's pointer as two
 launch arguments; with TRACE false (the default) nothing of it is compiled, so the untraced kernels are the same
 code. GPU only: the interpreter cannot run inline asm, so `enable` refuses there. The rows hold times, never values
-the step computes: tracing cannot change a token, only add ~10 instructions and one 64-byte store a program.
+the step computes: tracing cannot change a token, only add ~10 instructions and one 72-byte row a program.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from specpilot.kernels.scratch import DeviceBuffers
 
 MAX_PROGRAMS = 65536  # rows a launch's region holds (an LM head of 4-row tiles: 38k programs at Qwen's vocab)
-FIELDS = ("start", "waited", "looped", "end", "sm", "tag", "clock_waited", "clock_end")
+FIELDS = ("start", "waited", "looped", "end", "sm", "tag", "clock_waited", "clock_end", "summed")
 ROW = len(FIELDS)
 
 _buf: torch.Tensor | None = None  # [launches, MAX_PROGRAMS, ROW] int64 while on
@@ -53,7 +54,7 @@ def enabled() -> bool:
 def enable(device, launches: int = 256) -> None:
     """Trace every later launch of the traced kernels on CUDA `device` into a fresh buffer of `launches` regions
     (each launch, graph capture's included, takes the next one; past the last they wrap around, so the last
-    `launches` launches keep theirs: 256 x 65536 rows x 64 bytes = 1 GiB of device memory)."""
+    `launches` launches keep theirs: 256 x 65536 rows x 72 bytes = 1.1 GiB of device memory)."""
     global _buf, _on
     if _interpreting():
         raise RuntimeError("kernels/trace.py: the Triton interpreter cannot run the timer reads (inline asm)")
@@ -94,7 +95,7 @@ def clear() -> None:
 
 def read() -> list[dict]:
     """-> one entry per region a launch wrote since the last `clear`, in launch order: {"index", "name",
-    "rows": [[start, waited, looped, end, sm, tag, clock_waited, clock_end], ...] (its programs in program order)}.
+    "rows": [[start, waited, looped, end, sm, tag, clock_waited, clock_end, summed], ...] (its programs in program order)}.
     Regions handed out more than `launches` launches ago were overwritten (wrap-around) and are not returned."""
     if _buf is None:
         return []
@@ -117,6 +118,7 @@ except ImportError:  # CPU-only installs: nothing to trace
 
 if triton is not None:
     MAX_PROGRAMS_C = tl.constexpr(MAX_PROGRAMS)
+    ROW_C = tl.constexpr(ROW)
 
     @triton.jit
     def now():
@@ -134,12 +136,12 @@ if triton is not None:
         return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def record(tr_ptr, pid, t_start, t_waited, t_looped, c_waited, tag):
+    def record(tr_ptr, pid, t_start, t_waited, t_looped, c_waited, tag, t_summed):
         """Program `pid`'s row of its launch's region (see the module docstring); nothing past MAX_PROGRAMS."""
         t_end = now()
         c_end = cycles()
         if pid < MAX_PROGRAMS_C:
-            row = tr_ptr + pid.to(tl.int64) * 8
+            row = tr_ptr + pid.to(tl.int64) * ROW_C
             tl.store(row, t_start)
             tl.store(row + 1, t_waited)
             tl.store(row + 2, t_looped)
@@ -147,4 +149,5 @@ if triton is not None:
             tl.store(row + 5, tl.full([], 0, tl.int64) + tag)
             tl.store(row + 6, c_waited)
             tl.store(row + 7, c_end)
+            tl.store(row + 8, t_summed)
             tl.store(row + 3, t_end)
