@@ -121,6 +121,22 @@ def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch, switch
                  {"attn_single_direct": True, "attn_split_keys": 512})
 
 
+def _merge_case(seed, B, H, Hkv, T, S, D):
+    """q, k, v, positions for the one-launch merge's tests (16 keys a slice): batch row 0 has one slice working,
+    row 1 every slice (5-9 of them: chunks / groups of 1-4 loop, 8 is partly masked), row 2 six (a group of 4 and a
+    partial one), the rest random."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[0] = T - 1
+    if B > 1:
+        ends[1] = S - 1
+    if B > 2:
+        ends[2] = 16 * 5 + 3
+    return q, k, v, ends[:, None] - (T - 1) + torch.arange(T)[None]
+
+
 @pytest.mark.parametrize("unroll", [2, 4])
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(3, 12, 2, 1, 140, 16), (2, 4, 1, 5, 70, 32), (1, 6, 2, 16, 33, 16)])
 def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monkeypatch, unroll, B, H, Hkv, T, S, D):
@@ -130,16 +146,7 @@ def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monk
     block; the counters end at zero. A merge that skipped or repeated a slice, or summed in another order, fails."""
     from specpilot.kernels import decode_attention as da
 
-    g = torch.Generator().manual_seed(B * 100 + T + unroll)
-    q = torch.randn(B, H, T, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    ends = torch.randint(T - 1, S, (B,), generator=g)
-    ends[0] = T - 1  # one slice works
-    if B > 1:
-        ends[1] = S - 1  # every slice works
-    if B > 2:
-        ends[2] = 16 * 5 + 3  # six slices: one group of 4 and a partial one, three of 2
-    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    q, k, v, positions = _merge_case(B * 100 + T + unroll, B, H, Hkv, T, S, D)
     monkeypatch.setattr(da, "MERGE_CHUNK", 0)
     monkeypatch.setattr(da, "MERGE_UNROLL", 0)
     serial = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
@@ -189,14 +196,7 @@ def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, 
     the serial merge, and the counters end at zero."""
     from specpilot.kernels import decode_attention as da
 
-    g = torch.Generator().manual_seed(B * 10 + T + chunk)
-    q = torch.randn(B, H, T, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    ends = torch.randint(T - 1, S, (B,), generator=g)
-    ends[0] = T - 1  # one slice works
-    if B > 1:
-        ends[1] = S - 1  # every slice works: 5-9 of them, so chunks of 1-4 loop and 8 is partly masked
-    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    q, k, v, positions = _merge_case(B * 10 + T + chunk, B, H, Hkv, T, S, D)
     want = da.decode_attention_reference(q, k, v, positions)
     serial = da.decode_attention(q, k, v, positions, split_s=16, block_s=16, one_launch=True)
     monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
