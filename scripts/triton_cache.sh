@@ -7,8 +7,14 @@
 #   bash scripts/triton_cache.sh pack DIR   # on the GPU machine, last call: DIR/triton-cache.tgz (autotuning results
 #                                           # always; the compiled kernels too while the archive stays <= MAX_MB)
 #   bash scripts/triton_cache.sh seed       # scripts/gpu_env.sh: unpack .tcache/triton-cache.tgz (carried) once,
-#                                           # keeping any file this session wrote already
+#                                           # keeping any file this session wrote already; says STALE where the
+#                                           # kernels changed since the pack
+#   bash scripts/triton_cache.sh check      # locally, before a GPU session: exit 0 if .tcache/ was packed for the
+#                                           # kernels as they are now, 1 if not (or unstamped, or missing)
 # Locally, between sessions: copy the packed file from the device's files into .tcache/ (ignored) and carry it.
+# The stamp (scripts/kernel_stamp.py: the jitted sources) goes into the archive as .kernel-stamp: a stale cache costs
+# the first process on a fresh machine ~100-140 s a shape of re-tuning (session 40 lost a call to it), so size the
+# first call's timeouts by `check`, or re-pack after the kernels change.
 set -eu
 cd "$(dirname "$0")/.."
 CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
@@ -16,10 +22,11 @@ case ${1:-} in
   pack)
     out=${2:?pack needs an output folder}; mkdir -p "$out"; list=$(mktemp)
     [ -d "$CACHE" ] || { echo "triton_cache: no cache at $CACHE" >&2; exit 2; }
-    (cd "$CACHE" && find . -type f | sort) > "$list"
+    python3 scripts/kernel_stamp.py > "$CACHE/.kernel-stamp" || rm -f "$CACHE/.kernel-stamp"
+    (cd "$CACHE" && find . -type f ! -name .seeded | sort) > "$list"
     tar czf "$out/triton-cache.tgz" -C "$CACHE" -T "$list"
     if [ $(stat -c %s "$out/triton-cache.tgz") -gt $(( ${MAX_MB:-8} << 20 )) ]; then  # too big to carry: results only
-      grep '\.autotune\.json$' "$list" > "$list.json" || true
+      grep -E '\.autotune\.json$|^\./\.kernel-stamp$' "$list" > "$list.json" || true
       tar czf "$out/triton-cache.tgz" -C "$CACHE" -T "$list.json"
     fi
     echo "triton_cache: $(tar tzf "$out/triton-cache.tgz" | grep -c '\.autotune\.json$') autotuning results," \
@@ -30,9 +37,24 @@ case ${1:-} in
     if [ -f .tcache/triton-cache.tgz ] && [ ! -e "$CACHE/.seeded" ]; then
       mkdir -p "$CACHE" && tar xzf .tcache/triton-cache.tgz --skip-old-files -C "$CACHE" && touch "$CACHE/.seeded"
       echo "triton_cache: seeded $CACHE ($(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results)"
+      now=$(python3 scripts/kernel_stamp.py 2>/dev/null || true)
+      if [ "$(cat "$CACHE/.kernel-stamp" 2>/dev/null)" != "$now" ]; then
+        echo "triton_cache: STALE: packed for other kernel sources: expect ~100-140 s of re-tuning a shape"
+      fi
     fi
     ;;
+  check)
+    [ -f .tcache/triton-cache.tgz ] || { echo "triton_cache: no .tcache/triton-cache.tgz"; exit 1; }
+    packed=$(tar xzf .tcache/triton-cache.tgz -O ./.kernel-stamp 2>/dev/null || true)
+    now=$(python3 scripts/kernel_stamp.py)
+    if [ -z "$packed" ]; then
+      echo "triton_cache: unstamped (packed before stamps): treat as stale"; exit 1
+    elif [ "$packed" != "$now" ]; then
+      echo "triton_cache: STALE: packed for kernels $packed, they are $now now: re-tuning ~100-140 s a shape"; exit 1
+    fi
+    echo "triton_cache: fresh (kernels $now)"
+    ;;
   *)
-    sed -n '2,11p' "$0" >&2; exit 2
+    sed -n '2,18p' "$0" >&2; exit 2
     ;;
 esac

@@ -146,10 +146,12 @@ class EngineConfig:
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
     # -5.6% at 5 / 8 tokens on one H200 (session 29, 1.5B), to be confirmed (a 5-token step cost 7% more than a
     # 9-token one on another)
-    attn_merge_unroll: int = 0  # CUDA: the one-token attention's last-arriving program issues this many slices'
+    attn_merge_unroll: int = 4  # CUDA: the one-token attention's last-arriving program issues this many slices'
     # loads (2 or 4) before summing them, in the loop's order (kernels/decode_attention.py MERGE_UNROLL: the same
     # bits as the loop, fewer dependent L2 round trips; attn_merge_chunk, if set, takes precedence). 0: the loop, a
-    # slice an iteration. Off until timed on a GPU (session 39's H100 traces: the merge is 2.4-2.6 us a layer)
+    # slice an iteration. 4 since session 40 (H100, graphed one-token step: 1.5B -0.2 / -0.7 / -2.9% at 256 / 512 /
+    # 2048 tokens, Qwen3-8B -0.1 / -0.4% at 512 / 2048; the merge 2.43 -> 2.08 us a layer in the trace; not yet
+    # timed on an H200)
     attn_early_pos: bool = True  # with pdl: the one-token attention reads the positions before its wait, so its
     # K/V loads follow the wait at once instead of a round trip later (kernels/decode_attention.py PDL_EARLY_POS
     # says why that read is safe). Same numbers (engine check). On since session 28 (H200, interleaved: 1.5B step

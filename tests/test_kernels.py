@@ -158,7 +158,8 @@ def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monk
 
 
 def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
-    """EngineConfig.attn_merge_unroll -> decode_attention.MERGE_UNROLL on CUDA only (0 by default, the loop);
+    """EngineConfig.attn_merge_unroll -> decode_attention.MERGE_UNROLL on CUDA only (4 by default since session 40;
+    0 is the loop);
     only 0, 2 or 4 pass validation; a CLI flag; in the loop's layout key and searched by its mechanism."""
     import argparse
 
@@ -171,9 +172,11 @@ def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
     from specpilot.loop.registry import REGISTRY, Deployment
 
     monkeypatch.setattr(da, "MERGE_UNROLL", 0)
-    assert EngineConfig().attn_merge_unroll == 0
-    _apply_program_splits(EngineConfig(device="cuda", attn_merge_unroll=4))
+    assert EngineConfig().attn_merge_unroll == 4
+    _apply_program_splits(EngineConfig(device="cuda"))
     assert da.MERGE_UNROLL == 4
+    _apply_program_splits(EngineConfig(device="cuda", attn_merge_unroll=0))
+    assert da.MERGE_UNROLL == 0
     _apply_program_splits(EngineConfig(attn_merge_unroll=4))  # CPU: the loop the CPU tests pin
     assert da.MERGE_UNROLL == 0
     for bad in (3, 8, -2, True, "4"):
@@ -184,7 +187,7 @@ def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
     assert engine_config(parser.parse_args(["--attn-merge-unroll", "2"])).attn_merge_unroll == 2
     assert "attn_merge_unroll" in EngineMeasure.LAYOUT
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert {"attn_merge_unroll": 4} in REGISTRY["attn_merge_unroll"].candidates(gpu.config, gpu)
+    assert {"attn_merge_unroll": 0} in REGISTRY["attn_merge_unroll"].candidates(gpu.config, gpu)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])

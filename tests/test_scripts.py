@@ -308,6 +308,55 @@ def test_triton_cache_packs_and_seeds_the_autotuning_results(tmp_path):
     assert (fresh / "k1" / "_gemv.autotune.json").read_text() == "newer"
 
 
+def test_triton_cache_stamps_the_kernel_sources_it_was_packed_for(tmp_path):
+    """kernel_stamp.py hashes the jitted functions and tl.constexpr globals of specpilot/kernels (not a comment outside
+    them); triton_cache.sh `pack` stores that stamp in the archive, and `check` says fresh for the same kernels,
+    STALE after a jitted function changed (exit 1), and treats an unstamped or missing archive as stale."""
+    repo, cache, out = tmp_path / "repo", tmp_path / "cache", tmp_path / "out"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("triton_cache.sh", "kernel_stamp.py"):
+        (repo / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+    kernels = repo / "specpilot" / "kernels"
+    kernels.mkdir(parents=True)
+    src = ("import triton\nimport triton.language as tl\n# a comment\n_C = tl.constexpr(64)\n\n\n"
+           "@triton.jit\ndef _k(x_ptr):\n    tl.store(x_ptr, 1)\n\n\ndef host():\n    return 1\n")
+    (kernels / "k.py").write_text(src)
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "_k.autotune.json").write_text("{}")
+
+    def sh(*a):
+        return subprocess.run(["bash", str(repo / "scripts" / "triton_cache.sh"), *a], capture_output=True, text=True,
+                              env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=60)
+
+    def stamp():
+        r = subprocess.run([sys.executable, str(repo / "scripts" / "kernel_stamp.py")], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and len(r.stdout.strip()) == 16, r.stderr
+        return r.stdout.strip()
+
+    first = stamp()
+    (kernels / "k.py").write_text(src.replace("# a comment", "# another comment").replace("return 1", "return 2"))
+    assert stamp() == first  # outside the jitted code: the cached tuning still applies
+    assert sh("check").returncode == 1 and "no .tcache" in sh("check").stdout
+    r = sh("pack", str(out))
+    assert r.returncode == 0, r.stderr
+    listed = subprocess.run(["tar", "tzf", str(out / "triton-cache.tgz")], capture_output=True, text=True).stdout
+    assert "./.kernel-stamp" in listed.split()
+    (repo / ".tcache").mkdir()
+    (out / "triton-cache.tgz").rename(repo / ".tcache" / "triton-cache.tgz")
+    r = sh("check")
+    assert r.returncode == 0 and f"fresh (kernels {first})" in r.stdout, r.stdout + r.stderr
+    (kernels / "k.py").write_text(src.replace("tl.store(x_ptr, 1)", "tl.store(x_ptr, 2)"))  # a kernel edit
+    assert stamp() != first
+    r = sh("check")
+    assert r.returncode == 1 and "STALE" in r.stdout
+    (kernels / "k.py").write_text(src.replace("tl.constexpr(64)", "tl.constexpr(32)"))  # a constexpr global
+    assert stamp() != first and sh("check").returncode == 1
+    subprocess.run(["tar", "czf", str(repo / ".tcache" / "triton-cache.tgz"), "-C", str(cache), "./k1"], check=True)
+    r = sh("check")
+    assert r.returncode == 1 and "unstamped" in r.stdout
+
+
 def test_prefill_timing_script_runs_on_cpu():
     """gpu_prefill_timing.py (eager vs graphed prefill, EngineConfig.prefill_graphs) runs at tiny shapes on the CPU
     through the graphs' static twin, each length both ways; a bad --lengths exits 2 before measuring anything."""
