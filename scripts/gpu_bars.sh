@@ -1,0 +1,59 @@
+#!/bin/bash
+# Issue 3's AR-step bars in one device call: the graphed one-token step against its bytes floor at the 1.5B and
+# Qwen3-8B shapes (random bf16 weights, scripts/gpu_step_timing.py), the defaults (with the shipped tiles) beside any
+# extra configs, interleaved, with timeouts sized by the carried Triton cache.
+#   OUT=$OUT bash scripts/gpu_bars.sh [CONTEXT ...]    # contexts in tokens, default 512; Qwen3-8B at the first only
+# CONFIGS: extra configs, space-separated name:field=value,... (on top of tuned_tiles=true), e.g.
+#   CONFIGS="w8:attn_kv_preload=true,attn_warps=8 pre:attn_kv_preload=true"
+# (Qwen3-8B takes the first two: an 80 GB card holds three of its random models.) ROUNDS15 / ROUNDS8: rounds (4 / 3).
+# TRACE=1: then the per-program trace of the defaults at both shapes (scripts/gpu_step_trace.py).
+# DRY=1: print the commands with their timeouts, run nothing (the tests').
+# Why the timeouts follow the cache: session 40's first call ran every command past its timeout, because the
+# carried .tcache was packed for older kernel sources (scripts/kernel_stamp.py) and each process re-tuned every GEMV
+# shape, ~100-140 s a shape. Where the seeded cache's stamp differs from the kernels', each process gets STALE_S
+# (150) seconds more; a device command has 600 s, so with a stale cache time one context, without TRACE.
+set -u
+cd "$(dirname "$0")/.."
+if [ -z "${DRY:-}" ]; then
+  source scripts/gpu_env.sh || exit 1
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
+contexts=${*:-512}
+for c in $contexts; do
+  case $c in ''|*[!0-9]*) echo "gpu_bars.sh: a context is a whole number of tokens, got '$c'" >&2; exit 2 ;; esac
+done
+configs=()
+for c in ${CONFIGS:-}; do
+  case $c in
+    *:*=*) configs+=("--config=${c%%:*}:tuned_tiles=true,${c#*:}") ;;
+    *) echo "gpu_bars.sh: CONFIGS takes name:field=value,..., got '$c'" >&2; exit 2 ;;
+  esac
+done
+now=$(python3 scripts/kernel_stamp.py) || exit 1
+seeded=$(cat "${TRITON_CACHE_DIR:-/tmp/triton-cache}/.kernel-stamp" 2>/dev/null || true)
+extra=0
+if [ "$seeded" != "$now" ]; then
+  extra=${STALE_S:-150}
+  echo "gpu_bars.sh: the Triton cache is stale or unstamped: $extra s more a process"
+fi
+OUT=${OUT:-/tmp/bars}
+mkdir -p "$OUT"
+run() {  # run SECONDS LOG command...
+  local s=$1 log=$2; shift 2
+  if [ -n "${DRY:-}" ]; then echo "timeout $s $* > $log"; return; fi
+  timeout "$s" "$@" > "$log" 2>&1
+  grep -h "summary\|att_merge_us" "$log" | cut -c1-300 || echo "gpu_bars.sh: nothing from $log (rc $?)"
+}
+base=(--no-compile --tokens=1 --config=tt:tuned_tiles=true)
+for c in $contexts; do
+  run $((60 + 15 * ${#configs[@]} + extra)) "$OUT/bars15_c$c.log" python3 scripts/gpu_step_timing.py qwen2.5-1.5b \
+    "${base[@]}" --rounds="${ROUNDS15:-4}" --context="$c" "${configs[@]}" --config=tt2:tuned_tiles=true
+done
+first=${contexts%% *}
+eight=("${configs[@]:0:2}")
+run $((90 + 30 * ${#eight[@]} + extra)) "$OUT/bars8_c$first.log" python3 scripts/gpu_step_timing.py qwen3-8b \
+  "${base[@]}" --rounds="${ROUNDS8:-3}" --context="$first" "${eight[@]}"
+if [ -n "${TRACE:-}" ]; then
+  run $((60 + extra)) "$OUT/trace15.log" python3 scripts/gpu_step_trace.py qwen2.5-1.5b --config=tuned_tiles=true
+  run $((80 + extra)) "$OUT/trace8.log" python3 scripts/gpu_step_trace.py qwen3-8b --config=tuned_tiles=true
+fi
