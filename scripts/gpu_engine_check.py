@@ -11,7 +11,8 @@ its qkv GEMV's epilogue, gemv_prefetch: the one-row GEMVs' first weight tile ahe
 block ahead, early_epilogue: their (and qkv + RoPE's) epilogue operands loaded right after the wait,
 tile_after_wait: their first weight tile right after it, qkv_trigger_first: qkv + RoPE letting the attention
 launch first thing, with the attention's older K/V rows loaded before its wait, attn_single_direct: the
-one-token attention's only working slice storing the output itself,
+one-token attention's only working slice storing the output itself, attn_merge_unroll: its merge's loads
+four slices at a time, attn_block_keys: a program's 128 keys in one inner step,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -39,7 +40,8 @@ from specpilot.models import random_model
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
 SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
-            "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "rope_split",
+            "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys",
+            "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -544,8 +546,13 @@ def main(only: tuple[str, ...] = ()) -> int:
     def attn_single_direct():  # the only working slice stores the output itself (256 keys a program: 1 slice)
         early_loads("attn_single_direct", attn_split_keys=256)
 
-    def attn_merge_unroll():  # the merge's loads 4 slices at a time (64 keys a program: several slices), both runs
-        early_loads("attn_merge_unroll", 4, dict(attn_split_keys=64))
+    def attn_merge_unroll():  # the merge's loads 4 slices at a time (64 keys a program: several slices), both runs,
+        # against the serial loop (0; 4 is the default since session 40, so "off" must name the loop)
+        early_loads("attn_merge_unroll", 4, dict(attn_split_keys=64, attn_merge_unroll=0))
+
+    def attn_block_keys():  # a program's 128 keys in one inner step (one K/V tile, one softmax pass) against two
+        # of 64: the same attention up to the online softmax's fp32 order, so the same tokens barring a near-tie
+        early_loads("attn_block_keys", 128)
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)
@@ -709,6 +716,7 @@ def main(only: tuple[str, ...] = ()) -> int:
               "gemv_prefetch": gemv_prefetch, "gemv_pipeline": gemv_pipeline, "early_epilogue": early_epilogue,
               "tile_after_wait": tile_after_wait, "qkv_trigger_first": qkv_trigger_first,
               "attn_single_direct": attn_single_direct, "attn_merge_unroll": attn_merge_unroll,
+              "attn_block_keys": attn_block_keys,
               "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,

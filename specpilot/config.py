@@ -128,9 +128,14 @@ class EngineConfig:
     # on one SM, session 26). Same numbers. 8 since session 27 (H200, graphed one-token step, random weights,
     # interleaved against 0 on two machines: Qwen3-8B -1.4 / -1.6%, 1.5B -0.5 / -0.6%)
     attn_split_keys: int = 128  # CUDA: keys a program of the one-token attention takes (kernels/decode_attention.py
-    # ONE_LAUNCH_SPLIT; a power of two, 16-1024; 64 keys an inner step, fewer if fewer): more programs and more
+    # ONE_LAUNCH_SPLIT; a power of two, 16-1024; keys an inner step: attn_block_keys): more programs and more
     # partials to merge, or fewer. Same numbers up to the merge's summation order (fp32). H200, session 27: 64 was
     # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.7 to +1.4% at 1.5B (2): the loop searches it
+    attn_block_keys: int = 0  # CUDA: keys one inner step of a one-token attention program takes (kernels/
+    # decode_attention.py ONE_LAUNCH_SPLIT's second number; 0: min(attn_split_keys, 64); else a power of two in
+    # [16, 256], at most attn_split_keys). 128 with 128 keys a program: one K and one V tile load and one pass of
+    # the online softmax instead of two dependent ones (the session-40 trace: ~3.8 us a layer from the wait to the
+    # slice's sums). Same attention up to the fp32 order of the online softmax. Untimed: the loop searches it
     attn_merge_chunk: int = 0  # CUDA: the one-token attention's last-arriving program reads the slices' partials
     # this many at a time (one L2 round trip a chunk; kernels/decode_attention.py MERGE_CHUNK; 0: one slice at a
     # time, a dependent round trip each; else a power of two <= 64). Same numbers up to the merge's fp32 order.
@@ -309,6 +314,11 @@ class EngineConfig:
         if (not isinstance(self.attn_split_keys, int) or isinstance(self.attn_split_keys, bool)
                 or not 16 <= self.attn_split_keys <= 1024 or self.attn_split_keys & (self.attn_split_keys - 1)):
             raise ConfigError(f"attn_split_keys must be a power of two in [16, 1024], got {self.attn_split_keys!r}")
+        if (not isinstance(self.attn_block_keys, int) or isinstance(self.attn_block_keys, bool)
+                or (self.attn_block_keys and (not 16 <= self.attn_block_keys <= min(256, self.attn_split_keys)
+                                              or self.attn_block_keys & (self.attn_block_keys - 1)))):
+            raise ConfigError(f"attn_block_keys must be 0 or a power of two in [16, 256] and at most attn_split_keys "
+                              f"({self.attn_split_keys}), got {self.attn_block_keys!r}")
         if (not isinstance(self.gemm_bucket_min, int) or isinstance(self.gemm_bucket_min, bool)
                 or self.gemm_bucket_min not in (0, 2, 4, 8, 16)):
             raise ConfigError(f"gemm_bucket_min must be 0, 2, 4, 8 or 16, got {self.gemm_bucket_min!r}")

@@ -190,6 +190,61 @@ def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
     assert {"attn_merge_unroll": 0} in REGISTRY["attn_merge_unroll"].candidates(gpu.config, gpu)
 
 
+def test_engine_sets_the_block_keys_from_the_config(monkeypatch):
+    """EngineConfig.attn_block_keys -> decode_attention.ONE_LAUNCH_SPLIT's keys an inner step on CUDA only (0: 64,
+    or the whole slice when a program takes fewer keys); 0 or a power of two in [16, 256] at most attn_split_keys;
+    a CLI flag; in the loop's layout key; its mechanism proposes 128 and never a block wider than the slice."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
+    assert EngineConfig().attn_block_keys == 0
+    for fields, want in (({}, (128, 64)), ({"attn_block_keys": 128}, (128, 128)), ({"attn_split_keys": 32}, (32, 32)),
+                         ({"attn_split_keys": 512, "attn_block_keys": 256}, (512, 256)),
+                         ({"attn_block_keys": 32}, (128, 32))):
+        _apply_program_splits(EngineConfig(device="cuda", **fields))
+        assert da.ONE_LAUNCH_SPLIT == want, fields
+    _apply_program_splits(EngineConfig(attn_block_keys=128))  # CPU: the layout the CPU tests pin
+    assert da.ONE_LAUNCH_SPLIT == (128, 64)
+    for bad in (8, 48, 512, True, "64"):
+        with pytest.raises(ConfigError, match="attn_block_keys must be 0 or a power of two"):
+            EngineConfig(attn_block_keys=bad)
+    with pytest.raises(ConfigError, match=r"at most attn_split_keys \(64\)"):
+        EngineConfig(attn_split_keys=64, attn_block_keys=128)
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args(["--attn-block-keys", "128"])).attn_block_keys == 128
+    assert "attn_block_keys" in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert {"attn_block_keys": 128} in REGISTRY["attn_block"].candidates(gpu.config, gpu)
+    narrow = EngineConfig(device="cuda", attn_split_keys=64)
+    assert {"attn_block_keys": 128} not in REGISTRY["attn_block"].candidates(narrow, gpu)
+
+
+def test_decode_attention_one_launch_takes_a_slice_in_one_block():
+    """A program's 128 keys in one inner step (attn_block_keys 128) against two of 64: the same attention up to the
+    online softmax's fp32 order, and the reference's, at T = 1 and over several slices."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(40)
+    B, H, Hkv, S, D = 2, 12, 2, 300, 16
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    positions = torch.tensor([[127], [S - 1]])  # one slice's last key; every slice
+    want = da.decode_attention_reference(q, k, v, positions)
+    two = da.decode_attention(q, k, v, positions, split_s=128, block_s=64, one_launch=True)
+    one = da.decode_attention(q, k, v, positions, split_s=128, block_s=128, one_launch=True)
+    assert (one - want).abs().max().item() < 1e-4 and (one - two).abs().max().item() < 1e-5
+    assert not da._COUNTERS[q.device].any()
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(2, 4, 1, 5, 70, 32), (2, 12, 2, 1, 140, 16), (1, 6, 2, 16, 33, 16)])
 def test_decode_attention_one_launch_merges_in_chunks(monkeypatch, chunk, B, H, Hkv, T, S, D):

@@ -189,18 +189,19 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 
 
 def _apply_program_splits(config: EngineConfig) -> None:
-    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys ->
-    kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK, attn_merge_unroll -> its
-    MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its SINGLE_DIRECT, verify_l2_mb -> its
-    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
+    """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys and
+    attn_block_keys -> kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK,
+    attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its
+    SINGLE_DIRECT, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
     whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
-    128 keys a program; the merge a slice at a time; no warming; no pinned tiles)."""
+    128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")
     rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if cuda else 0
     keys = config.attn_split_keys if cuda else 128
-    decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, 64))
+    block = config.attn_block_keys if cuda and config.attn_block_keys else 64  # keys an inner step
+    decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, block))
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
     decode_attention.MERGE_UNROLL = config.attn_merge_unroll if cuda else 0
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0

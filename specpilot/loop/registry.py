@@ -259,6 +259,11 @@ register(Mechanism(
     "the one-token attention's keys per program: more programs and partials to merge (many KV heads), or fewer "
     "(few KV heads)"))
 register(Mechanism(
+    "attn_block", ("verify", "draft"), {"attn_block_keys": [128, 32, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's keys an inner step: a program's slice in one K/V tile load and one softmax pass "
+    "(fewer dependent steps) or in smaller tiles (fewer registers)"))
+register(Mechanism(
     "attn_merge", ("verify", "draft"), {"attn_merge_chunk": [8, 4, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's last program reads the slices' partials a chunk at a time (one L2 round trip a "
