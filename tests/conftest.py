@@ -140,6 +140,33 @@ def launch_spy(monkeypatch):
     return spy
 
 
+def _field_wired(field: str, args: list[str], want, mechanism: str, candidate: dict):
+    """The part of a config field's wiring every field shares: `args` (its CLI flag and value) parse to `want`, it
+    is in the loop's layout key (a new layout re-applies the process-wide switch), and the loop mechanism
+    `mechanism` proposes `candidate` on a GPU deployment -> that deployment (for further checks)."""
+    import argparse
+
+    from specpilot.cli import add_engine_flags, engine_config
+    from specpilot.config import EngineConfig
+    from specpilot.loop import EngineMeasure
+    from specpilot.loop.registry import REGISTRY, Deployment
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    got = getattr(engine_config(parser.parse_args(args)), field)
+    assert got == want and type(got) is type(want)
+    assert field in EngineMeasure.LAYOUT
+    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
+    assert candidate in REGISTRY[mechanism].candidates(gpu.config, gpu)
+    return gpu
+
+
+@pytest.fixture
+def field_wired():
+    """`_field_wired` for a config field of any type: its CLI flag, the loop's layout key and its mechanism."""
+    return _field_wired
+
+
 @pytest.fixture
 def switch_wired():
     """Checks that a boolean EngineConfig switch is wired end to end: off by default, a non-bool value one clear
@@ -147,23 +174,12 @@ def switch_wired():
     mechanism proposing `candidate` on a GPU deployment -> that deployment (for further checks)."""
 
     def check(field: str, flag: str, mechanism: str, candidate: dict):
-        import argparse
-
-        from specpilot.cli import add_engine_flags, engine_config
         from specpilot.config import EngineConfig
         from specpilot.errors import ConfigError
-        from specpilot.loop import EngineMeasure
-        from specpilot.loop.registry import REGISTRY, Deployment
 
         assert getattr(EngineConfig(), field) is False
         with pytest.raises(ConfigError, match=f"{field} must be true or false"):
             EngineConfig(**{field: "yes"})
-        parser = argparse.ArgumentParser()
-        add_engine_flags(parser)
-        assert getattr(engine_config(parser.parse_args([flag])), field) is True
-        assert field in EngineMeasure.LAYOUT
-        gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-        assert candidate in REGISTRY[mechanism].candidates(gpu.config, gpu)
-        return gpu
+        return _field_wired(field, [flag], True, mechanism, candidate)
 
     return check

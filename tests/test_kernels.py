@@ -157,19 +157,14 @@ def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monk
     assert not da._COUNTERS[q.device].any()
 
 
-def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
+def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch, field_wired):
     """EngineConfig.attn_merge_unroll -> decode_attention.MERGE_UNROLL on CUDA only (4 by default since session 40;
-    0 is the loop);
-    only 0, 2 or 4 pass validation; a CLI flag; in the loop's layout key and searched by its mechanism."""
-    import argparse
-
-    from specpilot.cli import add_engine_flags, engine_config
+    0 is the loop); only 0, 2 or 4 pass validation; a CLI flag; in the loop's layout key and searched by its
+    mechanism."""
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
     from specpilot.errors import ConfigError
     from specpilot.kernels import decode_attention as da
-    from specpilot.loop import EngineMeasure
-    from specpilot.loop.registry import REGISTRY, Deployment
 
     monkeypatch.setattr(da, "MERGE_UNROLL", 0)
     assert EngineConfig().attn_merge_unroll == 4
@@ -182,27 +177,18 @@ def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch):
     for bad in (3, 8, -2, True, "4"):
         with pytest.raises(ConfigError, match="attn_merge_unroll must be 0, 2 or 4"):
             EngineConfig(attn_merge_unroll=bad)
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--attn-merge-unroll", "2"])).attn_merge_unroll == 2
-    assert "attn_merge_unroll" in EngineMeasure.LAYOUT
-    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert {"attn_merge_unroll": 0} in REGISTRY["attn_merge_unroll"].candidates(gpu.config, gpu)
+    field_wired("attn_merge_unroll", ["--attn-merge-unroll", "2"], 2, "attn_merge_unroll", {"attn_merge_unroll": 0})
 
 
-def test_engine_sets_the_block_keys_from_the_config(monkeypatch):
+def test_engine_sets_the_block_keys_from_the_config(monkeypatch, field_wired):
     """EngineConfig.attn_block_keys -> decode_attention.ONE_LAUNCH_SPLIT's keys an inner step on CUDA only (0: 64,
     or the whole slice when a program takes fewer keys); 0 or a power of two in [16, 256] at most attn_split_keys;
     a CLI flag; in the loop's layout key; its mechanism proposes 128 and never a block wider than the slice."""
-    import argparse
-
-    from specpilot.cli import add_engine_flags, engine_config
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
     from specpilot.errors import ConfigError
     from specpilot.kernels import decode_attention as da
-    from specpilot.loop import EngineMeasure
-    from specpilot.loop.registry import REGISTRY, Deployment
+    from specpilot.loop.registry import REGISTRY
 
     monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
     assert EngineConfig().attn_block_keys == 0
@@ -218,12 +204,7 @@ def test_engine_sets_the_block_keys_from_the_config(monkeypatch):
             EngineConfig(attn_block_keys=bad)
     with pytest.raises(ConfigError, match=r"at most attn_split_keys \(64\)"):
         EngineConfig(attn_split_keys=64, attn_block_keys=128)
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--attn-block-keys", "128"])).attn_block_keys == 128
-    assert "attn_block_keys" in EngineMeasure.LAYOUT
-    gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert {"attn_block_keys": 128} in REGISTRY["attn_block"].candidates(gpu.config, gpu)
+    gpu = field_wired("attn_block_keys", ["--attn-block-keys", "128"], 128, "attn_block", {"attn_block_keys": 128})
     narrow = EngineConfig(device="cuda", attn_split_keys=64)
     assert {"attn_block_keys": 128} not in REGISTRY["attn_block"].candidates(narrow, gpu)
 
