@@ -29,10 +29,8 @@ for c in ${CONFIGS:-}; do
     *) echo "gpu_bars.sh: CONFIGS takes name:field=value,..., got '$c'" >&2; exit 2 ;;
   esac
 done
-now=$(python3 scripts/kernel_stamp.py) || exit 1
-seeded=$(cat "${TRITON_CACHE_DIR:-/tmp/triton-cache}/.kernel-stamp" 2>/dev/null || true)
 extra=0
-if [ "$seeded" != "$now" ]; then
+if ! TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} bash scripts/triton_cache.sh seeded > /dev/null; then
   extra=${STALE_S:-150}
   echo "gpu_bars.sh: the Triton cache is stale or unstamped: $extra s more a process"
 fi
@@ -41,8 +39,9 @@ mkdir -p "$OUT"
 run() {  # run SECONDS LOG command...
   local s=$1 log=$2; shift 2
   if [ -n "${DRY:-}" ]; then echo "timeout $s $* > $log"; return; fi
-  timeout "$s" "$@" > "$log" 2>&1
-  grep -h "summary\|att_merge_us" "$log" | cut -c1-300 || echo "gpu_bars.sh: nothing from $log (rc $?)"
+  local rc=0
+  timeout "$s" "$@" > "$log" 2>&1 || rc=$?
+  grep -h "summary\|att_merge_us" "$log" | cut -c1-300 || echo "gpu_bars.sh: nothing from $log (rc $rc)"
 }
 base=(--no-compile --tokens=1 --config=tt:tuned_tiles=true)
 for c in $contexts; do

@@ -9,6 +9,8 @@
 #   bash scripts/triton_cache.sh seed       # scripts/gpu_env.sh: unpack .tcache/triton-cache.tgz (carried) once,
 #                                           # keeping any file this session wrote already; says STALE where the
 #                                           # kernels changed since the pack
+#   bash scripts/triton_cache.sh seeded     # exit 0 if the cache at TRITON_CACHE_DIR was packed for the kernels as
+#                                           # they are now (seed and scripts/gpu_bars.sh ask), else STALE, exit 1
 #   bash scripts/triton_cache.sh check      # locally, before a GPU session: exit 0 if .tcache/ was packed for the
 #                                           # kernels as they are now, 1 if not (or unstamped, or missing)
 # Locally, between sessions: copy the packed file from the device's files into .tcache/ (ignored) and carry it.
@@ -37,10 +39,13 @@ case ${1:-} in
     if [ -f .tcache/triton-cache.tgz ] && [ ! -e "$CACHE/.seeded" ]; then
       mkdir -p "$CACHE" && tar xzf .tcache/triton-cache.tgz --skip-old-files -C "$CACHE" && touch "$CACHE/.seeded"
       echo "triton_cache: seeded $CACHE ($(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results)"
-      now=$(python3 scripts/kernel_stamp.py 2>/dev/null || true)
-      if [ "$(cat "$CACHE/.kernel-stamp" 2>/dev/null)" != "$now" ]; then
-        echo "triton_cache: STALE: packed for other kernel sources: expect ~100-140 s of re-tuning a shape"
-      fi
+      bash scripts/triton_cache.sh seeded || true
+    fi
+    ;;
+  seeded)
+    if [ "$(cat "$CACHE/.kernel-stamp" 2>/dev/null)" != "$(python3 scripts/kernel_stamp.py 2>/dev/null)" ]; then
+      echo "triton_cache: STALE: $CACHE holds tuning for other kernel sources: ~100-140 s of re-tuning a shape"
+      exit 1
     fi
     ;;
   check)
@@ -55,6 +60,6 @@ case ${1:-} in
     echo "triton_cache: fresh (kernels $now)"
     ;;
   *)
-    sed -n '2,18p' "$0" >&2; exit 2
+    sed -n '2,20p' "$0" >&2; exit 2
     ;;
 esac
