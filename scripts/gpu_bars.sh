@@ -12,6 +12,9 @@
 # carried .tcache was packed for older kernel sources (scripts/kernel_stamp.py) and each process re-tuned every GEMV
 # shape, ~100-140 s a shape. Where the seeded cache's stamp differs from the kernels', each process gets STALE_S
 # (150) seconds more; a device command has 600 s, so with a stale cache time one context, without TRACE.
+# Where the cache holds no compiled kernel (a fresh machine seeded from an archive of results only), the FIRST process
+# compiles every kernel: COMPILE_S (120) seconds more for it (session 41: the first 1.5B timing ran past 105 s on a
+# fresh H100 with a fresh stamp; the same command took ~25 s in the next call).
 set -u
 cd "$(dirname "$0")/.."
 if [ -z "${DRY:-}" ]; then
@@ -34,10 +37,16 @@ if ! TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} bash scripts/triton
   extra=${STALE_S:-150}
   echo "gpu_bars.sh: the Triton cache is stale or unstamped: $extra s more a process"
 fi
+first_extra=0
+if [ -z "$(find "${TRITON_CACHE_DIR:-/tmp/triton-cache}" -name '*.cubin' -print -quit 2>/dev/null)" ]; then
+  first_extra=${COMPILE_S:-120}
+  echo "gpu_bars.sh: no compiled kernel in the Triton cache: $first_extra s more for the first process"
+fi
 OUT=${OUT:-/tmp/bars}
 mkdir -p "$OUT"
-run() {  # run SECONDS LOG command...
-  local s=$1 log=$2; shift 2
+run() {  # run SECONDS LOG command... (the first run gets first_extra more)
+  local s=$(($1 + first_extra)) log=$2; shift 2
+  first_extra=0
   if [ -n "${DRY:-}" ]; then echo "timeout $s $* > $log"; return; fi
   local rc=0
   timeout "$s" "$@" > "$log" 2>&1 || rc=$?

@@ -44,6 +44,7 @@ with measured ceilings. `--help`: this text. Last stdout line: one JSON object.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -217,7 +218,8 @@ def main(shapes, flags=()) -> int:
                     print(name, f"round {rnd}", key, res[key], f"setup {setup:.1f}s", flush=True)
                 del runner, m
                 reset_switches()
-                torch.cuda.empty_cache()
+                gc.collect()  # a model kept by reference cycles until a GC pass: session 41's Qwen3-8B run ran out of
+                torch.cuda.empty_cache()  # memory at its fourth model (78 GiB held in the process, one model ~16)
         for line in config_summary(res, [c for c, _ in cfgs], tokens):
             print(name, line, flush=True)
         implied = pdl_gap_factor_implied(cfg, hw, res)

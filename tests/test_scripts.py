@@ -360,7 +360,8 @@ def test_triton_cache_stamps_the_kernel_sources_it_was_packed_for(tmp_path):
 def test_bars_script_sizes_its_timeouts_by_the_triton_cache(tmp_path):
     """gpu_bars.sh (issue 3's AR bars in one call), dry: one 1.5B timing a context and Qwen3-8B at the first with
     at most two extra configs, each on top of the shipped tiles; STALE_S more a process where the seeded cache's
-    kernel stamp is not the kernels' (missing or old), none where it is; bad contexts or configs exit 2."""
+    kernel stamp is not the kernels' (missing or old), none where it is; COMPILE_S more for the first process where
+    the cache holds no compiled kernel; bad contexts or configs exit 2."""
     cache = tmp_path / "cache"
     cache.mkdir()
 
@@ -373,16 +374,18 @@ def test_bars_script_sizes_its_timeouts_by_the_triton_cache(tmp_path):
     r = bars("512", "2048", CONFIGS=confs)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert "stale or unstamped: 150 s more" in lines[0]
-    runs = lines[1:]
+    assert "stale or unstamped: 150 s more" in lines[0] and "no compiled kernel" in lines[1]
+    runs = lines[2:]
     assert len(runs) == 3 and [("qwen3-8b" in x, "--context=2048" in x) for x in runs] == [
         (False, False), (False, True), (True, False)]
-    assert runs[0].startswith("timeout 255 ") and runs[2].startswith("timeout 300 ")
+    assert runs[0].startswith("timeout 375 ") and runs[1].startswith("timeout 255 ") and runs[2].startswith("timeout 300 ")
     assert "--config=w8:tuned_tiles=true,attn_kv_preload=true,attn_warps=8" in runs[0] and "c8:" in runs[0]
     assert "pre:" in runs[2] and "c8:" not in runs[2]  # the 8B run holds three models
     stamp = subprocess.run([sys.executable, str(SCRIPTS / "kernel_stamp.py")], capture_output=True, text=True,
                            check=True).stdout.strip()
     (cache / ".kernel-stamp").write_text(stamp + "\n")
+    (cache / "h").mkdir()
+    (cache / "h" / "k.cubin").write_bytes(b"")  # a compiled kernel: no first-process allowance
     r = bars(TRACE="1")
     assert r.returncode == 0 and "stale" not in r.stdout
     assert [x.split()[:2] for x in r.stdout.strip().splitlines()] == [["timeout", "60"], ["timeout", "90"],
