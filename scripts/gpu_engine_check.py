@@ -33,7 +33,7 @@ import torch
 
 from specpilot.config import EngineConfig, SamplingConfig
 from specpilot.costmodel import synthetic_config
-from specpilot.engine import Engine, build_drafter
+from specpilot.engine import Engine, build_drafter, config_switches
 from specpilot.models import random_model
 
 
@@ -523,17 +523,17 @@ def main(only: tuple[str, ...] = ()) -> int:
         # a switch of the one-row GEMVs and qkv + RoPE that the engine sets from the config (kernels/gemv_fused.py
         # and qkv_rope.py; tiles not re-tuned): graphed AR with RoPE in the qkv GEMV's epilogue against the same
         # without the switch (off_more: fields both runs take), eager AR, n-gram speculation
+        # (Engine() sets no process-wide switch: each run sets its config's, config_switches, restored after)
         fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
         riq = fast.use_rope_in_qkv()
         off_cfg = base.with_(fused_verify=True, rope_in_qkv=True, **(off_more or {}))
         on_cfg = off_cfg.with_(**{field: value}, **more)
-        off = [Engine(riq, off_cfg).generate(p) for p in prompts]
-        on = [Engine(riq, on_cfg).generate(p) for p in prompts]
-        try:
+        with config_switches(off_cfg):
+            off = [Engine(riq, off_cfg).generate(p) for p in prompts]
+        with config_switches(on_cfg):
+            on = [Engine(riq, on_cfg).generate(p) for p in prompts]
             same_tokens(((f"ar_{field}_eager", on_cfg.with_(cuda_graphs=False), riq),
                          (f"spec_ngram_{field}", on_cfg.with_(drafter_kind="ngram"), riq)))
-        finally:
-            Engine(riq, off_cfg)  # the switches back off (the layout sets them)
         record(f"ar_{field}", on)
         equals_off(f"ar_{field}_equals_off", on, off)
 
@@ -551,8 +551,9 @@ def main(only: tuple[str, ...] = ()) -> int:
         early_loads("attn_merge_unroll", 4, dict(attn_split_keys=64, attn_merge_unroll=0))
 
     def attn_block_keys():  # a program's 128 keys in one inner step (one K/V tile, one softmax pass) against two
-        # of 64: the same attention up to the online softmax's fp32 order, so the same tokens barring a near-tie
-        early_loads("attn_block_keys", 128)
+        # of 64 (128 is the default since session 41, so "off" must name 64): the same attention up to the online
+        # softmax's fp32 order, so the same tokens barring a near-tie
+        early_loads("attn_block_keys", 128, dict(attn_block_keys=64))
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)

@@ -132,10 +132,12 @@ class EngineConfig:
     # partials to merge, or fewer. Same numbers up to the merge's summation order (fp32). H200, session 27: 64 was
     # -0.8 to -1.0% at Qwen3-8B (8 KV heads) and +0.7 to +1.4% at 1.5B (2): the loop searches it
     attn_block_keys: int = 0  # CUDA: keys one inner step of a one-token attention program takes (kernels/
-    # decode_attention.py ONE_LAUNCH_SPLIT's second number; 0: min(attn_split_keys, 64); else a power of two in
+    # decode_attention.py ONE_LAUNCH_SPLIT's second number; 0: min(attn_split_keys, 128); else a power of two in
     # [16, 256], at most attn_split_keys). 128 with 128 keys a program: one K and one V tile load and one pass of
-    # the online softmax instead of two dependent ones (the session-40 trace: ~3.8 us a layer from the wait to the
-    # slice's sums). Same attention up to the fp32 order of the online softmax. Untimed: the loop searches it
+    # the online softmax instead of two dependent ones (64: two). Same attention up to the fp32 order of the online
+    # softmax. 0 = 128 since session 41 (H100, graphed one-token step against 64, interleaved: 1.5B -2.5 / -3.3% at
+    # 512 / 2048 tokens over 6 rounds, -4.2 / -5.8% over 4 on another machine; Qwen3-8B -0.2% twice; GPU engine
+    # check equal; not yet timed on an H200); the loop searches 64 and 32
     attn_merge_chunk: int = 0  # CUDA: the one-token attention's last-arriving program reads the slices' partials
     # this many at a time (one L2 round trip a chunk; kernels/decode_attention.py MERGE_CHUNK; 0: one slice at a
     # time, a dependent round trip each; else a power of two <= 64). Same numbers up to the merge's fp32 order.

@@ -114,7 +114,7 @@ def test_engine_sets_the_single_slice_switch_from_the_config(monkeypatch, switch
     monkeypatch.setattr(da, "SINGLE_DIRECT", False)
     monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
     _apply_program_splits(EngineConfig(device="cuda", attn_single_direct=True, attn_split_keys=512))
-    assert da.SINGLE_DIRECT is True and da.ONE_LAUNCH_SPLIT == (512, 64)
+    assert da.SINGLE_DIRECT is True and da.ONE_LAUNCH_SPLIT == (512, 128)
     _apply_program_splits(EngineConfig(attn_single_direct=True))  # CPU: the default layout
     assert da.SINGLE_DIRECT is False
     switch_wired("attn_single_direct", "--attn-single-direct", "attn_single",
@@ -181,9 +181,9 @@ def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch, field_wired):
 
 
 def test_engine_sets_the_block_keys_from_the_config(monkeypatch, field_wired):
-    """EngineConfig.attn_block_keys -> decode_attention.ONE_LAUNCH_SPLIT's keys an inner step on CUDA only (0: 64,
+    """EngineConfig.attn_block_keys -> decode_attention.ONE_LAUNCH_SPLIT's keys an inner step on CUDA only (0: 128,
     or the whole slice when a program takes fewer keys); 0 or a power of two in [16, 256] at most attn_split_keys;
-    a CLI flag; in the loop's layout key; its mechanism proposes 128 and never a block wider than the slice."""
+    a CLI flag; in the loop's layout key; its mechanism proposes 64 and never a block wider than the slice."""
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
     from specpilot.errors import ConfigError
@@ -192,9 +192,9 @@ def test_engine_sets_the_block_keys_from_the_config(monkeypatch, field_wired):
 
     monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
     assert EngineConfig().attn_block_keys == 0
-    for fields, want in (({}, (128, 64)), ({"attn_block_keys": 128}, (128, 128)), ({"attn_split_keys": 32}, (32, 32)),
+    for fields, want in (({}, (128, 128)), ({"attn_block_keys": 64}, (128, 64)), ({"attn_split_keys": 32}, (32, 32)),
                          ({"attn_split_keys": 512, "attn_block_keys": 256}, (512, 256)),
-                         ({"attn_block_keys": 32}, (128, 32))):
+                         ({"attn_split_keys": 512}, (512, 128)), ({"attn_block_keys": 32}, (128, 32))):
         _apply_program_splits(EngineConfig(device="cuda", **fields))
         assert da.ONE_LAUNCH_SPLIT == want, fields
     _apply_program_splits(EngineConfig(attn_block_keys=128))  # CPU: the layout the CPU tests pin
@@ -204,9 +204,34 @@ def test_engine_sets_the_block_keys_from_the_config(monkeypatch, field_wired):
             EngineConfig(attn_block_keys=bad)
     with pytest.raises(ConfigError, match=r"at most attn_split_keys \(64\)"):
         EngineConfig(attn_split_keys=64, attn_block_keys=128)
-    gpu = field_wired("attn_block_keys", ["--attn-block-keys", "128"], 128, "attn_block", {"attn_block_keys": 128})
-    narrow = EngineConfig(device="cuda", attn_split_keys=64)
-    assert {"attn_block_keys": 128} not in REGISTRY["attn_block"].candidates(narrow, gpu)
+    gpu = field_wired("attn_block_keys", ["--attn-block-keys", "64"], 64, "attn_block", {"attn_block_keys": 64})
+    narrow = EngineConfig(device="cuda", attn_split_keys=32)
+    assert {"attn_block_keys": 64} not in REGISTRY["attn_block"].candidates(narrow, gpu)
+
+
+def test_config_switches_sets_a_configs_kernel_switches_and_restores_them(monkeypatch):
+    """engine.config_switches: inside the block, the process-wide switches a config's layout sets (the attention's
+    split and inner step, the merge unroll, a one-row GEMV switch); after it, every one as it was, also when the
+    block raises. Engine() itself sets none (a check comparing two configs on one model must use this)."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import config_switches
+    from specpilot.kernels import decode_attention as da
+    from specpilot.kernels import gemv_fused
+
+    monkeypatch.setattr(da, "ONE_LAUNCH_SPLIT", (128, 64))
+    monkeypatch.setattr(da, "MERGE_UNROLL", 0)
+    monkeypatch.setattr(gemv_fused, "EARLY_EPILOGUE", False)
+    cfg = EngineConfig(device="cuda", attn_split_keys=256, attn_block_keys=64, attn_merge_unroll=2,
+                       early_epilogue=True)
+    with config_switches(cfg):
+        assert da.ONE_LAUNCH_SPLIT == (256, 64) and da.MERGE_UNROLL == 2
+        assert gemv_fused.EARLY_EPILOGUE is (gemv_fused.triton is not None)
+    assert (da.ONE_LAUNCH_SPLIT, da.MERGE_UNROLL, gemv_fused.EARLY_EPILOGUE) == ((128, 64), 0, False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with config_switches(EngineConfig(device="cuda")):
+            assert da.ONE_LAUNCH_SPLIT == (128, 128) and da.MERGE_UNROLL == 4
+            raise RuntimeError("inside")
+    assert (da.ONE_LAUNCH_SPLIT, da.MERGE_UNROLL) == ((128, 64), 0)
 
 
 def test_decode_attention_one_launch_takes_a_slice_in_one_block():

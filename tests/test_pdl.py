@@ -366,7 +366,7 @@ def test_the_engine_sets_the_kv_hint_the_rope_split_and_the_attention_split_from
     _apply_program_splits(EngineConfig(device="cuda", rope_q_heads=4, attn_split_keys=32))
     assert rope_write.Q_HEADS_PER_PROGRAM == 4 and decode_attention.ONE_LAUNCH_SPLIT == (32, 32)
     _apply_program_splits(EngineConfig(device="cuda", attn_split_keys=256))
-    assert rope_write.Q_HEADS_PER_PROGRAM == 8 and decode_attention.ONE_LAUNCH_SPLIT == (256, 64)
+    assert rope_write.Q_HEADS_PER_PROGRAM == 8 and decode_attention.ONE_LAUNCH_SPLIT == (256, 128)
     _apply_program_splits(EngineConfig(rope_q_heads=4, attn_split_keys=64))  # CPU: the layouts the CPU tests pin
     assert rope_write.Q_HEADS_PER_PROGRAM == 0 and decode_attention.ONE_LAUNCH_SPLIT == (128, 64)
     for bad in (0, 48, 2048, True, 64.0):

@@ -6,8 +6,9 @@ no drafter, speculative otherwise. It knows nothing of benchmarks or the optimiz
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -200,7 +201,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     cuda = str(config.device).startswith("cuda")
     rope_write.Q_HEADS_PER_PROGRAM = config.rope_q_heads if cuda else 0
     keys = config.attn_split_keys if cuda else 128
-    block = config.attn_block_keys if cuda and config.attn_block_keys else 64  # keys an inner step
+    block = (config.attn_block_keys or 128) if cuda else 64  # keys an inner step (0: 128, the slice's default)
     decode_attention.ONE_LAUNCH_SPLIT = (keys, min(keys, block))
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
     decode_attention.MERGE_UNROLL = config.attn_merge_unroll if cuda else 0
@@ -211,6 +212,30 @@ def _apply_program_splits(config: EngineConfig) -> None:
 
     gemv_fused.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
     tuned.set_pinned(config.tuned_tiles and cuda)  # the shipped table's tiles (kernels/tuned.py)
+
+
+@contextlib.contextmanager
+def config_switches(config: EngineConfig) -> Iterator[None]:
+    """The process-wide kernel switches that laying a model out for `config` sets (_apply_pdl, _apply_gemv_prefetch,
+    _apply_program_splits), set for the block and restored after. Why: `Engine(model, config)` takes a model laid
+    out already and sets none of them, so two engines on one model that differ only in such a field run the same
+    kernels; a check comparing them must set them (session 41: scripts/gpu_engine_check.py's shared helper did not,
+    and six of its sections compared a configuration with itself)."""
+    from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
+
+    modules = (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
+    saved = [(m, {k: v for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}) for m in modules]
+    pinned = tuned.PINNED
+    try:
+        _apply_pdl(config)
+        _apply_gemv_prefetch(config)
+        _apply_program_splits(config)
+        yield
+    finally:
+        tuned.set_pinned(pinned)  # through the setter: a flip drops the autotuners' per-process picks
+        for module, values in saved:
+            for name, value in values.items():
+                setattr(module, name, value)
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:

@@ -259,7 +259,7 @@ register(Mechanism(
     "the one-token attention's keys per program: more programs and partials to merge (many KV heads), or fewer "
     "(few KV heads)"))
 register(Mechanism(
-    "attn_block", ("verify", "draft"), {"attn_block_keys": [128, 32, 0]},
+    "attn_block", ("verify", "draft"), {"attn_block_keys": [64, 32, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's keys an inner step: a program's slice in one K/V tile load and one softmax pass "
     "(fewer dependent steps) or in smaller tiles (fewer registers)"))
