@@ -110,6 +110,19 @@ def main(only: tuple[str, ...] = ()) -> int:
             return None
         return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
 
+    def switch_state():
+        """The process-wide kernel switches now (the modules' upper-case settings and PDL's state), so a section
+        can tell that its "on" and "off" runs did not take the same kernels."""
+        from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
+
+        return tuple((m.__name__, k, repr(v)) for m in (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
+                     for k, v in sorted(vars(m).items()) if k.isupper() or k in ("_enabled", "_late"))
+
+    def switches_differ(name, on_state, off_state):
+        """A problem when a switch's on and off runs took the same switches: the comparison would show nothing."""
+        if on_state == off_state:
+            problems.append(f"{name}: the on and off runs took the same kernel switches (a vacuous comparison)")
+
     def equals_off(name, on, off):
         """A switch's outputs against the same engine's with it off: recorded, and a problem when they differ."""
         same = all(a.output_ids == b.output_ids for a, b in zip(on, off))
@@ -529,13 +542,14 @@ def main(only: tuple[str, ...] = ()) -> int:
         off_cfg = base.with_(fused_verify=True, rope_in_qkv=True, **(off_more or {}))
         on_cfg = off_cfg.with_(**{field: value}, **more)
         with config_switches(off_cfg):
-            off = [Engine(riq, off_cfg).generate(p) for p in prompts]
+            off, off_state = [Engine(riq, off_cfg).generate(p) for p in prompts], switch_state()
         with config_switches(on_cfg):
-            on = [Engine(riq, on_cfg).generate(p) for p in prompts]
+            on, on_state = [Engine(riq, on_cfg).generate(p) for p in prompts], switch_state()
             same_tokens(((f"ar_{field}_eager", on_cfg.with_(cuda_graphs=False), riq),
                          (f"spec_ngram_{field}", on_cfg.with_(drafter_kind="ngram"), riq)))
         record(f"ar_{field}", on)
         equals_off(f"ar_{field}_equals_off", on, off)
+        switches_differ(field, on_state, off_state)
 
     def early_epilogue():  # the epilogue's operands loaded right after the wait (EARLY_EPILOGUE)
         early_loads("early_epilogue")
@@ -626,27 +640,28 @@ def main(only: tuple[str, ...] = ()) -> int:
         # o_proj's one-token GEMV warming the head of gate/up's weight before its PDL wait (EngineConfig.
         # pdl_l2_next_mb, kernels/gemv_fused.py PDL_L2_NEXT_BYTES; here all of it): a hint, so the tokens must be
         # those without it: graphed AR (also 300 new tokens), n-gram speculation, against the same engine under PDL
-        # late without it
-        from specpilot.kernels import gemv_fused, pdl
-
+        # late without it. It applies only behind an o_proj warmed itself (pdl_l2_mb; the check model's 3 MiB
+        # o_proj is within the default 8), so each run takes its config's switches (config_switches: until session
+        # 41 this section set PDL_L2_NEXT_BYTES alone, with the o_proj warming off, and compared nothing)
         fast = fused_under_pdl_late("pdl_l2_next")
         if fast is None:
             return
-        try:
-            off = [Engine(fast, base).generate(p) for p in prompts]
-            long_cfg = base.with_(max_new_tokens=300, max_seq_len=512)
-            long_off = [Engine(fast, long_cfg).generate(p) for p in prompts[:1]]
-            gemv_fused.PDL_L2_NEXT_BYTES = 1 << 30
-            on_cfg = base.with_(pdl_l2_next_mb=1024)
-            on = [Engine(fast, on_cfg).generate(p) for p in prompts]
-            record("ar_pdl_l2_next", on)
-            equals_off("ar_pdl_l2_next_equals_off", on, off)
-            equals_off("ar_pdl_l2_next_300_equals_off",
-                       [Engine(fast, long_cfg.with_(pdl_l2_next_mb=1024)).generate(p) for p in prompts[:1]], long_off)
+        from specpilot.kernels import pdl
+
+        pdl.set_enabled(False)  # config_switches sets it from each config (on, late, by default)
+        off_cfg, on_cfg = base.with_(pdl_l2_next_mb=0), base.with_(pdl_l2_next_mb=1024)
+        long_cfg = dict(max_new_tokens=300, max_seq_len=512)
+        with config_switches(off_cfg):
+            off, off_state = [Engine(fast, off_cfg).generate(p) for p in prompts], switch_state()
+            long_off = [Engine(fast, off_cfg.with_(**long_cfg)).generate(p) for p in prompts[:1]]
+        with config_switches(on_cfg):
+            on, on_state = [Engine(fast, on_cfg).generate(p) for p in prompts], switch_state()
+            long_on = [Engine(fast, on_cfg.with_(**long_cfg)).generate(p) for p in prompts[:1]]
             same_tokens((("spec_ngram_pdl_l2_next", ngram.with_(pdl_l2_next_mb=1024), fast),))
-        finally:
-            pdl.set_enabled(False)
-            gemv_fused.PDL_L2_NEXT_BYTES = 0
+        record("ar_pdl_l2_next", on)
+        equals_off("ar_pdl_l2_next_equals_off", on, off)
+        equals_off("ar_pdl_l2_next_300_equals_off", long_on, long_off)
+        switches_differ("pdl_l2_next", on_state, off_state)
 
     def attn_merge():
         # the one-token attention's merge in chunks (EngineConfig.attn_merge_chunk, decode_attention.MERGE_CHUNK)
