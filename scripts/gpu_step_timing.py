@@ -239,6 +239,7 @@ def reset_switches() -> None:
     decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
     decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS, decode_attention.MERGE_UNROLL = 0, False, 0
     decode_attention.SINGLE_DIRECT, decode_attention.KV_PRELOAD, qkv_rope.TRIGGER_FIRST = False, False, False
+    decode_attention.LOADS_FIRST = False
 
 
 def context(flags) -> int:

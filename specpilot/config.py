@@ -172,6 +172,10 @@ class EngineConfig:
     # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
     # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
     # Off: not faster on the H200 (session 35: 1.5B +1.3 / +2.4% with 8 warps, 8B -0.7%); the loop searches it
+    attn_loads_first: bool = False  # CUDA: the one-token attention asks for loads ahead of the reductions that do
+    # not feed them: a block's V rows with its K rows (not after the scores' maxima: a second DRAM round trip a
+    # slice) and the merge's first slices with the maxima (kernels/decode_attention.py LOADS_FIRST). Same bits.
+    # Off until a GPU times it (session 41); the loop searches it
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
     # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.
@@ -336,6 +340,8 @@ class EngineConfig:
         if self.attn_warps not in (0, 1, 2, 4, 8, 16) or isinstance(self.attn_warps, bool):
             raise ConfigError(f"attn_warps must be 0 (Triton's default) or a power of two <= 16, got "
                               f"{self.attn_warps!r}")
+        if not isinstance(self.attn_loads_first, bool):
+            raise ConfigError(f"attn_loads_first must be true or false, got {self.attn_loads_first!r}")
         if not isinstance(self.attn_kv_preload, bool):
             raise ConfigError(f"attn_kv_preload must be true or false, got {self.attn_kv_preload!r}")
         if not isinstance(self.attn_single_direct, bool):

@@ -157,6 +157,41 @@ def test_decode_attention_one_launch_unrolled_merge_is_the_loop_bit_for_bit(monk
     assert not da._COUNTERS[q.device].any()
 
 
+@pytest.mark.parametrize("unroll,block", [(0, 16), (2, 16), (4, 16), (4, 8)])
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(3, 12, 2, 1, 140, 16), (2, 4, 1, 5, 70, 32)])
+def test_decode_attention_loads_first_is_the_same_bits(monkeypatch, unroll, block, B, H, Hkv, T, S, D):
+    """LOADS_FIRST (EngineConfig.attn_loads_first): V asked for with K, the merge's first slices with the maxima;
+    the same sums in the same order, so the output is the one without it bit for bit (one and several key blocks a
+    slice, the serial merge and both unrolls, a partial first group: 1-9 slices working)."""
+    from specpilot.kernels import decode_attention as da
+
+    q, k, v, positions = _merge_case(B * 10 + T + unroll + block, B, H, Hkv, T, S, D)
+    monkeypatch.setattr(da, "MERGE_CHUNK", 0)
+    monkeypatch.setattr(da, "MERGE_UNROLL", unroll)
+    monkeypatch.setattr(da, "LOADS_FIRST", False)
+    plain = da.decode_attention(q, k, v, positions, split_s=16, block_s=block, one_launch=True)
+    monkeypatch.setattr(da, "LOADS_FIRST", True)
+    got = da.decode_attention(q, k, v, positions, split_s=16, block_s=block, one_launch=True)
+    assert torch.equal(got, plain)
+    assert (got - da.decode_attention_reference(q, k, v, positions)).abs().max().item() < 1e-4
+    assert not da._COUNTERS[q.device].any()
+
+
+def test_engine_sets_loads_first_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.attn_loads_first -> decode_attention.LOADS_FIRST on CUDA only (off by default); a bool; a CLI
+    flag; in the loop's layout key and proposed by its mechanism on a GPU deployment."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "LOADS_FIRST", False)
+    _apply_program_splits(EngineConfig(device="cuda", attn_loads_first=True))
+    assert da.LOADS_FIRST is True
+    _apply_program_splits(EngineConfig(attn_loads_first=True))  # CPU: the order the CPU tests pin
+    assert da.LOADS_FIRST is False
+    switch_wired("attn_loads_first", "--attn-loads-first", "attn_loads_first", {"attn_loads_first": True})
+
+
 def test_engine_sets_the_merge_unroll_from_the_config(monkeypatch, field_wired):
     """EngineConfig.attn_merge_unroll -> decode_attention.MERGE_UNROLL on CUDA only (4 by default since session 40;
     0 is the loop); only 0, 2 or 4 pass validation; a CLI flag; in the loop's layout key and searched by its

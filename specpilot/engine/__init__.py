@@ -207,6 +207,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     decode_attention.MERGE_UNROLL = config.attn_merge_unroll if cuda else 0
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
     decode_attention.SINGLE_DIRECT = config.attn_single_direct and cuda  # one slice: no merge
+    decode_attention.LOADS_FIRST = config.attn_loads_first and cuda  # V with K, the merge's first slices early
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
     from specpilot.kernels import gemv_fused, tuned
 

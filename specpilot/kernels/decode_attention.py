@@ -105,6 +105,13 @@ MERGE_CHUNK = 0
 # The engine sets 4 on CUDA (the EngineConfig default since session 40, H100: the merge 2.43 -> 2.08 us a layer,
 # the 1.5B step -0.2 to -2.9% at 256-2048 tokens, Qwen3-8B -0.1 / -0.4%); this module default stays the loop.
 MERGE_UNROLL = 0
+# The one-token attention issues loads ahead of the reductions that do not feed them (EngineConfig.attn_loads_first):
+# a block's V rows together with its K rows, before the scores' row maxima (`_slice_partial`; otherwise V is asked
+# for only after them: a second DRAM round trip in every slice), and, with MERGE_UNROLL, the merge's first slices'
+# partials together with the maxima and sums, before their reductions (a third L2 round trip otherwise). Why: a
+# reduction across warps goes through shared memory behind a barrier, and no load after it is issued before it. The
+# same operations on the same values in the same order, so the same bits (tests).
+LOADS_FIRST = False
 # A verify block's attention (the two-launch split + merge path, T > 1) warms the NEXT GEMV's weight (o_proj, which
 # the caller hands over as `warm`) in L2 when it is at most this many bytes: every split program issues bulk L2
 # prefetches of its share of it first thing, so the weight streams in while the attention (latency-bound: HBM
@@ -164,10 +171,12 @@ if triton is not None:
     @triton.jit
     def _slice_partial(q, pos, k_ptr, v_ptr, b, hk, start, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, S, SPLIT_S, scale,
                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                       UPCAST: tl.constexpr, k_new=0, v_new=0, new_slot=0, NEW_KV: tl.constexpr = False):
+                       UPCAST: tl.constexpr, k_new=0, v_new=0, new_slot=0, NEW_KV: tl.constexpr = False,
+                       V_FIRST: tl.constexpr = False):
         """Online softmax over keys [start, start + SPLIT_S): -> m [BLOCK_R], l [BLOCK_R], acc [BLOCK_R, D] (fp32).
         NEW_KV (kernels/rope_attention.py): key slot `new_slot` is read as k_new / v_new [1, D] (the new token's,
-        computed in registers) instead of from the cache, which another program of the launch is writing."""
+        computed in registers) instead of from the cache, which another program of the launch is writing.
+        V_FIRST (LOADS_FIRST): each block's V rows are asked for before its scores are reduced."""
         d = tl.arange(0, D)
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -175,13 +184,17 @@ if triton is not None:
         for s0 in range(start, start + SPLIT_S, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             in_pool = s < S
+            if V_FIRST:  # asked for ahead of K: K's tile goes through shared memory (the dot's operand) first
+                vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
+                             mask=in_pool[:, None], other=0.0)
             kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + d[None, :],
                          mask=in_pool[:, None], other=0.0)
             if NEW_KV:
                 kb = tl.where((s == new_slot)[:, None], k_new, kb)
             p, alpha, m_new = _block_scores(q, pos, kb, s, in_pool, m_i, scale, PREC, UPCAST)
-            vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
-                         mask=in_pool[:, None], other=0.0)
+            if not V_FIRST:
+                vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + d[None, :],
+                             mask=in_pool[:, None], other=0.0)
             if NEW_KV:
                 vb = tl.where((s == new_slot)[:, None], v_new, vb)
             l_i, acc = _block_values(p, alpha, vb, l_i, acc, PREC, UPCAST)
@@ -317,7 +330,8 @@ if triton is not None:
     @triton.jit
     def _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T, G, NUM_SPLITS,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr, SPLITS_P2: tl.constexpr,
-                     MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16, MERGE_UN: tl.constexpr = 0):
+                     MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16, MERGE_UN: tl.constexpr = 0,
+                     FIRST: tl.constexpr = False):
         # softmax over all keys from the slices' partials: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, over
         # the slices at or below the largest query position only (the others exited early). Two passes, so that
         # no step waits on the one before: the slices' maxima and sums in one [SPLITS_P2, BLOCK_R] load (M and
@@ -326,6 +340,7 @@ if triton is not None:
         # CACHE: the partials' load cache modifier (".cg" when other programs of the same launch wrote them).
         # MERGE_CH > 0 (MERGE_CHUNK): `_merge_chunks`, a round trip a chunk, instead of the loop below (one a slice).
         # MERGE_UN 2 or 4 (MERGE_UNROLL): the loop with that many slices' loads issued before their sums.
+        # FIRST (LOADS_FIRST, with MERGE_UN): the first MERGE_UN slices' loads issued before the maxima's reduction.
         d = tl.arange(0, D)
         if MERGE_CH > 0:
             r = tl.arange(0, MERGE_R)
@@ -338,12 +353,26 @@ if triton is not None:
             rows = (pid_bh * NUM_SPLITS + sp)[:, None] * BLOCK_R + r[None, :]  # [SPLITS_P2, BLOCK_R]
             m_all = tl.load(m_ptr + rows, mask=used[:, None], other=float("-inf"), cache_modifier=CACHE)
             l_all = tl.load(l_ptr + rows, mask=used[:, None], other=0.0, cache_modifier=CACHE)
+            if MERGE_UN >= 2 and FIRST:  # slices 0 .. MERGE_UN - 1 asked for now, summed below
+                f_m0, f_o0 = _slice_part(o_ptr, m_ptr, pid_bh, 0, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
+                f_m1, f_o1 = _slice_part(o_ptr, m_ptr, pid_bh, 1, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
+                if MERGE_UN == 4:
+                    f_m2, f_o2 = _slice_part(o_ptr, m_ptr, pid_bh, 2, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
+                    f_m3, f_o3 = _slice_part(o_ptr, m_ptr, pid_bh, 3, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
             m_max = tl.max(m_all, axis=0)  # [BLOCK_R]
             m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
             l_run = tl.sum(l_all * tl.exp(m_all - m_use[None, :]), axis=0)
             acc = tl.zeros([BLOCK_R, D], tl.float32)
+            first = 0
+            if MERGE_UN >= 2 and FIRST:  # the same sums in the same order as the loop's first iteration
+                acc += f_o0 * tl.exp(f_m0 - m_use)[:, None]
+                acc += f_o1 * tl.exp(f_m1 - m_use)[:, None]
+                if MERGE_UN == 4:
+                    acc += f_o2 * tl.exp(f_m2 - m_use)[:, None]
+                    acc += f_o3 * tl.exp(f_m3 - m_use)[:, None]
+                first = MERGE_UN
             if MERGE_UN >= 2:  # loads of MERGE_UN slices first, then their sums in slice order (as the loop's)
-                for s0 in range(0, n_used, MERGE_UN):
+                for s0 in range(first, n_used, MERGE_UN):
                     m_0, o_0 = _slice_part(o_ptr, m_ptr, pid_bh, s0, n_used, NUM_SPLITS, r, d, BLOCK_R, D, CACHE)
                     m_1, o_1 = _slice_part(o_ptr, m_ptr, pid_bh, s0 + 1, n_used, NUM_SPLITS, r, d, BLOCK_R, D,
                                            CACHE)
@@ -439,7 +468,7 @@ if triton is not None:
                             KV_L2: tl.constexpr = False, MERGE_CH: tl.constexpr = 0, MERGE_R: tl.constexpr = 16,
                             EARLY_POS: tl.constexpr = False, PRELOAD: tl.constexpr = False,
                             PRE_NB: tl.constexpr = 1, SINGLE: tl.constexpr = False, MERGE_UN: tl.constexpr = 0,
-                            TRACE: tl.constexpr = False, tr_ptr=None):
+                            FIRST: tl.constexpr = False, TRACE: tl.constexpr = False, tr_ptr=None):
         # `_split_kernel`, then the last program of each (b, hk) to finish merges (one launch instead of two)
         # USE_PDL (launched with PDL, kernels/pdl.py; the fused one-token path): the next kernel may launch now;
         # then wait for the previous one before the first load. q, positions and the K/V just written by
@@ -455,6 +484,7 @@ if triton is not None:
         # PRELOAD (KV_PRELOAD; T == 1, SPLIT_S = PRE_NB * BLOCK_S): the slice's older K/V rows into registers before
         # the wait (with or without PDL: the same numbers), slot p's row after it (`_slice_partial_preloaded`).
         # SINGLE (SINGLE_DIRECT): the only working slice (n_used == 1) stores the output itself (`_store_single`).
+        # FIRST (LOADS_FIRST): loads ahead of the reductions that do not feed them (`_slice_partial`, `_merge_store`).
         # TRACE (kernels/trace.py, a diagnostic): each program's timeline row at its end, tagged 0 (exited early),
         # 1 (a partial) or 2 (a partial and the merge); "looped": when its partial was published (SINGLE: when
         # its sums were done; tagged 2); "summed": when its slice's sums were issued, before the stores.
@@ -510,7 +540,7 @@ if triton is not None:
             else:
                 m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
                                                sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
-                                               UPCAST)
+                                               UPCAST, V_FIRST=FIRST)
             if TRACE:  # the slice's sums issued (before the partial's stores and the arrival)
                 t_summed = _tr_now()
             if SINGLE and n_used == 1:  # the only slice: no partial, no arrival, no merge reads
@@ -536,7 +566,7 @@ if triton is not None:
                     # The partials are read with ".cg" (cached in L2 only, the point of coherence across SMs),
                     # never from this SM's non-coherent L1, so no line cached before the acquire can be served stale.
                     _merge_store(o_ptr, m_ptr, l_ptr, out_ptr, b, hk, row0, pid_bh, n_used, so_b, so_h, so_t, T,
-                                 G, NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R, MERGE_UN)
+                                 G, NUM_SPLITS, D, BLOCK_R, ".cg", SPLITS_P2, MERGE_CH, MERGE_R, MERGE_UN, FIRST)
                     # back to zero for the next launch (a later layer, a graph replay): every arrival of this
                     # launch is in, so nothing else touches this counter before the kernel ends
                     tl.store(cnt_ptr + pid_bh, 0)
@@ -640,7 +670,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             out.stride(0), out.stride(1), out.stride(2), Hkv, S, T, G, split_s, splits, nrb, scale, **consts,
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
-            PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, MERGE_UN=unroll, **pdl.kwargs, **warps, **tr)
+            PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, MERGE_UN=unroll, FIRST=LOADS_FIRST, **pdl.kwargs,
+            **warps, **tr)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,

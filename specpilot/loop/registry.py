@@ -293,6 +293,11 @@ register(Mechanism(
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
     "before its wait, so only q and the new token's row are read behind it"))
 register(Mechanism(
+    "attn_loads_first", ("verify", "draft"), {"attn_loads_first": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention asks for a block's V rows with its K rows and for the merge's first partials with the "
+    "maxima, not after the reductions that do not feed them: a round trip fewer in the slice and in the merge"))
+register(Mechanism(
     "attn_single", ("verify", "draft"), {"attn_single_direct": [True, False], "attn_split_keys": [512, 256, 128]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's only working slice stores the output itself (no partial, atomic arrival or merge); "
