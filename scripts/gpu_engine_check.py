@@ -3,7 +3,8 @@
 
 On a random-weight model (fp32, so every path must give identical greedy tokens), checks that AR eager ==
 AR graphed == AR compiled, that speculative decoding (self drafter, random drafter, n-gram) equals AR, and that
-batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (attention_kernel,
+batched regeneration (eager and graphed) equals batch-1 AR; then one section per fast path (defaults: the model
+laid out for the default config with the engine's switches set, as users run it; attention_kernel,
 norm_kernel, fused_decode, fused_verify: verify blocks through the fused layer, pdl: the fused path launched with
 programmatic dependent launch, norm_epilogue: the fused layer's norms written by its residual GEMVs,
 rope_in_attention: a one-token layer's RoPE + K/V write inside its attention launch, rope_in_qkv: the same in
@@ -39,7 +40,7 @@ from specpilot.models import random_model
 
 
 # lossless12 last: it autotunes the 12-bit GEMV per shape (~150 s on the H200)
-SECTIONS = ("attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
+SECTIONS = ("defaults", "attention_kernel", "norm_kernel", "fused_decode", "fused_verify", "pdl", "norm_epilogue",
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
             "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys",
             "attn_loads_first", "rope_split",
@@ -133,6 +134,23 @@ def main(only: tuple[str, ...] = ()) -> int:
             problems.append(name)
 
     ngram = base.with_(drafter_kind="ngram")
+
+    def defaults():
+        # the engine as users run it: the check model laid out for the default config (engine._apply_layout, as
+        # load_target does: fused decode and verify, RoPE in the qkv GEMV, PDL late, L2 warming, the attention's
+        # default split, inner step and merge unroll) and its process-wide switches set; graphed and eager AR and
+        # n-gram and self-drafter speculation against the plain eager AR reference. The other sections start from
+        # the kernels' module defaults, which are not the engine's (MERGE_UNROLL 0, 64-key inner steps, PDL off)
+        from specpilot.engine import _apply_layout
+
+        with config_switches(base):
+            laid = copy.deepcopy(target)
+            _apply_layout(laid, base)
+            same_tokens((("defaults_ar_graphed", base, laid), ("defaults_ar_eager", base.with_(cuda_graphs=False), laid),
+                         ("defaults_spec_ngram", ngram, laid)))
+            spec = base.with_(drafter_kind="model")
+            eng = Engine(laid, spec, build_drafter(spec, laid, laid))
+            record("defaults_spec_self", [eng.generate(p) for p in prompts])
 
     def attention_kernel():
         fast = copy.deepcopy(target).use_attention_kernel()  # the split-KV attention kernel: same greedy tokens
@@ -730,7 +748,7 @@ def main(only: tuple[str, ...] = ()) -> int:
             decode_attention.KV_PRELOAD = False
             decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
 
-    checks = {"attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
+    checks = {"defaults": defaults, "attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "fused_decode": fused_decode,
               "fused_verify": fused_verify, "lossless12": lossless12, "pdl": pdl_launch,
               "norm_epilogue": norm_epilogue, "rope_in_attention": rope_in_attention, "rope_in_qkv": rope_in_qkv,
               "rope_in_qkv_qk_norm": rope_in_qkv_qk_norm,
