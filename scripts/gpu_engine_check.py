@@ -35,7 +35,7 @@ import torch
 
 from specpilot.config import EngineConfig, SamplingConfig
 from specpilot.costmodel import synthetic_config
-from specpilot.engine import Engine, build_drafter, config_switches
+from specpilot.engine import Engine, build_drafter, config_switches, kernel_switches
 from specpilot.models import random_model
 
 
@@ -111,14 +111,6 @@ def main(only: tuple[str, ...] = ()) -> int:
             problems.append(f"{section}: PDL not available here: {pdl.unsupported_reason()}")
             return None
         return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
-
-    def switch_state():
-        """The process-wide kernel switches now (the modules' upper-case settings and PDL's state), so a section
-        can tell that its "on" and "off" runs did not take the same kernels."""
-        from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
-
-        return tuple((m.__name__, k, repr(v)) for m in (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
-                     for k, v in sorted(vars(m).items()) if k.isupper() or k in ("_enabled", "_late"))
 
     def switches_differ(name, on_state, off_state):
         """A problem when a switch's on and off runs took the same switches: the comparison would show nothing."""
@@ -561,9 +553,9 @@ def main(only: tuple[str, ...] = ()) -> int:
         off_cfg = base.with_(fused_verify=True, rope_in_qkv=True, **(off_more or {}))
         on_cfg = off_cfg.with_(**{field: value}, **more)
         with config_switches(off_cfg):
-            off, off_state = [Engine(riq, off_cfg).generate(p) for p in prompts], switch_state()
+            off, off_state = [Engine(riq, off_cfg).generate(p) for p in prompts], kernel_switches()
         with config_switches(on_cfg):
-            on, on_state = [Engine(riq, on_cfg).generate(p) for p in prompts], switch_state()
+            on, on_state = [Engine(riq, on_cfg).generate(p) for p in prompts], kernel_switches()
             same_tokens(((f"ar_{field}_eager", on_cfg.with_(cuda_graphs=False), riq),
                          (f"spec_ngram_{field}", on_cfg.with_(drafter_kind="ngram"), riq)))
         record(f"ar_{field}", on)
@@ -675,10 +667,10 @@ def main(only: tuple[str, ...] = ()) -> int:
         off_cfg, on_cfg = base.with_(pdl_l2_next_mb=0), base.with_(pdl_l2_next_mb=1024)
         long_cfg = dict(max_new_tokens=300, max_seq_len=512)
         with config_switches(off_cfg):
-            off, off_state = [Engine(fast, off_cfg).generate(p) for p in prompts], switch_state()
+            off, off_state = [Engine(fast, off_cfg).generate(p) for p in prompts], kernel_switches()
             long_off = [Engine(fast, off_cfg.with_(**long_cfg)).generate(p) for p in prompts[:1]]
         with config_switches(on_cfg):
-            on, on_state = [Engine(fast, on_cfg).generate(p) for p in prompts], switch_state()
+            on, on_state = [Engine(fast, on_cfg).generate(p) for p in prompts], kernel_switches()
             long_on = [Engine(fast, on_cfg.with_(**long_cfg)).generate(p) for p in prompts[:1]]
             same_tokens((("spec_ngram_pdl_l2_next", ngram.with_(pdl_l2_next_mb=1024), fast),))
         record("ar_pdl_l2_next", on)

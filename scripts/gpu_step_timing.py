@@ -55,9 +55,9 @@ import torch
 from specpilot.config import EngineConfig
 from specpilot.costmodel import forward_cost, load_or_measure, pass_floor_s, synthetic_config
 from specpilot.costmodel.hardware import time_median_s
-from specpilot.engine import _apply_layout
+from specpilot.engine import _apply_layout, kernel_switches, restore_kernel_switches
 from specpilot.engine.runner import ModelRunner
-from specpilot.kernels import decode_attention, gemv_fused, l2_prefetch, pdl, qkv_rope, rope_write
+from specpilot.kernels import gemv_fused, l2_prefetch, pdl, rope_write
 from specpilot.models import fused_decode, random_model
 
 
@@ -196,6 +196,7 @@ def main(shapes, flags=()) -> int:
         del model
         torch.cuda.empty_cache()
         times = {}  # (config name, T) -> ms of each round
+        off = kernel_switches()  # what each config's layout changes, put back after it
         for rnd in range(n_rounds):  # --rounds=N: every config once a round, so drift hits them alike
             for cname, fields in cfgs:  # the engine's own layout for each --config
                 ecfg = EngineConfig(device="cuda", dtype="bfloat16", **fields)
@@ -217,7 +218,7 @@ def main(shapes, flags=()) -> int:
                                 "pdl_on": pdl.enabled()}
                     print(name, f"round {rnd}", key, res[key], f"setup {setup:.1f}s", flush=True)
                 del runner, m
-                reset_switches()
+                restore_kernel_switches(off)
                 gc.collect()  # a model kept by reference cycles until a GC pass: session 41's Qwen3-8B run ran out of
                 torch.cuda.empty_cache()  # memory at its fourth model (78 GiB held in the process, one model ~16)
         for line in config_summary(res, [c for c, _ in cfgs], tokens):
@@ -229,17 +230,6 @@ def main(shapes, flags=()) -> int:
         out["shapes"][name] = res
     print(json.dumps(out))
     return 0
-
-
-def reset_switches() -> None:
-    """The process-wide switches a config's layout sets (engine._apply_pdl etc.) back to off."""
-    pdl.set_enabled(False)
-    gemv_fused.PDL_L2_MAX_BYTES, gemv_fused.PDL_L2_PART, gemv_fused.ONE_ROW_PREFETCH = 0, 64, False
-    decode_attention.PDL_KV_L2, rope_write.Q_HEADS_PER_PROGRAM = False, 0
-    decode_attention.ONE_LAUNCH_SPLIT = (128, 64)
-    decode_attention.MERGE_CHUNK, decode_attention.PDL_EARLY_POS, decode_attention.MERGE_UNROLL = 0, False, 0
-    decode_attention.SINGLE_DIRECT, decode_attention.KV_PRELOAD, qkv_rope.TRIGGER_FIRST = False, False, False
-    decode_attention.LOADS_FIRST = False
 
 
 def context(flags) -> int:

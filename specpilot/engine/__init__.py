@@ -215,6 +215,25 @@ def _apply_program_splits(config: EngineConfig) -> None:
     tuned.set_pinned(config.tuned_tiles and cuda)  # the shipped table's tiles (kernels/tuned.py)
 
 
+def kernel_switches() -> dict:
+    """The process-wide kernel switches as they are now: (module, name) -> value for the kernel modules' upper-case
+    settings and PDL's state, the ones _apply_pdl, _apply_gemv_prefetch and _apply_program_splits set (a snapshot
+    for `restore_kernel_switches`, or to tell two configurations' switches apart)."""
+    from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
+
+    return {(m, k): v for m in (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
+            for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}
+
+
+def restore_kernel_switches(saved: dict) -> None:
+    """Every switch of a `kernel_switches` snapshot back to its value there."""
+    from specpilot.kernels import tuned
+
+    tuned.set_pinned(saved[tuned, "PINNED"])  # through the setter: a flip drops the autotuners' per-process picks
+    for (module, name), value in saved.items():
+        setattr(module, name, value)
+
+
 @contextlib.contextmanager
 def config_switches(config: EngineConfig) -> Iterator[None]:
     """The process-wide kernel switches that laying a model out for `config` sets (_apply_pdl, _apply_gemv_prefetch,
@@ -222,21 +241,14 @@ def config_switches(config: EngineConfig) -> Iterator[None]:
     out already and sets none of them, so two engines on one model that differ only in such a field run the same
     kernels; a check comparing them must set them (session 41: scripts/gpu_engine_check.py's shared helper did not,
     and six of its sections compared a configuration with itself)."""
-    from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
-
-    modules = (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
-    saved = [(m, {k: v for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}) for m in modules]
-    pinned = tuned.PINNED
+    saved = kernel_switches()
     try:
         _apply_pdl(config)
         _apply_gemv_prefetch(config)
         _apply_program_splits(config)
         yield
     finally:
-        tuned.set_pinned(pinned)  # through the setter: a flip drops the autotuners' per-process picks
-        for module, values in saved:
-            for name, value in values.items():
-                setattr(module, name, value)
+        restore_kernel_switches(saved)
 
 
 def load_target(name_or_path: str, config: EngineConfig) -> tuple[DenseLM, Tokenizer]:
