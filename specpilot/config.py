@@ -176,6 +176,11 @@ class EngineConfig:
     # not feed them: a block's V rows with its K rows (not after the scores' maxima: a second DRAM round trip a
     # slice) and the merge's first slices with the maxima (kernels/decode_attention.py LOADS_FIRST). Same bits.
     # Off until a GPU times it (session 41); the loop searches it
+    attn_cluster: int = 0  # CUDA sm_90+: the one-token attention's key slices of a KV head run as a thread-block
+    # cluster of this many CTAs (4, 8 or 16) and merge through distributed shared memory, with no global partials,
+    # atomic or L2 reads (kernels/cluster_attention.py); a context past one cluster's keys merges the clusters'
+    # partials as the one-launch kernel does. Another summation order of the partials. 0: off until a GPU times
+    # it (session 42); the loop searches 8 and 16
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
     # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.
@@ -340,6 +345,8 @@ class EngineConfig:
         if self.attn_warps not in (0, 1, 2, 4, 8, 16) or isinstance(self.attn_warps, bool):
             raise ConfigError(f"attn_warps must be 0 (Triton's default) or a power of two <= 16, got "
                               f"{self.attn_warps!r}")
+        if self.attn_cluster not in (0, 4, 8, 16) or isinstance(self.attn_cluster, bool):
+            raise ConfigError(f"attn_cluster must be 0 (off), 4, 8 or 16 CTAs a cluster, got {self.attn_cluster!r}")
         if not isinstance(self.attn_loads_first, bool):
             raise ConfigError(f"attn_loads_first must be true or false, got {self.attn_loads_first!r}")
         if not isinstance(self.attn_kv_preload, bool):

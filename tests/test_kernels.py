@@ -1050,3 +1050,92 @@ def test_act_and_add_norm_kernel_fields_default_on_and_are_loop_mechanisms():
         assert name in EngineMeasure.LAYOUT
         gpu, cpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200"), Deployment("t", "d", cfg, "cpu")
         assert mech.applies(gpu, gpu.config) and not mech.applies(cpu, cpu.config)
+
+
+def test_cluster_attention_compiles_for_sm90(sm90_report):
+    """tests/cluster_ptx.py compiles the cluster attention for sm_90 (no GPU needed) with each cluster size and
+    option: each CTA's partial goes to its own static shared buffer, two cluster barriers (release / acquire)
+    surround the distributed-shared-memory reads, and only the cross-cluster path has an atomic and L2 reads."""
+    r = sm90_report("cluster_ptx.py")
+    assert r["cluster_arrives"] == ["barrier.cluster.arrive.release.aligned"] * 2
+    assert r["cluster_waits"] == ["barrier.cluster.wait.acquire.aligned"] * 2
+    assert r["mapa"] > 0 and r["dsmem_loads"] >= r["mapa"]  # every peer read is mapped into the cluster window
+    assert r["shared_stores"] > 0
+    assert r["static_buffers"] == [["spc_part_s", "4352"]] and r["large_buffers"] == [["spc_part_l", "16512"]]
+    assert r["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and r["cg_loads"] > 0
+    assert r["griddepcontrol"] == 2  # launch_dependents and wait
+    assert all(r["sizes_compile"].values()) and all(r["options_compile"].values())
+
+
+def test_engine_sets_the_cluster_from_the_config(monkeypatch, field_wired):
+    """EngineConfig.attn_cluster -> kernels/cluster_attention.py CLUSTER on CUDA only (0, off, by default); only 0,
+    4, 8 or 16 pass validation; a CLI flag; in the loop's layout key and searched by its mechanism; in the engine's
+    snapshot of the kernel switches."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits, kernel_switches
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import cluster_attention as ca
+
+    monkeypatch.setattr(ca, "CLUSTER", 0)
+    assert EngineConfig().attn_cluster == 0
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster=8))
+    assert ca.CLUSTER == 8 and kernel_switches()[ca, "CLUSTER"] == 8
+    _apply_program_splits(EngineConfig(attn_cluster=16))  # CPU: never
+    assert ca.CLUSTER == 0
+    for bad in (2, 3, 32, -4, True, "8"):
+        with pytest.raises(ConfigError, match="attn_cluster must be 0"):
+            EngineConfig(attn_cluster=bad)
+    field_wired("attn_cluster", ["--attn-cluster", "16"], 16, "attn_cluster", {"attn_cluster": 8})
+
+
+def test_cluster_attention_applies_only_where_it_can(monkeypatch):
+    """The cluster kernel takes a call only when switched on, on CUDA, for one token of one row block with
+    G <= 16, D <= 256 and D a multiple of the cluster size; anything else (the CPU tests' calls among them) takes
+    decode_attention's kernels, whose output is then unchanged."""
+    import torch
+
+    from specpilot.kernels import cluster_attention as ca
+    from specpilot.kernels import decode_attention as da
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ca, "CLUSTER", 0)
+    assert not ca.applies(1, 6, 128, 1, torch.device("cuda"))
+    monkeypatch.setattr(ca, "CLUSTER", 8)
+    assert not ca.applies(1, 6, 128, 1, cpu)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    pos = torch.tensor([[40]])
+    if da.triton is not None:  # (under the interpreter: the one-launch kernel, never the cluster's)
+        out = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
+        torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, pos), atol=1e-5, rtol=1e-5)
+
+
+def test_cluster_launch_asks_triton_for_the_cluster():
+    """`_cluster_launch` compiles first (no launch), rewrites the compiled kernel's (num_warps, num_ctas, shared)
+    so Triton's launcher asks for clusters of `ctas` (and multiplies grid x by it), then launches grid x / ctas;
+    a Triton without that tuple gets a clear error naming the switch, not a wrong launch."""
+    from specpilot.kernels import cluster_attention as ca
+
+    class Compiled:
+        packed_metadata = (4, 1, 40960)
+
+    class Kernel:
+        def __init__(self, compiled):
+            self.compiled, self.launched = compiled, []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warm_grid = grid
+            return self.compiled
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
+
+    kernel = Kernel(Compiled())
+    ca._cluster_launch(kernel, (2 * 8, 3), ("a", 1), {"D": 128}, 8)
+    assert kernel.compiled.packed_metadata == (4, 8, 40960)
+    assert kernel.warm_grid == (2, 3) and kernel.launched == [((2, 3), ("a", 1), {"D": 128})]
+
+    class Bare:
+        pass
+
+    with pytest.raises(RuntimeError, match="attn_cluster"):
+        ca._cluster_launch(Kernel(Bare()), (8, 1), (), {}, 8)

@@ -193,7 +193,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys and
     attn_block_keys -> kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK,
     attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its
-    SINGLE_DIRECT, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
+    SINGLE_DIRECT, attn_cluster -> kernels/cluster_attention.py's CLUSTER, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
     whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
@@ -208,6 +208,9 @@ def _apply_program_splits(config: EngineConfig) -> None:
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
     decode_attention.SINGLE_DIRECT = config.attn_single_direct and cuda  # one slice: no merge
     decode_attention.LOADS_FIRST = config.attn_loads_first and cuda  # V with K, the merge's first slices early
+    from specpilot.kernels import cluster_attention
+
+    cluster_attention.CLUSTER = config.attn_cluster if cuda else 0  # the slices' merge inside a CTA cluster
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
     from specpilot.kernels import gemv_fused, tuned
 
@@ -219,9 +222,9 @@ def kernel_switches() -> dict:
     """The process-wide kernel switches as they are now: (module, name) -> value for the kernel modules' upper-case
     settings and PDL's state, the ones _apply_pdl, _apply_gemv_prefetch and _apply_program_splits set (a snapshot
     for `restore_kernel_switches`, or to tell two configurations' switches apart)."""
-    from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
+    from specpilot.kernels import cluster_attention, decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
 
-    return {(m, k): v for m in (decode_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
+    return {(m, k): v for m in (decode_attention, cluster_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
             for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}
 
 

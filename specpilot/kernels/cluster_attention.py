@@ -1,0 +1,274 @@
+"""The one-token decode attention with its key slices merged inside a thread-block cluster (Hopper, sm_90+).
+
+Why: the one-launch kernel (kernels/decode_attention.py) publishes each slice's partial softmax to global memory,
+counts itself in with a gpu-scope atomic, and the last program to arrive reads every partial back from L2 and
+merges them. At the 1.5B shape that chain is ~3.2 us of the attention's ~8.3 us a layer on an H100 (session 41's
+trace: stores, barrier and atomic 1.15, merge 2.0), three L2 round trips in a row that do not shrink with HBM
+bandwidth, so they weigh more on an H200. Here the programs of one KV head's slices form a cluster of C CTAs
+(C = CLUSTER: 4, 8 or 16), which Hopper schedules together on one GPC. Each CTA puts its partial (the running max,
+sum and fp32 accumulator of the query rows) in its own shared memory; one cluster barrier; then CTA r reads the
+partials of all C CTAs through distributed shared memory (`ld.shared::cluster`, SM to SM inside the GPC) for its
+D / C columns only, merges them and stores those columns of the output. A second cluster barrier keeps every CTA
+(and so its shared memory) alive until the others have read it. No global partials, no atomic, no L2 round trip.
+
+When the context needs more slices than a cluster holds (more than C * SPLIT_S keys), the working clusters each
+merge into one partial, publish it as the one-launch kernel's slices do (global stores, CTA barrier, acq_rel
+atomic: every CTA counts itself in, C a cluster), and the last CTA to arrive merges the clusters' partials. So any
+context length works in one static launch (a CUDA graph), and a context within one cluster takes no atomic.
+
+Scope: one token (T == 1), one row block (G <= 16 query heads a KV head), D <= 256, a CUDA GPU of compute
+capability 9.0+ and a Triton whose compiled kernels carry `packed_metadata` (num_warps, num_ctas, shared): the
+launch asks for the cluster through that tuple (`_cluster_launch`), because Triton's own `num_ctas` changes how a
+program's tensors are laid out over CTAs. Anything else takes decode_attention's kernel (`applies`).
+
+Numbers: the slice sums are decode_attention's (`_slice_partial`, the same code); the merge adds the C partials of a
+cluster as a tree (tl.sum) where the one-launch kernel adds its slices in order, so results may differ from it in
+the last fp32 bits (not bit-identical; tokens are checked by the GPU engine check's `attn_cluster` section).
+Nothing here runs under the Triton interpreter (inline PTX): tests/cluster_ptx.py compiles it for sm_90 on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specpilot.kernels import trace
+
+try:
+    import triton
+    import triton.language as tl
+
+    from specpilot.kernels.decode_attention import (_older_rows, _queries, _slice_partial, _slice_partial_preloaded,
+                                                    _store_out)
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait
+    from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record
+except ImportError:  # CPU-only installs
+    triton = None
+
+SIZES = (4, 8, 16)  # CTAs a cluster may hold (16: non-portable, allowed on H100 / H200)
+CLUSTER = 0  # EngineConfig.attn_cluster: CTAs a cluster for the one-token attention; 0: decode_attention's kernel
+# Bytes of each CTA's shared buffer for its partial: rows x (D + 2) fp32 (accumulator, max, sum). Two static sizes,
+# because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes).
+SMALL_BYTES = 4352
+LARGE_BYTES = 16 * 258 * 4
+
+
+def applies(T: int, G: int, D: int, nrb: int, device: torch.device) -> bool:
+    """Whether the cluster kernel can take this call (see the module docstring's scope)."""
+    if not CLUSTER or triton is None or device.type != "cuda" or T != 1 or nrb != 1 or G > 16 or D > 256:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) and D % CLUSTER == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _part_base(LARGE: tl.constexpr):
+        """The shared-memory address (shared window) of this CTA's partial buffer, a static PTX declaration."""
+        if LARGE:
+            return tl.inline_asm_elementwise("{ .shared .align 16 .b8 spc_part_l[16512]; mov.u32 $0, spc_part_l; }",
+                                             "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("{ .shared .align 16 .b8 spc_part_s[4352]; mov.u32 $0, spc_part_s; }",
+                                             "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _st_shared(addr, val, keep):
+        """Store fp32 `val` at shared address `addr` where `keep` != 0 (elementwise)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.shared.f32 [$1], $2; } mov.u32 $0, 0;",
+            "=r,r,f,r", [addr, val, keep], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _ld_peer(addr, peer):
+        """fp32 at shared address `addr` of cluster CTA `peer` (elementwise; `peer` may be this CTA)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .u32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
+            "=f,r,r", [addr, peer], dtype=tl.float32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _cluster_sync():
+        """Every thread of the cluster arrives (release) and waits (acquire): shared stores before it are seen by
+        every CTA's loads after it."""
+        return tl.inline_asm_elementwise(
+            "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0;",
+            "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _cluster_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
+                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, so_b, so_h, so_t,
+                        H_KV, S, G, SPLIT_S, NUM_SPLITS, NUM_GROUPS, scale,
+                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                        C: tl.constexpr, MR: tl.constexpr, GROUPS_P2: tl.constexpr, LARGE: tl.constexpr,
+                        USE_PDL: tl.constexpr = False, EARLY_POS: tl.constexpr = False,
+                        PRELOAD: tl.constexpr = False, PRE_NB: tl.constexpr = 1, FIRST: tl.constexpr = False,
+                        TRACE: tl.constexpr = False, tr_ptr=None):
+        # grid (B * H_KV * C, NUM_GROUPS), launched as clusters of C consecutive programs along x: the cluster
+        # (pid_bh, grp) holds slices grp * C .. grp * C + C - 1 of (b, hk), CTA rank r (= %cluster_ctarank) slice
+        # grp * C + r. USE_PDL / EARLY_POS / PRELOAD / PRE_NB / FIRST: decode_attention's `_split_merge_kernel`.
+        if TRACE:
+            t_start = _tr_now()
+        pid_x = tl.program_id(0)
+        grp = tl.program_id(1)
+        rank = pid_x % C
+        pid_bh = pid_x // C
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+        pid_s = grp * C + rank
+        if USE_PDL:
+            gdc_launch_dependents()
+            if EARLY_POS:
+                early_max = tl.load(pos_ptr + b * sp_b)  # T == 1 (see decode_attention.PDL_EARLY_POS)
+        if PRELOAD:
+            if USE_PDL and EARLY_POS:
+                p_pre = early_max
+            else:
+                p_pre = tl.load(pos_ptr + b * sp_b)
+            s_pre = pid_s * SPLIT_S + tl.arange(0, BLOCK_S)
+            ka = _older_rows(k_ptr, b, hk, s_pre, p_pre, S, sk_b, sk_h, sk_s, D)
+            va = _older_rows(v_ptr, b, hk, s_pre, p_pre, S, sv_b, sv_h, sv_s, D)
+            kb2 = ka
+            vb2 = va
+            if PRE_NB == 2:
+                kb2 = _older_rows(k_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sk_b, sk_h, sk_s, D)
+                vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sv_b, sv_h, sv_s, D)
+        if USE_PDL:
+            gdc_wait()
+        if TRACE:
+            t_waited = _tr_now()
+            c_waited = _tr_cycles()
+            t_looped = t_waited
+            t_summed = t_waited
+            tag = tl.full([], 0, tl.int32)
+        q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, 0, sq_b, sq_h, sq_t, sp_b, 1, G, D, BLOCK_R, False)
+        if USE_PDL and EARLY_POS:
+            max_pos = early_max
+        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)  # slices at or below the position
+        n_grp = (n_used + C - 1) // C  # clusters holding them; the others exit (no barrier waits on them)
+        if grp < n_grp:
+            r = tl.arange(0, BLOCK_R)
+            d = tl.arange(0, D)
+            if pid_s < n_used:
+                if PRELOAD:
+                    m_i, l_i, acc = _slice_partial_preloaded(q, pos, ka, va, kb2, vb2, k_ptr, v_ptr, b, hk,
+                                                             pid_s * SPLIT_S, max_pos, sk_b, sk_h, sk_s, sv_b,
+                                                             sv_h, sv_s, S, scale, D, BLOCK_R, BLOCK_S, PREC,
+                                                             False, PRE_NB)
+                else:
+                    m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
+                                                   sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
+                                                   False, V_FIRST=FIRST)
+            else:  # a CTA of a working cluster past the last slice: an empty partial (weight e^-inf = 0)
+                m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_R], tl.float32)
+                acc = tl.zeros([BLOCK_R, D], tl.float32)
+            if TRACE:
+                t_summed = _tr_now()
+            # this CTA's partial into its shared buffer: acc rows [0, MR) at (r * D + d) * 4, then m and l
+            base = _part_base(LARGE)
+            keep = r < MR
+            _st_shared(base + (r[:, None] * D + d[None, :]) * 4, acc, (keep[:, None] & (d[None, :] >= 0)).to(tl.int32))
+            _st_shared(base + (MR * D + r) * 4, m_i, keep.to(tl.int32))
+            _st_shared(base + (MR * D + MR + r) * 4, l_i, keep.to(tl.int32))
+            _cluster_sync()
+            # columns [rank * DC, rank * DC + DC) of every CTA's partial, in one elementwise load each
+            j = tl.arange(0, C)
+            rr = tl.arange(0, MR)
+            dc = rank * (D // C) + tl.arange(0, D // C)
+            peer3 = j[:, None, None] + (rr[None, :, None] + dc[None, None, :]) * 0  # [C, MR, DC]
+            o_c = _ld_peer(base + (rr[None, :, None] * D + dc[None, None, :]) * 4 + peer3 * 0, peer3)
+            peer2 = j[:, None] + rr[None, :] * 0  # [C, MR]
+            m_c = _ld_peer(base + (MR * D + rr[None, :]) * 4 + peer2 * 0, peer2)
+            l_c = _ld_peer(base + (MR * D + MR + rr[None, :]) * 4 + peer2 * 0, peer2)
+            m_max = tl.max(m_c, axis=0)  # [MR]
+            m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
+            w = tl.exp(m_c - m_use[None, :])
+            l_run = tl.sum(l_c * w, axis=0)
+            acc_c = tl.sum(o_c * w[:, :, None], axis=0)  # [MR, DC]
+            _cluster_sync()  # every CTA has read every buffer it needs: now any may leave
+            if TRACE:
+                t_looped = _tr_now()
+                tag = tl.full([], 1, tl.int32)
+            if n_grp == 1:  # the whole context in this cluster: its columns of the output
+                _store_out(out_ptr, acc_c, l_run, rr, dc, b, hk, 0, so_b, so_h, so_t, 1, G)
+                if TRACE:
+                    tag = tl.full([], 2, tl.int32)
+            else:  # publish the cluster's partial (its columns; rank 0 the max and sum) and count in
+                part = (pid_bh * NUM_GROUPS + grp) * MR
+                tl.store(o_ptr + (part + rr)[:, None] * D + dc[None, :], acc_c)
+                if rank == 0:
+                    tl.store(m_ptr + part + rr, m_max)
+                    tl.store(l_ptr + part + rr, l_run)
+                tl.debug_barrier()  # (decode_attention's publish pattern: CTA barrier, then the acq_rel atomic)
+                arrived = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_grp * C - 1:  # every CTA of every working cluster has published its columns
+                    g = tl.arange(0, GROUPS_P2)
+                    used = g < n_grp
+                    rows = (pid_bh * NUM_GROUPS + g)[:, None] * MR + rr[None, :]  # [GROUPS_P2, MR]
+                    m_g = tl.load(m_ptr + rows, mask=used[:, None], other=float("-inf"), cache_modifier=".cg")
+                    l_g = tl.load(l_ptr + rows, mask=used[:, None], other=0.0, cache_modifier=".cg")
+                    o_g = tl.load(o_ptr + rows[:, :, None] * D + d[None, None, :], mask=used[:, None, None],
+                                  other=0.0, cache_modifier=".cg")
+                    g_max = tl.max(m_g, axis=0)
+                    g_use = tl.where(g_max == float("-inf"), 0.0, g_max)
+                    wg = tl.exp(m_g - g_use[None, :])
+                    _store_out(out_ptr, tl.sum(o_g * wg[:, :, None], axis=0), tl.sum(l_g * wg, axis=0), rr, d, b,
+                               hk, 0, so_b, so_h, so_t, 1, G)
+                    tl.store(cnt_ptr + pid_bh, 0)  # back to zero for the next launch
+                    if TRACE:
+                        tag = tl.full([], 2, tl.int32)
+        if TRACE:
+            _tr_record(tr_ptr, pid_bh * (NUM_GROUPS * C) + pid_s, t_start, t_waited, t_looped, c_waited, tag,
+                       t_summed)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> None:
+    """Launch `kernel` over `grid` programs as clusters of `ctas` consecutive programs along x. Triton's launcher
+    asks for a cluster when the compiled kernel's packed metadata says num_ctas > 1 (and multiplies grid x by it),
+    so the kernel is compiled first (`warmup`, no launch) and its tuple (num_warps, num_ctas, shared) rewritten."""
+    compiled = kernel.warmup(*args, grid=(grid[0] // ctas, grid[1]), **kwargs)
+    meta = getattr(compiled, "packed_metadata", None)
+    if not (isinstance(meta, tuple) and len(meta) == 3):
+        raise RuntimeError("attn_cluster: this Triton's compiled kernels carry no (num_warps, num_ctas, shared) "
+                           "launch tuple; set attn_cluster to 0")
+    if meta[1] != ctas:
+        compiled.packed_metadata = (meta[0], ctas, meta[2])
+    kernel[(grid[0] // ctas, grid[1])](*args, **kwargs)
+
+
+def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, scale: float, pdl, *,
+                      early_pos: bool, preload: bool, loads_first: bool, warps: int) -> torch.Tensor:
+    """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`):
+    q [B, H, 1, D], k / v [B, Hkv, S, D], pos [B, 1] contiguous, out [B, H, 1, D] (written), `counters` >= B * Hkv
+    zero int32 (decode_attention's, left at zero), `pdl` kernels/pdl.py's launch options."""
+    B, H, _, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    C = CLUSTER
+    rows = 16 if G <= 16 else 32
+    mr = _pow2(G)
+    splits = triton.cdiv(S, split_s)
+    groups = triton.cdiv(splits, C)
+    o = torch.empty(B * Hkv * groups * mr, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B * Hkv * groups * mr, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    pre_nb = split_s // block_s
+    tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)
+    args = (q, k, v, pos, o, m, l, out, counters, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), v.stride(0), v.stride(1), v.stride(2), pos.stride(0), out.stride(0), out.stride(1),
+            out.stride(2), Hkv, S, G, split_s, splits, groups, scale)
+    kwargs = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32", C=C,
+                  MR=mr, GROUPS_P2=_pow2(groups), LARGE=mr * (D + 2) * 4 > SMALL_BYTES, USE_PDL=pdl.use_pdl,
+                  EARLY_POS=pdl.use_pdl and early_pos, PRELOAD=preload, PRE_NB=pre_nb if preload else 1,
+                  FIRST=loads_first, **pdl.kwargs, **tr)
+    if warps:
+        kwargs["num_warps"] = warps
+    _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C)
+    return out
