@@ -586,12 +586,13 @@ def main(only: tuple[str, ...] = ()) -> int:
         early_loads("attn_loads_first", True, dict(attn_split_keys=64))
 
     def attn_cluster():  # the slices of a KV head merged inside a CTA cluster of 8 (16 keys a program: up to 5
-        # slices of the 70 positions in one cluster, the rest of its CTAs empty partials)
-        early_loads("attn_cluster", 8, dict(attn_split_keys=16))
+        # slices of the 70 positions in one cluster, the rest of its CTAs empty partials), against the one-launch
+        # kernel's merge (0; 8 is the default since session 42, so "off" must name 0)
+        early_loads("attn_cluster", 8, dict(attn_split_keys=16, attn_cluster=0))
 
     def attn_cluster_groups():  # clusters of 4 CTAs (16 keys a program): past 64 positions two clusters, whose
         # partials the last CTA to arrive merges
-        early_loads("attn_cluster", 4, dict(attn_split_keys=16))
+        early_loads("attn_cluster", 4, dict(attn_split_keys=16, attn_cluster=0))
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)

@@ -176,11 +176,13 @@ class EngineConfig:
     # not feed them: a block's V rows with its K rows (not after the scores' maxima: a second DRAM round trip a
     # slice) and the merge's first slices with the maxima (kernels/decode_attention.py LOADS_FIRST). Same bits.
     # Off until a GPU times it (session 41); the loop searches it
-    attn_cluster: int = 0  # CUDA sm_90+: the one-token attention's key slices of a KV head run as a thread-block
+    attn_cluster: int = 8  # CUDA sm_90+: the one-token attention's key slices of a KV head run as a thread-block
     # cluster of this many CTAs (4, 8 or 16) and merge through distributed shared memory, with no global partials,
     # atomic or L2 reads (kernels/cluster_attention.py); a context past one cluster's keys merges the clusters'
-    # partials as the one-launch kernel does. Another summation order of the partials. 0: off until a GPU times
-    # it (session 42); the loop searches 8 and 16
+    # partials as the one-launch kernel does. Another summation order of the partials. 8 since session 42 (H100,
+    # graphed one-token step: 1.5B -4.8 / -5.0% at 512 tokens, -1.9 / -2.0% at 2048; Qwen3-8B -1.4%; 16: 1.5B -3.8%
+    # / -4.8%, 8B +1.6%; 4: 1.5B +3.2%); 0: off (the one-launch kernel's merge). Where it cannot run (before Hopper,
+    # the interpreter) the one-launch kernel runs without a word; the loop searches 16 and 0
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
     # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.

@@ -1068,7 +1068,8 @@ def test_cluster_attention_compiles_for_sm90(sm90_report):
 
 
 def test_engine_sets_the_cluster_from_the_config(monkeypatch, field_wired):
-    """EngineConfig.attn_cluster -> kernels/cluster_attention.py CLUSTER on CUDA only (0, off, by default); only 0,
+    """EngineConfig.attn_cluster -> kernels/cluster_attention.py CLUSTER on CUDA only (8 by default since session
+    42; 0: off); only 0,
     4, 8 or 16 pass validation; a CLI flag; in the loop's layout key and searched by its mechanism; in the engine's
     snapshot of the kernel switches."""
     from specpilot.config import EngineConfig
@@ -1077,15 +1078,17 @@ def test_engine_sets_the_cluster_from_the_config(monkeypatch, field_wired):
     from specpilot.kernels import cluster_attention as ca
 
     monkeypatch.setattr(ca, "CLUSTER", 0)
-    assert EngineConfig().attn_cluster == 0
-    _apply_program_splits(EngineConfig(device="cuda", attn_cluster=8))
+    assert EngineConfig().attn_cluster == 8
+    _apply_program_splits(EngineConfig(device="cuda"))
     assert ca.CLUSTER == 8 and kernel_switches()[ca, "CLUSTER"] == 8
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster=0))
+    assert ca.CLUSTER == 0
     _apply_program_splits(EngineConfig(attn_cluster=16))  # CPU: never
     assert ca.CLUSTER == 0
     for bad in (2, 3, 32, -4, True, "8"):
         with pytest.raises(ConfigError, match="attn_cluster must be 0"):
             EngineConfig(attn_cluster=bad)
-    field_wired("attn_cluster", ["--attn-cluster", "16"], 16, "attn_cluster", {"attn_cluster": 8})
+    field_wired("attn_cluster", ["--attn-cluster", "16"], 16, "attn_cluster", {"attn_cluster": 0})
 
 
 def test_cluster_attention_applies_only_where_it_can(monkeypatch):
@@ -1109,10 +1112,13 @@ def test_cluster_attention_applies_only_where_it_can(monkeypatch):
         torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, pos), atol=1e-5, rtol=1e-5)
 
 
-def test_cluster_launch_asks_triton_for_the_cluster():
+def test_cluster_launch_asks_triton_for_the_cluster(monkeypatch):
     """`_cluster_launch` compiles first (no launch), rewrites the compiled kernel's (num_warps, num_ctas, shared)
     so Triton's launcher asks for clusters of `ctas` (and multiplies grid x by it), then launches grid x / ctas;
-    a Triton without that tuple gets a clear error naming the switch, not a wrong launch."""
+    a Triton without that tuple launches nothing, warns once naming the switch, and the one-launch kernel takes
+    every later call (the switch is on by default: where it cannot work it must not fail)."""
+    import torch
+
     from specpilot.kernels import cluster_attention as ca
 
     class Compiled:
@@ -1130,12 +1136,17 @@ def test_cluster_launch_asks_triton_for_the_cluster():
             return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
 
     kernel = Kernel(Compiled())
-    ca._cluster_launch(kernel, (2 * 8, 3), ("a", 1), {"D": 128}, 8)
+    assert ca._cluster_launch(kernel, (2 * 8, 3), ("a", 1), {"D": 128}, 8) is True
     assert kernel.compiled.packed_metadata == (4, 8, 40960)
     assert kernel.warm_grid == (2, 3) and kernel.launched == [((2, 3), ("a", 1), {"D": 128})]
 
     class Bare:
         pass
 
-    with pytest.raises(RuntimeError, match="attn_cluster"):
-        ca._cluster_launch(Kernel(Bare()), (8, 1), (), {}, 8)
+    monkeypatch.setattr(ca, "_unsupported", False)
+    monkeypatch.setattr(ca, "CLUSTER", 8)
+    bare = Kernel(Bare())
+    with pytest.warns(UserWarning, match="attn_cluster"):
+        assert ca._cluster_launch(bare, (8, 1), (), {}, 8) is False
+    assert bare.launched == [] and ca._unsupported
+    assert not ca.applies(1, 6, 128, 1, torch.device("cuda"))  # from then on: the one-launch kernel

@@ -8,8 +8,9 @@ bandwidth, so they weigh more on an H200. Here the programs of one KV head's sli
 (C = CLUSTER: 4, 8 or 16), which Hopper schedules together on one GPC. Each CTA puts its partial (the running max,
 sum and fp32 accumulator of the query rows) in its own shared memory; one cluster barrier; then CTA r reads the
 partials of all C CTAs through distributed shared memory (`ld.shared::cluster`, SM to SM inside the GPC) for its
-D / C columns only, merges them and stores those columns of the output. A second cluster barrier keeps every CTA
-(and so its shared memory) alive until the others have read it. No global partials, no atomic, no L2 round trip.
+D / C columns only, merges them and stores those columns of the output. A second cluster barrier (arrival once the
+reads are done, the wait just before the CTA ends) keeps every CTA, and so its shared memory, alive until the
+others have read it. No global partials, no atomic, no L2 round trip.
 
 When the context needs more slices than a cluster holds (more than C * SPLIT_S keys), the working clusters each
 merge into one partial, publish it as the one-launch kernel's slices do (global stores, CTA barrier, acq_rel
@@ -21,6 +22,10 @@ capability 9.0+ and a Triton whose compiled kernels carry `packed_metadata` (num
 launch asks for the cluster through that tuple (`_cluster_launch`), because Triton's own `num_ctas` changes how a
 program's tensors are laid out over CTAs. Anything else takes decode_attention's kernel (`applies`).
 
+Measured (session 42, H100, graphed one-token step, random bf16 weights, BENCHMARKS.md): the 1.5B attention 8.3 ->
+5.5 us a layer; the step -4.8 / -5.0% at 512 tokens with C = 8, -2.0% at 2048 (C = 16: -4.8% there, but +1.6% at
+Qwen3-8B, whose 8 KV heads make 8 clusters of 16); Qwen3-8B -1.4% with C = 8. EngineConfig.attn_cluster: 8.
+
 Numbers: the slice sums are decode_attention's (`_slice_partial`, the same code); the merge adds the C partials of a
 cluster as a tree (tl.sum) where the one-launch kernel adds its slices in order, so results may differ from it in
 the last fp32 bits (not bit-identical; tokens are checked by the GPU engine check's `attn_cluster` section).
@@ -30,6 +35,7 @@ Nothing here runs under the Triton interpreter (inline PTX): tests/cluster_ptx.p
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -47,16 +53,19 @@ except ImportError:  # CPU-only installs
     triton = None
 
 SIZES = (4, 8, 16)  # CTAs a cluster may hold (16: non-portable, allowed on H100 / H200)
-CLUSTER = 0  # EngineConfig.attn_cluster: CTAs a cluster for the one-token attention; 0: decode_attention's kernel
+CLUSTER = 0  # EngineConfig.attn_cluster (8 by default, set on CUDA by the engine): CTAs a cluster; 0: decode_attention's
+# kernel (this module's default, as the CPU tests run)
 # Bytes of each CTA's shared buffer for its partial: rows x (D + 2) fp32 (accumulator, max, sum). Two static sizes,
 # because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes).
 SMALL_BYTES = 4352
+_unsupported = False  # set once this Triton's compiled kernels turn out to carry no launch tuple (`_cluster_launch`)
 LARGE_BYTES = 16 * 258 * 4
 
 
 def applies(T: int, G: int, D: int, nrb: int, device: torch.device) -> bool:
     """Whether the cluster kernel can take this call (see the module docstring's scope)."""
-    if not CLUSTER or triton is None or device.type != "cuda" or T != 1 or nrb != 1 or G > 16 or D > 256:
+    if (not CLUSTER or _unsupported or triton is None or device.type != "cuda" or T != 1 or nrb != 1 or G > 16
+            or D > 256):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
@@ -96,6 +105,18 @@ if triton is not None:
         return tl.inline_asm_elementwise(
             "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0;",
             "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _cluster_arrive():
+        """This thread's arrival at the cluster barrier (release: its loads and stores before it are done first)."""
+        return tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; mov.u32 $0, 0;", "=r", [],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _cluster_wait():
+        """Wait until every thread of the cluster has arrived (acquire)."""
+        return tl.inline_asm_elementwise("barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0;", "=r", [],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _cluster_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
@@ -188,7 +209,10 @@ if triton is not None:
             w = tl.exp(m_c - m_use[None, :])
             l_run = tl.sum(l_c * w, axis=0)
             acc_c = tl.sum(o_c * w[:, :, None], axis=0)  # [MR, DC]
-            _cluster_sync()  # every CTA has read every buffer it needs: now any may leave
+            # this CTA's reads of the others' buffers are done (the sums used them): it says so now and waits for
+            # the others' word only before it leaves (a CTA's shared memory must outlive the reads of it), so the
+            # barrier's round trip overlaps the output's stores
+            _cluster_arrive()
             if TRACE:
                 t_looped = _tr_now()
                 tag = tl.full([], 1, tl.int32)
@@ -220,6 +244,7 @@ if triton is not None:
                     tl.store(cnt_ptr + pid_bh, 0)  # back to zero for the next launch
                     if TRACE:
                         tag = tl.full([], 2, tl.int32)
+            _cluster_wait()
         if TRACE:
             _tr_record(tr_ptr, pid_bh * (NUM_GROUPS * C) + pid_s, t_start, t_waited, t_looped, c_waited, tag,
                        t_summed)
@@ -229,23 +254,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> None:
-    """Launch `kernel` over `grid` programs as clusters of `ctas` consecutive programs along x. Triton's launcher
-    asks for a cluster when the compiled kernel's packed metadata says num_ctas > 1 (and multiplies grid x by it),
-    so the kernel is compiled first (`warmup`, no launch) and its tuple (num_warps, num_ctas, shared) rewritten."""
+def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> bool:
+    """Launch `kernel` over `grid` programs as clusters of `ctas` consecutive programs along x -> whether it did.
+    Triton's launcher asks for a cluster when the compiled kernel's packed metadata says num_ctas > 1 (and multiplies
+    grid x by it), so the kernel is compiled first (`warmup`, no launch) and its tuple (num_warps, num_ctas, shared)
+    rewritten. A Triton without that tuple launches nothing: a warning, once, and the caller's one-launch kernel from
+    then on (the switch is on by default, so where it cannot work it must not fail)."""
+    global _unsupported
     compiled = kernel.warmup(*args, grid=(grid[0] // ctas, grid[1]), **kwargs)
     meta = getattr(compiled, "packed_metadata", None)
     if not (isinstance(meta, tuple) and len(meta) == 3):
-        raise RuntimeError("attn_cluster: this Triton's compiled kernels carry no (num_warps, num_ctas, shared) "
-                           "launch tuple; set attn_cluster to 0")
+        _unsupported = True
+        warnings.warn("attn_cluster: this Triton's compiled kernels carry no (num_warps, num_ctas, shared) launch "
+                      "tuple, so no cluster can be asked for; the one-token attention merges without one", stacklevel=3)
+        return False
     if meta[1] != ctas:
         compiled.packed_metadata = (meta[0], ctas, meta[2])
     kernel[(grid[0] // ctas, grid[1])](*args, **kwargs)
+    return True
 
 
 def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, scale: float, pdl, *,
-                      early_pos: bool, preload: bool, loads_first: bool, warps: int) -> torch.Tensor:
-    """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`):
+                      early_pos: bool, preload: bool, loads_first: bool, warps: int) -> torch.Tensor | None:
+    """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`);
+    None where the launch could not ask for a cluster (`_cluster_launch`): the caller runs its own kernel then.
     q [B, H, 1, D], k / v [B, Hkv, S, D], pos [B, 1] contiguous, out [B, H, 1, D] (written), `counters` >= B * Hkv
     zero int32 (decode_attention's, left at zero), `pdl` kernels/pdl.py's launch options."""
     B, H, _, D = q.shape
@@ -270,5 +302,4 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
                   FIRST=loads_first, **pdl.kwargs, **tr)
     if warps:
         kwargs["num_warps"] = warps
-    _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C)
-    return out
+    return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None

@@ -293,7 +293,7 @@ register(Mechanism(
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
     "before its wait, so only q and the new token's row are read behind it"))
 register(Mechanism(
-    "attn_cluster", ("verify", "draft"), {"attn_cluster": [8, 16, 0]},
+    "attn_cluster", ("verify", "draft"), {"attn_cluster": [16, 0, 8]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's key slices of a KV head run as one thread-block cluster and merge through "
     "distributed shared memory: no global partials, atomic or L2 reads between the slices and the output"))
