@@ -20,7 +20,9 @@ from specpilot.kernels import decode_attention as da
 from specpilot.kernels import pdl
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen3-8b": (32, 8, 128)}
-POSITIONS = (0, 1, 127, 128, 511, 700, 1023, 1024, 2047, 2048, 3000, 4095)
+POSITIONS = (0, 1, 63, 64, 127, 128, 511, 700, 1023, 1024, 2047, 2048, 3000, 4095)
+# (cluster size, EVEN, keys a tile): the fixed 128-key slices at each size, and the even split (cluster_attention.EVEN)
+CASES = ((4, False, 128), (8, False, 128), (16, False, 128), (8, True, 128), (8, True, 64), (16, True, 64))
 TOL = 2e-2  # bf16 output: ~3 ulp at |x| ~ 1
 
 
@@ -32,18 +34,19 @@ def main() -> int:
         q = torch.randn(1, H, 1, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
-        for C in ca.SIZES:
+        for C, even, blk in CASES:
+            ca.EVEN = even
             for p in POSITIONS:
                 pos = torch.tensor([[p]], device=dev, dtype=torch.int64)
                 ref = da.decode_attention_reference(q, k, v, pos).float()
                 ca.CLUSTER = 0
-                base = da.decode_attention(q, k, v, pos, split_s=128, block_s=128, one_launch=True).float()
+                base = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True).float()
                 ca.CLUSTER = C
-                got = da.decode_attention(q, k, v, pos, split_s=128, block_s=128, one_launch=True).float()
+                got = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True).float()
                 ca.CLUSTER = 0
                 e_ref = (got - ref).abs().max().item()
                 e_base = (got - base).abs().max().item()
-                key = f"{shape} C={C}"
+                key = f"{shape} C={C}{' even' if even else ''} tile={blk}"
                 worst[key] = max(worst.get(key, 0.0), e_ref)
                 print(f"{key} p={p}: vs reference {e_ref:.3e}, vs one-launch {e_base:.3e}", flush=True)
                 if not torch.isfinite(got).all() or e_ref > TOL:
@@ -51,24 +54,24 @@ def main() -> int:
         # inside a CUDA graph, launched with PDL, the position moved between replays (as a decode step does)
         pdl.set_enabled(True, dev, "late", warn=False)
         try:
-            for C in ca.SIZES:
-                ca.CLUSTER = C
+            for C, even, blk in CASES:
+                ca.CLUSTER, ca.EVEN = C, even
                 pos = torch.zeros(1, 1, device=dev, dtype=torch.int64)
-                out = da.decode_attention(q, k, v, pos, split_s=128, block_s=128, one_launch=True)  # compile, warm
+                out = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True)  # compile, warm
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    out = da.decode_attention(q, k, v, pos, split_s=128, block_s=128, one_launch=True)
+                    out = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True)
                 for p in (5, 600, 2100, 4095):
                     pos.fill_(p)
                     graph.replay()
                     torch.cuda.synchronize()
                     e = (out.float() - da.decode_attention_reference(q, k, v, pos).float()).abs().max().item()
-                    print(f"{shape} C={C} graph+PDL p={p}: vs reference {e:.3e}", flush=True)
+                    print(f"{shape} C={C} even={even} tile={blk} graph+PDL p={p}: vs reference {e:.3e}", flush=True)
                     if not torch.isfinite(out).all() or e > TOL:
-                        problems.append(f"{shape} C={C} graph p={p}: {e:.3e}")
+                        problems.append(f"{shape} C={C} even={even} tile={blk} graph p={p}: {e:.3e}")
         finally:
-            ca.CLUSTER = 0
+            ca.CLUSTER, ca.EVEN = 0, False
             pdl.set_enabled(False, None, "late", warn=False)
     print(json.dumps({"worst_vs_reference": worst, "problems": problems}))
     return 1 if problems else 0

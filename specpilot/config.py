@@ -183,6 +183,10 @@ class EngineConfig:
     # graphed one-token step: 1.5B -4.8 / -5.0% at 512 tokens, -1.9 / -2.0% at 2048; Qwen3-8B -1.4%; 16: 1.5B -3.8%
     # / -4.8%, 8B +1.6%; 4: 1.5B +3.2%); 0: off (the one-launch kernel's merge). Where it cannot run (before Hopper,
     # the interpreter) the one-launch kernel runs without a word; the loop searches 16 and 0
+    attn_cluster_even: bool = False  # with attn_cluster: one cluster takes every visible key of a KV head, its CTAs
+    # ceil(tiles / attn_cluster) whole attn_block_keys tiles each (attn_split_keys unused), so no context needs a
+    # second cluster and the atomic merge across clusters (kernels/cluster_attention.py EVEN); short contexts get
+    # smaller slices. Another split of the same sums. Off until a GPU times it (session 42); the loop searches it
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
     # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.
@@ -349,6 +353,8 @@ class EngineConfig:
                               f"{self.attn_warps!r}")
         if self.attn_cluster not in (0, 4, 8, 16) or isinstance(self.attn_cluster, bool):
             raise ConfigError(f"attn_cluster must be 0 (off), 4, 8 or 16 CTAs a cluster, got {self.attn_cluster!r}")
+        if not isinstance(self.attn_cluster_even, bool):
+            raise ConfigError(f"attn_cluster_even must be true or false, got {self.attn_cluster_even!r}")
         if not isinstance(self.attn_loads_first, bool):
             raise ConfigError(f"attn_loads_first must be true or false, got {self.attn_loads_first!r}")
         if not isinstance(self.attn_kv_preload, bool):

@@ -1150,3 +1150,18 @@ def test_cluster_launch_asks_triton_for_the_cluster(monkeypatch):
         assert ca._cluster_launch(bare, (8, 1), (), {}, 8) is False
     assert bare.launched == [] and ca._unsupported
     assert not ca.applies(1, 6, 128, 1, torch.device("cuda"))  # from then on: the one-launch kernel
+
+
+def test_engine_sets_the_even_cluster_split_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.attn_cluster_even -> kernels/cluster_attention.py EVEN on CUDA only (off by default); a bool;
+    a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.kernels import cluster_attention as ca
+
+    monkeypatch.setattr(ca, "EVEN", False)
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_even=True))
+    assert ca.EVEN is True
+    _apply_program_splits(EngineConfig(attn_cluster_even=True))  # CPU: never
+    assert ca.EVEN is False
+    switch_wired("attn_cluster_even", "--attn-cluster-even", "attn_cluster_even", {"attn_cluster_even": True})

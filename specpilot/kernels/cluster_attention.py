@@ -58,6 +58,8 @@ CLUSTER = 0  # EngineConfig.attn_cluster (8 by default, set on CUDA by the engin
 # Bytes of each CTA's shared buffer for its partial: rows x (D + 2) fp32 (accumulator, max, sum). Two static sizes,
 # because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes).
 SMALL_BYTES = 4352
+EVEN = False  # EngineConfig.attn_cluster_even: one cluster takes every visible key, each CTA ceil(tiles / C) whole
+# BLOCK_S tiles (attn_split_keys unused), so no context needs a second cluster or the atomic merge across clusters
 _unsupported = False  # set once this Triton's compiled kernels turn out to carry no launch tuple (`_cluster_launch`)
 LARGE_BYTES = 16 * 258 * 4
 
@@ -126,6 +128,7 @@ if triton is not None:
                         C: tl.constexpr, MR: tl.constexpr, GROUPS_P2: tl.constexpr, LARGE: tl.constexpr,
                         USE_PDL: tl.constexpr = False, EARLY_POS: tl.constexpr = False,
                         PRELOAD: tl.constexpr = False, PRE_NB: tl.constexpr = 1, FIRST: tl.constexpr = False,
+                        EVEN: tl.constexpr = False,
                         TRACE: tl.constexpr = False, tr_ptr=None):
         # grid (B * H_KV * C, NUM_GROUPS), launched as clusters of C consecutive programs along x: the cluster
         # (pid_bh, grp) holds slices grp * C .. grp * C + C - 1 of (b, hk), CTA rank r (= %cluster_ctarank) slice
@@ -167,7 +170,13 @@ if triton is not None:
         q, pos, max_pos = _queries(q_ptr, pos_ptr, b, hk, 0, sq_b, sq_h, sq_t, sp_b, 1, G, D, BLOCK_R, False)
         if USE_PDL and EARLY_POS:
             max_pos = early_max
-        n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)  # slices at or below the position
+        if EVEN:  # one cluster (grid y 1): the visible keys' BLOCK_S tiles dealt out evenly, whole tiles a CTA
+            tiles = max_pos // BLOCK_S + 1
+            split = (tiles + C - 1) // C * BLOCK_S
+            n_used = max_pos // split + 1
+        else:
+            split = SPLIT_S
+            n_used = tl.minimum(max_pos // SPLIT_S + 1, NUM_SPLITS)  # slices at or below the position
         n_grp = (n_used + C - 1) // C  # clusters holding them; the others exit (no barrier waits on them)
         if grp < n_grp:
             r = tl.arange(0, BLOCK_R)
@@ -179,8 +188,8 @@ if triton is not None:
                                                              sv_h, sv_s, S, scale, D, BLOCK_R, BLOCK_S, PREC,
                                                              False, PRE_NB)
                 else:
-                    m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sk_s,
-                                                   sv_b, sv_h, sv_s, S, SPLIT_S, scale, D, BLOCK_R, BLOCK_S, PREC,
+                    m_i, l_i, acc = _slice_partial(q, pos, k_ptr, v_ptr, b, hk, pid_s * split, sk_b, sk_h, sk_s,
+                                                   sv_b, sv_h, sv_s, S, split, scale, D, BLOCK_R, BLOCK_S, PREC,
                                                    False, V_FIRST=FIRST)
             else:  # a CTA of a working cluster past the last slice: an empty partial (weight e^-inf = 0)
                 m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -287,10 +296,11 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
     rows = 16 if G <= 16 else 32
     mr = _pow2(G)
     splits = triton.cdiv(S, split_s)
-    groups = triton.cdiv(splits, C)
+    groups = 1 if EVEN else triton.cdiv(splits, C)
     o = torch.empty(B * Hkv * groups * mr, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B * Hkv * groups * mr, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
+    preload = preload and not EVEN  # (EVEN: a CTA's key count is known only behind the wait)
     pre_nb = split_s // block_s
     tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)
     args = (q, k, v, pos, o, m, l, out, counters, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
@@ -299,7 +309,7 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
     kwargs = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32", C=C,
                   MR=mr, GROUPS_P2=_pow2(groups), LARGE=mr * (D + 2) * 4 > SMALL_BYTES, USE_PDL=pdl.use_pdl,
                   EARLY_POS=pdl.use_pdl and early_pos, PRELOAD=preload, PRE_NB=pre_nb if preload else 1,
-                  FIRST=loads_first, **pdl.kwargs, **tr)
+                  FIRST=loads_first, EVEN=EVEN, **pdl.kwargs, **tr)
     if warps:
         kwargs["num_warps"] = warps
     return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None

@@ -298,6 +298,11 @@ register(Mechanism(
     "the one-token attention's key slices of a KV head run as one thread-block cluster and merge through "
     "distributed shared memory: no global partials, atomic or L2 reads between the slices and the output"))
 register(Mechanism(
+    "attn_cluster_even", ("verify", "draft"), {"attn_cluster_even": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.attn_cluster > 0,
+    "one cluster takes every visible key of a KV head, dealt out evenly over its CTAs in whole tiles: short contexts "
+    "get smaller slices and long ones no second cluster and atomic merge"))
+register(Mechanism(
     "attn_loads_first", ("verify", "draft"), {"attn_loads_first": [True, False]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention asks for a block's V rows with its K rows and for the merge's first partials with the "
