@@ -45,8 +45,8 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.decode_attention import (_older_rows, _queries, _slice_partial, _slice_partial_preloaded,
-                                                    _store_out)
+    from specpilot.kernels.decode_attention import (_kv_l2_hint, _older_rows, _queries, _slice_partial,
+                                                    _slice_partial_preloaded, _store_out)
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record
 except ImportError:  # CPU-only installs
@@ -128,7 +128,7 @@ if triton is not None:
                         C: tl.constexpr, MR: tl.constexpr, GROUPS_P2: tl.constexpr, LARGE: tl.constexpr,
                         USE_PDL: tl.constexpr = False, EARLY_POS: tl.constexpr = False,
                         PRELOAD: tl.constexpr = False, PRE_NB: tl.constexpr = 1, FIRST: tl.constexpr = False,
-                        EVEN: tl.constexpr = False,
+                        EVEN: tl.constexpr = False, KV_L2: tl.constexpr = False,
                         TRACE: tl.constexpr = False, tr_ptr=None):
         # grid (B * H_KV * C, NUM_GROUPS), launched as clusters of C consecutive programs along x: the cluster
         # (pid_bh, grp) holds slices grp * C .. grp * C + C - 1 of (b, hk), CTA rank r (= %cluster_ctarank) slice
@@ -144,6 +144,9 @@ if triton is not None:
         pid_s = grp * C + rank
         if USE_PDL:
             gdc_launch_dependents()
+            if KV_L2:  # this slice's K/V rows asked of L2 before the wait (decode_attention.PDL_KV_L2: a hint)
+                _kv_l2_hint(k_ptr, v_ptr, pos_ptr, b, hk, pid_s * SPLIT_S, sk_b, sk_h, sv_b, sv_h, sp_b, S, 1, SPLIT_S,
+                            D)
             if EARLY_POS:
                 early_max = tl.load(pos_ptr + b * sp_b)  # T == 1 (see decode_attention.PDL_EARLY_POS)
         if PRELOAD:
@@ -284,7 +287,8 @@ def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> bool:
 
 
 def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, scale: float, pdl, *,
-                      early_pos: bool, preload: bool, loads_first: bool, warps: int) -> torch.Tensor | None:
+                      early_pos: bool, preload: bool, loads_first: bool, warps: int, kv_l2: bool = False
+                      ) -> torch.Tensor | None:
     """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`);
     None where the launch could not ask for a cluster (`_cluster_launch`): the caller runs its own kernel then.
     q [B, H, 1, D], k / v [B, Hkv, S, D], pos [B, 1] contiguous, out [B, H, 1, D] (written), `counters` >= B * Hkv
@@ -309,7 +313,7 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
     kwargs = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32", C=C,
                   MR=mr, GROUPS_P2=_pow2(groups), LARGE=mr * (D + 2) * 4 > SMALL_BYTES, USE_PDL=pdl.use_pdl,
                   EARLY_POS=pdl.use_pdl and early_pos, PRELOAD=preload, PRE_NB=pre_nb if preload else 1,
-                  FIRST=loads_first, EVEN=EVEN, **pdl.kwargs, **tr)
+                  FIRST=loads_first, EVEN=EVEN, KV_L2=kv_l2 and not EVEN, **pdl.kwargs, **tr)
     if warps:
         kwargs["num_warps"] = warps
     return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None

@@ -668,7 +668,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
         if cluster_attention.applies(T, G, D, nrb, q.device) and cluster_attention.cluster_attention(
                 q, k, v, pos, out, _counters(q.device, B * Hkv), split_s, block_s, scale, pdl,
-                early_pos=PDL_EARLY_POS, preload=preload, loads_first=LOADS_FIRST, warps=ONE_LAUNCH_WARPS) is not None:
+                early_pos=PDL_EARLY_POS, preload=preload, loads_first=LOADS_FIRST, warps=ONE_LAUNCH_WARPS,
+                kv_l2=kv_l2) is not None:
             return out  # the slices merged inside a CTA cluster
         tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)  # a diagnostic (off)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
