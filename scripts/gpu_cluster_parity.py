@@ -22,7 +22,8 @@ from specpilot.kernels import pdl
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen3-8b": (32, 8, 128)}
 POSITIONS = (0, 1, 63, 64, 127, 128, 511, 700, 1023, 1024, 2047, 2048, 3000, 4095)
 # (cluster size, EVEN, keys a tile): the fixed 128-key slices at each size, and the even split (cluster_attention.EVEN)
-CASES = ((4, False, 128), (8, False, 128), (16, False, 128), (8, True, 128), (8, True, 64), (16, True, 64))
+CASES = ((4, False, 128), (8, False, 128), (16, False, 128), (8, True, 128), (8, True, 64), (16, True, 64),
+         (4, "push", 128), (8, "push", 128), (16, "push", 128))  # "push": cluster_attention.PUSH
 TOL = 2e-2  # bf16 output: ~3 ulp at |x| ~ 1
 
 
@@ -35,7 +36,7 @@ def main() -> int:
         k = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
         for C, even, blk in CASES:
-            ca.EVEN = even
+            ca.EVEN, ca.PUSH = even is True, even == "push"
             for p in POSITIONS:
                 pos = torch.tensor([[p]], device=dev, dtype=torch.int64)
                 ref = da.decode_attention_reference(q, k, v, pos).float()
@@ -46,7 +47,7 @@ def main() -> int:
                 ca.CLUSTER = 0
                 e_ref = (got - ref).abs().max().item()
                 e_base = (got - base).abs().max().item()
-                key = f"{shape} C={C}{' even' if even else ''} tile={blk}"
+                key = f"{shape} C={C}{' ' + ('even' if even is True else 'push') if even else ''} tile={blk}"
                 worst[key] = max(worst.get(key, 0.0), e_ref)
                 print(f"{key} p={p}: vs reference {e_ref:.3e}, vs one-launch {e_base:.3e}", flush=True)
                 if not torch.isfinite(got).all() or e_ref > TOL:
@@ -55,7 +56,7 @@ def main() -> int:
         pdl.set_enabled(True, dev, "late", warn=False)
         try:
             for C, even, blk in CASES:
-                ca.CLUSTER, ca.EVEN = C, even
+                ca.CLUSTER, ca.EVEN, ca.PUSH = C, even is True, even == "push"
                 pos = torch.zeros(1, 1, device=dev, dtype=torch.int64)
                 out = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True)  # compile, warm
                 torch.cuda.synchronize()
@@ -71,7 +72,7 @@ def main() -> int:
                     if not torch.isfinite(out).all() or e > TOL:
                         problems.append(f"{shape} C={C} even={even} tile={blk} graph p={p}: {e:.3e}")
         finally:
-            ca.CLUSTER, ca.EVEN = 0, False
+            ca.CLUSTER, ca.EVEN, ca.PUSH = 0, False, False
             pdl.set_enabled(False, None, "late", warn=False)
     print(json.dumps({"worst_vs_reference": worst, "problems": problems}))
     return 1 if problems else 0

@@ -187,6 +187,10 @@ class EngineConfig:
     # ceil(tiles / attn_cluster) whole attn_block_keys tiles each (attn_split_keys unused), so no context needs a
     # second cluster and the atomic merge across clusters (kernels/cluster_attention.py EVEN); short contexts get
     # smaller slices. Another split of the same sums. Off until a GPU times it (session 42); the loop searches it
+    attn_cluster_push: bool = False  # with attn_cluster: each CTA stores its partial's columns straight into the
+    # shared memory of the CTA that merges them (kernels/cluster_attention.py PUSH), so after one cluster barrier
+    # every read is local: no distributed-memory read round trip and no second barrier. Same sums. Off until a GPU
+    # times it (session 42); the loop searches it
     attn_single_direct: bool = False  # CUDA: the one-token attention's only working slice (the context within
     # attn_split_keys) stores the output itself instead of a partial, an atomic arrival and a merge of one
     # (kernels/decode_attention.py SINGLE_DIRECT; with attn_split_keys 256-512 most decode contexts). Same bits.
@@ -355,6 +359,8 @@ class EngineConfig:
             raise ConfigError(f"attn_cluster must be 0 (off), 4, 8 or 16 CTAs a cluster, got {self.attn_cluster!r}")
         if not isinstance(self.attn_cluster_even, bool):
             raise ConfigError(f"attn_cluster_even must be true or false, got {self.attn_cluster_even!r}")
+        if not isinstance(self.attn_cluster_push, bool):
+            raise ConfigError(f"attn_cluster_push must be true or false, got {self.attn_cluster_push!r}")
         if not isinstance(self.attn_loads_first, bool):
             raise ConfigError(f"attn_loads_first must be true or false, got {self.attn_loads_first!r}")
         if not isinstance(self.attn_kv_preload, bool):

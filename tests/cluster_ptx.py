@@ -26,7 +26,7 @@ def report() -> dict:
     ptr = {"pos_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "cnt_ptr": "*i32"}
     # Qwen2.5-1.5B: 6 query heads a KV head (8 merge rows), D 128, 128-key slices of a 4096-slot pool
     base = dict(D=128, BLOCK_R=16, BLOCK_S=128, PREC="tf32", C=8, MR=8, GROUPS_P2=4, LARGE=False, USE_PDL=True,
-                EARLY_POS=True, PRELOAD=False, PRE_NB=1, FIRST=False, EVEN=False, KV_L2=False, TRACE=False, tr_ptr=None)
+                EARLY_POS=True, PRELOAD=False, PRE_NB=1, FIRST=False, EVEN=False, KV_L2=False, PUSH=False, TRACE=False, tr_ptr=None)
 
     def ptx(**over) -> tuple[str, int]:
         consts = {**base, **over}
@@ -41,8 +41,10 @@ def report() -> dict:
         sizes[n] = bool(ptx(C=n, GROUPS_P2=max(1, 32 // n // 4))[0])
     options = {name: bool(ptx(**over)[0]) for name, over in
                (("preload", dict(PRELOAD=True)), ("loads_first", dict(FIRST=True)), ("even", dict(EVEN=True)), ("kv_l2", dict(KV_L2=True)),
+                ("push16", dict(PUSH=True, C=16, GROUPS_P2=2)), ("push_large", dict(PUSH=True, MR=16, LARGE=True)),
                 ("large", dict(MR=16, LARGE=True)), ("no_pdl", dict(USE_PDL=False, EARLY_POS=False)))}
     large = ptx(MR=16, LARGE=True)[0]
+    push = ptx(PUSH=True)[0]
     return {
         "cluster_arrives": re.findall(r"barrier\.cluster\.arrive[\w.]*", text),
         "cluster_waits": re.findall(r"barrier\.cluster\.wait[\w.]*", text),
@@ -55,6 +57,10 @@ def report() -> dict:
         "cg_loads": len(re.findall(r"\bld\.global\.cg\b", text)),
         "griddepcontrol": len(re.findall(r"griddepcontrol", text)),
         "triton_shared_bytes": shared,
+        "push_arrives": len(re.findall(r"barrier\.cluster\.arrive", push)),
+        "push_remote_stores": len(re.findall(r"\bst\.shared::cluster\.f32", push)),
+        "push_dsmem_loads": len(re.findall(r"\bld\.shared::cluster", push)),
+        "push_buffers": re.findall(r"\.shared \.align 16 \.b8 (\w+)\[(\d+)\]", push),
         "sizes_compile": sizes,
         "options_compile": options,
     }

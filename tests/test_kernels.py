@@ -1065,6 +1065,9 @@ def test_cluster_attention_compiles_for_sm90(sm90_report):
     assert r["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and r["cg_loads"] > 0
     assert r["griddepcontrol"] == 2  # launch_dependents and wait
     assert all(r["sizes_compile"].values()) and all(r["options_compile"].values())
+    # PUSH: a "started" arrival first thing, the partials out as remote stores, one barrier, every read local
+    assert r["push_arrives"] == 2 and r["push_remote_stores"] > 0 and r["push_dsmem_loads"] == 0
+    assert r["push_buffers"] == [["spc_push_s", "5120"]]
 
 
 def test_engine_sets_the_cluster_from_the_config(monkeypatch, field_wired):
@@ -1165,3 +1168,18 @@ def test_engine_sets_the_even_cluster_split_from_the_config(monkeypatch, switch_
     _apply_program_splits(EngineConfig(attn_cluster_even=True))  # CPU: never
     assert ca.EVEN is False
     switch_wired("attn_cluster_even", "--attn-cluster-even", "attn_cluster_even", {"attn_cluster_even": True})
+
+
+def test_engine_sets_the_cluster_push_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.attn_cluster_push -> kernels/cluster_attention.py PUSH on CUDA only (off by default); a bool;
+    a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.kernels import cluster_attention as ca
+
+    monkeypatch.setattr(ca, "PUSH", False)
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_push=True))
+    assert ca.PUSH is True
+    _apply_program_splits(EngineConfig(attn_cluster_push=True))  # CPU: never
+    assert ca.PUSH is False
+    switch_wired("attn_cluster_push", "--attn-cluster-push", "attn_cluster_push", {"attn_cluster_push": True})

@@ -193,7 +193,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys and
     attn_block_keys -> kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK,
     attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its
-    SINGLE_DIRECT, attn_cluster / attn_cluster_even -> kernels/cluster_attention.py's CLUSTER / EVEN, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
+    SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
     whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
@@ -212,6 +212,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
 
     cluster_attention.CLUSTER = config.attn_cluster if cuda else 0  # the slices' merge inside a CTA cluster
     cluster_attention.EVEN = config.attn_cluster_even and cuda  # one cluster, the keys dealt out evenly
+    cluster_attention.PUSH = config.attn_cluster_push and cuda  # partials pushed to the CTA that merges them
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
     from specpilot.kernels import gemv_fused, tuned
 

@@ -58,6 +58,10 @@ CLUSTER = 0  # EngineConfig.attn_cluster (8 by default, set on CUDA by the engin
 # Bytes of each CTA's shared buffer for its partial: rows x (D + 2) fp32 (accumulator, max, sum). Two static sizes,
 # because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes).
 SMALL_BYTES = 4352
+PUSH_SMALL_BYTES = 5120  # PUSH's buffer: rows x (D + 2 C) fp32 (C slots of D / C columns, max and sum); 16 x 288 large
+PUSH = False  # EngineConfig.attn_cluster_push: each CTA stores its partial's columns into the CTA that merges them
+# (`st.shared::cluster`, not waited for), so after the one barrier every read is of the CTA's own shared memory: no
+# distributed-memory read round trip and no second barrier. Off until a GPU times it (session 42)
 EVEN = False  # EngineConfig.attn_cluster_even: one cluster takes every visible key, each CTA ceil(tiles / C) whole
 # BLOCK_S tiles (attn_split_keys unused), so no context needs a second cluster or the atomic merge across clusters
 _unsupported = False  # set once this Triton's compiled kernels turn out to carry no launch tuple (`_cluster_launch`)
@@ -101,6 +105,31 @@ if triton is not None:
             "=f,r,r", [addr, peer], dtype=tl.float32, is_pure=False, pack=1)
 
     @triton.jit
+    def _push_base(LARGE: tl.constexpr):
+        """The shared buffer the other CTAs push their partials' columns into (PUSH), a static PTX declaration."""
+        if LARGE:
+            return tl.inline_asm_elementwise("{ .shared .align 16 .b8 spc_push_l[18432]; mov.u32 $0, spc_push_l; }",
+                                             "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("{ .shared .align 16 .b8 spc_push_s[5120]; mov.u32 $0, spc_push_s; }",
+                                             "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _st_peer(addr, peer, val, keep):
+        """Store fp32 `val` at shared address `addr` of cluster CTA `peer` where `keep` != 0 (elementwise; a remote
+        store is not waited for: the next cluster barrier's release orders it)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 ra; setp.ne.s32 p, $4, 0; mapa.shared::cluster.u32 ra, $1, $2; "
+            "@p st.shared::cluster.f32 [ra], $3; } mov.u32 $0, 0;",
+            "=r,r,r,f,r", [addr, peer, val, keep], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _ld_shared(addr):
+        """fp32 at shared address `addr` of this CTA (elementwise)."""
+        return tl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r", [addr], dtype=tl.float32, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
     def _cluster_sync():
         """Every thread of the cluster arrives (release) and waits (acquire): shared stores before it are seen by
         every CTA's loads after it."""
@@ -112,6 +141,12 @@ if triton is not None:
     def _cluster_arrive():
         """This thread's arrival at the cluster barrier (release: its loads and stores before it are done first)."""
         return tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; mov.u32 $0, 0;", "=r", [],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _cluster_arrive_relaxed():
+        """This thread's arrival at the cluster barrier, with no memory ordering (a "the CTA is running" signal)."""
+        return tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed.aligned; mov.u32 $0, 0;", "=r", [],
                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
@@ -128,7 +163,7 @@ if triton is not None:
                         C: tl.constexpr, MR: tl.constexpr, GROUPS_P2: tl.constexpr, LARGE: tl.constexpr,
                         USE_PDL: tl.constexpr = False, EARLY_POS: tl.constexpr = False,
                         PRELOAD: tl.constexpr = False, PRE_NB: tl.constexpr = 1, FIRST: tl.constexpr = False,
-                        EVEN: tl.constexpr = False, KV_L2: tl.constexpr = False,
+                        EVEN: tl.constexpr = False, KV_L2: tl.constexpr = False, PUSH: tl.constexpr = False,
                         TRACE: tl.constexpr = False, tr_ptr=None):
         # grid (B * H_KV * C, NUM_GROUPS), launched as clusters of C consecutive programs along x: the cluster
         # (pid_bh, grp) holds slices grp * C .. grp * C + C - 1 of (b, hk), CTA rank r (= %cluster_ctarank) slice
@@ -142,6 +177,8 @@ if triton is not None:
         b = pid_bh // H_KV
         hk = pid_bh % H_KV
         pid_s = grp * C + rank
+        if PUSH:  # "started": a CTA may store into another's shared memory only once that one runs (CUDA's rule);
+            _cluster_arrive_relaxed()  # waited for just before the pushes, long after every CTA has arrived here
         if USE_PDL:
             gdc_launch_dependents()
             if KV_L2:  # this slice's K/V rows asked of L2 before the wait (decode_attention.PDL_KV_L2: a hint)
@@ -200,31 +237,53 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_R, D], tl.float32)
             if TRACE:
                 t_summed = _tr_now()
-            # this CTA's partial into its shared buffer: acc rows [0, MR) at (r * D + d) * 4, then m and l
-            base = _part_base(LARGE)
-            keep = r < MR
-            _st_shared(base + (r[:, None] * D + d[None, :]) * 4, acc, (keep[:, None] & (d[None, :] >= 0)).to(tl.int32))
-            _st_shared(base + (MR * D + r) * 4, m_i, keep.to(tl.int32))
-            _st_shared(base + (MR * D + MR + r) * 4, l_i, keep.to(tl.int32))
-            _cluster_sync()
-            # columns [rank * DC, rank * DC + DC) of every CTA's partial, in one elementwise load each
-            j = tl.arange(0, C)
+            DC: tl.constexpr = D // C
             rr = tl.arange(0, MR)
-            dc = rank * (D // C) + tl.arange(0, D // C)
-            peer3 = j[:, None, None] + (rr[None, :, None] + dc[None, None, :]) * 0  # [C, MR, DC]
-            o_c = _ld_peer(base + (rr[None, :, None] * D + dc[None, None, :]) * 4 + peer3 * 0, peer3)
-            peer2 = j[:, None] + rr[None, :] * 0  # [C, MR]
-            m_c = _ld_peer(base + (MR * D + rr[None, :]) * 4 + peer2 * 0, peer2)
-            l_c = _ld_peer(base + (MR * D + MR + rr[None, :]) * 4 + peer2 * 0, peer2)
+            dc = rank * DC + tl.arange(0, DC)
+            j = tl.arange(0, C)
+            keep = r < MR
+            if PUSH:  # each CTA sends CTA t its columns [t * DC, t * DC + DC) and its max and sum, slot `rank`
+                base = _push_base(LARGE)
+                ml = C * MR * DC  # the maxima's slots [C, MR] follow the accumulators' [C, MR, DC], then the sums'
+                t = d // DC
+                _cluster_wait()  # every CTA of the cluster has started (arrived first thing)
+                _st_peer(base + ((rank * MR + r[:, None]) * DC + (d % DC)[None, :]) * 4, t[None, :] + r[:, None] * 0,
+                         acc, (keep[:, None] & (d[None, :] >= 0)).to(tl.int32))
+                peer_t = j[None, :] + r[:, None] * 0  # [BLOCK_R, C]: every CTA gets every row's max and sum
+                _st_peer(base + (ml + rank * MR + r[:, None] + j[None, :] * 0) * 4, peer_t,
+                         m_i[:, None] + (j * 0).to(tl.float32)[None, :], (keep[:, None] & (j >= 0)[None, :]).to(tl.int32))
+                _st_peer(base + (ml + C * MR + rank * MR + r[:, None] + j[None, :] * 0) * 4, peer_t,
+                         l_i[:, None] + (j * 0).to(tl.float32)[None, :], (keep[:, None] & (j >= 0)[None, :]).to(tl.int32))
+                _cluster_sync()  # every push has landed; the reads below are this CTA's own memory
+                c3 = tl.arange(0, DC)
+                o_c = _ld_shared(base + ((j[:, None, None] * MR + rr[None, :, None]) * DC + c3[None, None, :]) * 4)
+                m_c = _ld_shared(base + (ml + j[:, None] * MR + rr[None, :]) * 4)
+                l_c = _ld_shared(base + (ml + C * MR + j[:, None] * MR + rr[None, :]) * 4)
+            else:
+                # this CTA's partial into its shared buffer: acc rows [0, MR) at (r * D + d) * 4, then m and l
+                base = _part_base(LARGE)
+                _st_shared(base + (r[:, None] * D + d[None, :]) * 4, acc,
+                           (keep[:, None] & (d[None, :] >= 0)).to(tl.int32))
+                _st_shared(base + (MR * D + r) * 4, m_i, keep.to(tl.int32))
+                _st_shared(base + (MR * D + MR + r) * 4, l_i, keep.to(tl.int32))
+                _cluster_sync()
+                # columns [rank * DC, rank * DC + DC) of every CTA's partial, in one elementwise load each
+                peer3 = j[:, None, None] + (rr[None, :, None] + dc[None, None, :]) * 0  # [C, MR, DC]
+                o_c = _ld_peer(base + (rr[None, :, None] * D + dc[None, None, :]) * 4 + peer3 * 0, peer3)
+                peer2 = j[:, None] + rr[None, :] * 0  # [C, MR]
+                m_c = _ld_peer(base + (MR * D + rr[None, :]) * 4 + peer2 * 0, peer2)
+                l_c = _ld_peer(base + (MR * D + MR + rr[None, :]) * 4 + peer2 * 0, peer2)
             m_max = tl.max(m_c, axis=0)  # [MR]
             m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that see nothing (padding rows)
             w = tl.exp(m_c - m_use[None, :])
             l_run = tl.sum(l_c * w, axis=0)
             acc_c = tl.sum(o_c * w[:, :, None], axis=0)  # [MR, DC]
-            # this CTA's reads of the others' buffers are done (the sums used them): it says so now and waits for
-            # the others' word only before it leaves (a CTA's shared memory must outlive the reads of it), so the
-            # barrier's round trip overlaps the output's stores
-            _cluster_arrive()
+            if not PUSH:
+                # this CTA's reads of the others' buffers are done (the sums used them): it says so now and waits
+                # for the others' word only before it leaves (a CTA's shared memory must outlive the reads of it),
+                # so the barrier's round trip overlaps the output's stores. (PUSH: no CTA reads another's memory
+                # after the one barrier, so none waits for another to leave.)
+                _cluster_arrive()
             if TRACE:
                 t_looped = _tr_now()
                 tag = tl.full([], 1, tl.int32)
@@ -256,7 +315,8 @@ if triton is not None:
                     tl.store(cnt_ptr + pid_bh, 0)  # back to zero for the next launch
                     if TRACE:
                         tag = tl.full([], 2, tl.int32)
-            _cluster_wait()
+            if not PUSH:
+                _cluster_wait()
         if TRACE:
             _tr_record(tr_ptr, pid_bh * (NUM_GROUPS * C) + pid_s, t_start, t_waited, t_looped, c_waited, tag,
                        t_summed)
@@ -311,9 +371,11 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
             k.stride(2), v.stride(0), v.stride(1), v.stride(2), pos.stride(0), out.stride(0), out.stride(1),
             out.stride(2), Hkv, S, G, split_s, splits, groups, scale)
     kwargs = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32", C=C,
-                  MR=mr, GROUPS_P2=_pow2(groups), LARGE=mr * (D + 2) * 4 > SMALL_BYTES, USE_PDL=pdl.use_pdl,
+                  MR=mr, GROUPS_P2=_pow2(groups),
+                  LARGE=mr * (D + 2 * C) * 4 > PUSH_SMALL_BYTES if PUSH else mr * (D + 2) * 4 > SMALL_BYTES,
+                  USE_PDL=pdl.use_pdl,
                   EARLY_POS=pdl.use_pdl and early_pos, PRELOAD=preload, PRE_NB=pre_nb if preload else 1,
-                  FIRST=loads_first, EVEN=EVEN, KV_L2=kv_l2 and not EVEN, **pdl.kwargs, **tr)
+                  FIRST=loads_first, EVEN=EVEN, KV_L2=kv_l2 and not EVEN, PUSH=PUSH, **pdl.kwargs, **tr)
     if warps:
         kwargs["num_warps"] = warps
     return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None
