@@ -208,6 +208,10 @@ class EngineConfig:
     # weights asked for before block k - 1's are summed: two tiles in flight a program, not one; kernels/gemv_fused.py
     # ONE_ROW_PIPE says why). A process-wide switch, as pdl. Same numbers. Off: neutral on the H200 (session 35,
     # graphed one-token step: 1.5B -0.8%, Qwen3-8B +0.4%, two interleaved pairs each, within the drift)
+    qkv_pipeline: bool = False  # CUDA, with fused_decode: qkv + RoPE's K loop runs two blocks ahead (the first two
+    # blocks' weights asked for right after the PDL wait, ahead of the norm prologue; kernels/qkv_rope.py PIPE says
+    # why: at the 1.5B shape a program's two blocks were two DRAM round trips in a row). Same numbers. Off until a
+    # GPU times it (session 42); the loop searches it
     early_epilogue: bool = False  # CUDA, with fused_decode: the one-row GEMVs and qkv + RoPE load their epilogue's
     # operands (residual, bias; qkv's cache slot and cos / sin) right after the PDL wait instead of after the K loop,
     # so that L2 round trip overlaps the weight stream instead of sitting between a program's last tile and its
@@ -373,6 +377,8 @@ class EngineConfig:
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.tuned_tiles, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"tuned_tiles must be true or false, got {self.tuned_tiles!r}")
+        if not isinstance(self.qkv_pipeline, bool):
+            raise ConfigError(f"qkv_pipeline must be true or false, got {self.qkv_pipeline!r}")
         if not isinstance(self.gemv_pipeline, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"gemv_pipeline must be true or false, got {self.gemv_pipeline!r}")
         if not isinstance(self.early_epilogue, bool):

@@ -106,6 +106,27 @@ def test_early_loads_give_the_same_bits(monkeypatch, H, Hkv, D, K, position, dty
     assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
+@pytest.mark.parametrize("H,Hkv,D,K,position,dtype,bias,norm,qk_norm,tile", [
+    (12, 2, 64, 200, 39, torch.bfloat16, True, True, False, False),  # 4 blocks of 64, the last one partial
+    (4, 4, 16, 96, 7, torch.float32, False, True, False, True),  # 2 blocks (the 1.5B shape's count), with the tile
+    (8, 2, 128, 130, 17, torch.bfloat16, True, True, True, False),  # 3 blocks, q/k norms
+    (6, 2, 32, 64, 0, torch.bfloat16, True, False, True, False),  # one block: the second load all masked
+])
+def test_the_pipelined_k_loop_gives_the_same_bits(monkeypatch, H, Hkv, D, K, position, dtype, bias, norm, qk_norm,
+                                                  tile):
+    """PIPE (EngineConfig.qkv_pipeline: the first two blocks' tiles asked for right after the wait, each iteration
+    asking for the block two ahead before it sums its own; blocks past K fully masked) sums the same values in the
+    same order: q and both caches are the plain loop's bits, with or without TILE_AFTER_WAIT."""
+    import specpilot.kernels.qkv_rope as qr
+
+    args = _case(H, Hkv, D, K, 40, position, dtype, bias, norm, seed=H + K + 1, qk_norm=qk_norm)
+    want, want_k, want_v = _one_launch(*args)
+    monkeypatch.setattr(qr, "PIPE", True)
+    monkeypatch.setattr(qr, "FIRST_TILE_AFTER_WAIT", tile)
+    got, got_k, got_v = _one_launch(*args)
+    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_a_position_outside_the_pool_writes_nothing(qk_norm):
     args = list(_case(4, 2, 16, 64, 8, 0, torch.float32, seed=3, qk_norm=qk_norm))
@@ -274,3 +295,24 @@ def test_rope_in_qkv_field_setter_loop_and_cost_model(tiny_model_dir, monkeypatc
         off, with_ = forward_cost(cfg, 1, 64, **flags), forward_cost(cfg, 1, 64, **flags, rope_in_qkv=True)
         assert off.num_kernels - with_.num_kernels == 4 and off.weight_bytes == with_.weight_bytes
         assert forward_cost(cfg, 7, 64, **flags, rope_in_qkv=True) == forward_cost(cfg, 7, 64, **flags)
+
+
+def test_engine_sets_the_qkv_pipeline_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.qkv_pipeline -> kernels/qkv_rope.py PIPE when a model is laid out for a CUDA config with the
+    fused one-token path (off by default; quietly ignored on CPU; a warning without fused_decode); a bool; a CLI
+    flag; in the loop's layout key and searched by its mechanism."""
+    import specpilot.kernels.qkv_rope as qr
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_gemv_prefetch
+
+    monkeypatch.setattr(qr, "PIPE", False)
+    _apply_gemv_prefetch(EngineConfig(qkv_pipeline=True))  # CPU: nothing to switch
+    assert qr.PIPE is False
+    _apply_gemv_prefetch(EngineConfig(device="cuda", qkv_pipeline=True))
+    assert qr.PIPE is True
+    _apply_gemv_prefetch(EngineConfig(device="cuda"))
+    assert qr.PIPE is False
+    with pytest.warns(RuntimeWarning, match="qkv_pipeline needs fused_decode"):
+        _apply_gemv_prefetch(EngineConfig(device="cuda", fused_decode=False, qkv_pipeline=True))
+    assert qr.PIPE is False
+    switch_wired("qkv_pipeline", "--qkv-pipeline", "qkv_pipeline", {"qkv_pipeline": True})

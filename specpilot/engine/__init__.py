@@ -171,6 +171,7 @@ def _apply_pdl(config: EngineConfig) -> None:
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
     """EngineConfig.gemv_prefetch, gemv_pipeline, early_epilogue and tile_after_wait -> the one-row GEMV's
+    (qkv_pipeline -> kernels/qkv_rope.py PIPE)
     process-wide switches (kernels/gemv_fused.py ONE_ROW_PREFETCH, ONE_ROW_PIPE, EARLY_EPILOGUE,
     FIRST_TILE_AFTER_WAIT; the last two also kernels/qkv_rope.py's), set whenever a model is laid out, as
     _apply_pdl."""
@@ -179,11 +180,14 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
     what = "the one-row GEMVs it changes are the fused one-token path's"
     want = _fused_switch_wanted(config, "gemv_prefetch", what)
     pipe = _fused_switch_wanted(config, "gemv_pipeline", what)
+    qkv_pipe = _fused_switch_wanted(config, "qkv_pipeline", "the qkv + RoPE launch it changes is the fused one-token "
+                                    "path's")
     early = _fused_switch_wanted(config, "early_epilogue", what)
     tile = _fused_switch_wanted(config, "tile_after_wait", what)
     if gemv_fused.triton is not None:
         gemv_fused.ONE_ROW_PREFETCH = want and _kernel_on(config, "gemv_prefetch")
         gemv_fused.ONE_ROW_PIPE = pipe and _kernel_on(config, "gemv_pipeline")
+        qkv_rope.PIPE = qkv_pipe and _kernel_on(config, "qkv_pipeline")  # qkv + RoPE's two blocks in flight
         gemv_fused.EARLY_EPILOGUE = qkv_rope.EARLY_EPILOGUE = early and _kernel_on(config, "early_epilogue")
         gemv_fused.FIRST_TILE_AFTER_WAIT = qkv_rope.FIRST_TILE_AFTER_WAIT = (tile
                                                                              and _kernel_on(config, "tile_after_wait"))

@@ -70,6 +70,13 @@ EARLY_EPILOGUE = False
 # EngineConfig.tile_after_wait, as kernels/gemv_fused.py FIRST_TILE_AFTER_WAIT says why): at Qwen3-8B qkv's 48 MiB
 # stream from DRAM behind down_proj's tail (session 26: a ~4 us ramp a layer). The same bits.
 FIRST_TILE_AFTER_WAIT = False
+# The K loop runs two blocks ahead of its sums (PIPE, EngineConfig.qkv_pipeline): the first two blocks' weight tiles
+# are asked for right after the PDL wait, ahead of the norm prologue, and each iteration asks for the block two
+# ahead before it sums its own. Why: at the 1.5B shape K is 1536 and the tuned tiles take 1024 keys a block, so a
+# program's two blocks were two DRAM round trips one after the other (Triton pipelines only loads that feed a
+# tl.dot), with all 512 programs resident at once: the session-42 trace put qkv + RoPE at 4.8 us a layer for a 2.1 us
+# floor. A block past K is a fully masked load (no traffic). The same sums in the same order: the same bits.
+PIPE = False
 # Under the late PDL trigger, qkv + RoPE lets the attention launch first thing anyway (EngineConfig.
 # qkv_trigger_first). Why: the late trigger exists for GEMVs of several waves, whose later programs would find their
 # slots taken by the next kernel's waiting programs; qkv + RoPE is ONE wave (1.5B: 256 programs, every one past its
@@ -103,6 +110,7 @@ if triton is not None:
                          QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64,
                          EARLY_EPI: tl.constexpr = False, TILE_AFTER_WAIT: tl.constexpr = False,
+                         PIPE: tl.constexpr = False,
                          TRACE: tl.constexpr = False, tr_ptr=None):
         HALF: tl.constexpr = D // 2
         if TRACE:  # kernels/trace.py (a diagnostic): this program's timeline row, written at its end
@@ -125,9 +133,12 @@ if triton is not None:
         if TRACE:
             t_waited = _tr_now()
             c_waited = _tr_cycles()
-        if TILE_AFTER_WAIT:  # the first block's weights first (FIRST_TILE_AFTER_WAIT): ahead of the norm prologue
+        if TILE_AFTER_WAIT or PIPE:  # the first block's weights first (FIRST_TILE_AFTER_WAIT): ahead of the norm
             w0 = tl.load(w_ptr + rows + tl.arange(0, BLOCK_K)[None, :], mask=(tl.arange(0, BLOCK_K) < K)[None, :],
                          other=0.0)
+        if PIPE:  # and the second (PIPE): two blocks in flight from the start
+            k_1 = BLOCK_K + tl.arange(0, BLOCK_K)
+            w1 = tl.load(w_ptr + rows + k_1[None, :], mask=(k_1 < K)[None, :], other=0.0)
         if EARLY_EPI:  # the epilogue's loads (EARLY_EPILOGUE), after the wait: the same values, the same bits
             b1, b2, p = _bias_slot(b_ptr, pos_ptr, head, j, HAS_BIAS, D)
             if not QK_NORM:  # (every program: v's ignore theirs, one round trip with the others)
@@ -136,12 +147,20 @@ if triton is not None:
         if HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
-        if TILE_AFTER_WAIT:  # block 0 with the tile loaded above (the loop's body: the same order of sums)
-            acc = _qkv_block(acc, w0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
-        for k0 in range(TILE_AFTER_WAIT * BLOCK_K, K, BLOCK_K):  # gemv_fused's one-row loop
-            k_offs = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rows + k_offs[None, :], mask=(k_offs < K)[None, :], other=0.0)
-            acc = _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+        if PIPE:  # block k0's tile is in flight since two iterations back; ask for block k0 + 2 first
+            for k0 in range(0, K, BLOCK_K):
+                k_2 = k0 + 2 * BLOCK_K + tl.arange(0, BLOCK_K)
+                w2 = tl.load(w_ptr + rows + k_2[None, :], mask=(k_2 < K)[None, :], other=0.0)
+                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+                w0 = w1
+                w1 = w2
+        else:
+            if TILE_AFTER_WAIT:  # block 0 with the tile loaded above (the loop's body: the same order of sums)
+                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+            for k0 in range(TILE_AFTER_WAIT * BLOCK_K, K, BLOCK_K):  # gemv_fused's one-row loop
+                k_offs = k0 + tl.arange(0, BLOCK_K)
+                w = tl.load(w_ptr + rows + k_offs[None, :], mask=(k_offs < K)[None, :], other=0.0)
+                acc = _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
         if TRACE:
             t_looped = _tr_now()
         if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
@@ -311,7 +330,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
                  **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
-    flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT)
+    flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT, PIPE=PIPE)
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
         _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, **tr)
     else:

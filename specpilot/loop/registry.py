@@ -341,6 +341,10 @@ register(_fused_switch(
     "the fused one-token path's GEMVs run their K loop one block ahead: each block's weights are asked for before "
     "the previous block's are summed, two tiles in flight a program instead of one DRAM round trip a block"))
 register(_fused_switch(
+    "qkv_pipeline",
+    "qkv + RoPE runs its K loop two blocks ahead: the first two blocks' weights are asked for right after the wait, "
+    "so a program's blocks are one DRAM round trip, not one each"))
+register(_fused_switch(
     "early_epilogue",
     "the fused one-token path's GEMVs (and qkv + RoPE) load their epilogue's residual / bias / RoPE operands right "
     "after their wait, so that round trip overlaps the weight stream instead of following each program's last tile"))
