@@ -22,9 +22,10 @@ capability 9.0+ and a Triton whose compiled kernels carry `packed_metadata` (num
 launch asks for the cluster through that tuple (`_cluster_launch`), because Triton's own `num_ctas` changes how a
 program's tensors are laid out over CTAs. Anything else takes decode_attention's kernel (`applies`).
 
-Measured (session 42, H100, graphed one-token step, random bf16 weights, BENCHMARKS.md): the 1.5B attention 8.3 ->
-5.5 us a layer; the step -4.8 / -5.0% at 512 tokens with C = 8, -2.0% at 2048 (C = 16: -4.8% there, but +1.6% at
-Qwen3-8B, whose 8 KV heads make 8 clusters of 16); Qwen3-8B -1.4% with C = 8. EngineConfig.attn_cluster: 8.
+Measured (session 42, H100s, graphed one-token step, random bf16 weights, BENCHMARKS.md): the 1.5B attention 8.3 ->
+5.5 us a layer; with C = 8 the step 4.2-5.2% faster at 512 tokens, 1.4-2.0% at 2048, Qwen3-8B 1.2-1.7% (C = 16:
+-4.8% at 2048 tokens, but slower at 512 and +1.6% at Qwen3-8B, whose 8 KV heads make 8 clusters of 16; C = 4:
++3.2% at 512). EngineConfig.attn_cluster: 8. Not yet timed on an H200.
 
 Numbers: the slice sums are decode_attention's (`_slice_partial`, the same code); the merge adds the C partials of a
 cluster as a tree (tl.sum) where the one-launch kernel adds its slices in order, so results may differ from it in
@@ -56,16 +57,19 @@ SIZES = (4, 8, 16)  # CTAs a cluster may hold (16: non-portable, allowed on H100
 CLUSTER = 0  # EngineConfig.attn_cluster (8 by default, set on CUDA by the engine): CTAs a cluster; 0: decode_attention's
 # kernel (this module's default, as the CPU tests run)
 # Bytes of each CTA's shared buffer for its partial: rows x (D + 2) fp32 (accumulator, max, sum). Two static sizes,
-# because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes).
+# because PTX declares the buffer with a literal size: SMALL covers 8 rows of 128 (the 1.5B and 8B shapes), LARGE
+# 16 rows of 256.
 SMALL_BYTES = 4352
+LARGE_BYTES = 16 * 258 * 4
 PUSH_SMALL_BYTES = 5120  # PUSH's buffer: rows x (D + 2 C) fp32 (C slots of D / C columns, max and sum); 16 x 288 large
 PUSH = False  # EngineConfig.attn_cluster_push: each CTA stores its partial's columns into the CTA that merges them
 # (`st.shared::cluster`, not waited for), so after the one barrier every read is of the CTA's own shared memory: no
-# distributed-memory read round trip and no second barrier. Off until a GPU times it (session 42)
+# distributed-memory read round trip and no second barrier. Off: one H100 call (session 42) put it at -0.7 / -0.2 /
+# -0.4% (1.5B at 512 / 2048 tokens, Qwen3-8B), inside a round's spread; searched by the loop
 EVEN = False  # EngineConfig.attn_cluster_even: one cluster takes every visible key, each CTA ceil(tiles / C) whole
-# BLOCK_S tiles (attn_split_keys unused), so no context needs a second cluster or the atomic merge across clusters
+# BLOCK_S tiles (attn_split_keys unused), so no context needs a second cluster or the atomic merge across clusters.
+# Off: SLOWER on an H100 (session 42: 1.5B +2.1 to +4.6%; a CTA walks its tiles one after the other)
 _unsupported = False  # set once this Triton's compiled kernels turn out to carry no launch tuple (`_cluster_launch`)
-LARGE_BYTES = 16 * 258 * 4
 
 
 def applies(T: int, G: int, D: int, nrb: int, device: torch.device) -> bool:
