@@ -168,6 +168,10 @@ class EngineConfig:
     # spills with 4 warps (more with attn_kv_preload's tiles: 1.4 KB a thread); 8 spread them. Same math, another
     # order of the softmax's in-warp sums. 0: 8 was no faster on the H200 (session 35: 1.5B +0.3%, 8B -0.7%, both
     # within the drift); the loop searches 8
+    attn_stages: int = 0  # CUDA: software-pipeline stages of the one-token attention's slice loop (kernels/
+    # decode_attention.py ONE_LAUNCH_STAGES; 0: Triton's default, 3). 3 stages take 136 KB of shared memory a program
+    # for a loop that runs once at 128 keys a program (2: 72 KB). Same numbers. Off until a GPU times it (session 42);
+    # the loop searches 2 and 1
     attn_kv_preload: bool = False  # with pdl (late trigger): the one-token attention loads its slice's older K/V
     # rows into registers before its wait and only the new token's row after it (kernels/decode_attention.py
     # KV_PRELOAD says why that is safe), so no DRAM round trip sits between the wait and the softmax. Same numbers.
@@ -365,6 +369,8 @@ class EngineConfig:
             raise ConfigError(f"attn_cluster_even must be true or false, got {self.attn_cluster_even!r}")
         if not isinstance(self.attn_cluster_push, bool):
             raise ConfigError(f"attn_cluster_push must be true or false, got {self.attn_cluster_push!r}")
+        if self.attn_stages not in (0, 1, 2, 3, 4) or isinstance(self.attn_stages, bool):
+            raise ConfigError(f"attn_stages must be 0 (Triton's default) or 1-4, got {self.attn_stages!r}")
         if not isinstance(self.attn_loads_first, bool):
             raise ConfigError(f"attn_loads_first must be true or false, got {self.attn_loads_first!r}")
         if not isinstance(self.attn_kv_preload, bool):

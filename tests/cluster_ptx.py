@@ -36,6 +36,19 @@ def report() -> dict:
         return c.asm["ptx"], c.metadata.shared
 
     text, shared = ptx()
+    # with the JIT's alignment facts (pointers and strides divisible by 16), as on a GPU: the slice's K / V tiles go
+    # to shared memory by cp.async, a buffer a pipeline stage (EngineConfig.attn_stages)
+    div = [n for n in fn.arg_names if n not in base and (n.endswith("_ptr") or n in
+                                                         ("sq_b", "sq_h", "sk_b", "sk_h", "sk_s", "sv_b", "sv_h",
+                                                          "sv_s", "so_b", "so_h", "S", "SPLIT_S"))]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    sig = {n: "constexpr" if n in base else ptr.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
+    staged = {}
+    for stages in (3, 2):
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=base, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_stages": stages})
+        staged[stages] = (c.metadata.shared, len(re.findall(r"\bcp\.async\.cg", c.asm["ptx"])))
     sizes = {}
     for n in (4, 16):
         sizes[n] = bool(ptx(C=n, GROUPS_P2=max(1, 32 // n // 4))[0])
@@ -57,6 +70,8 @@ def report() -> dict:
         "cg_loads": len(re.findall(r"\bld\.global\.cg\b", text)),
         "griddepcontrol": len(re.findall(r"griddepcontrol", text)),
         "triton_shared_bytes": shared,
+        "staged_shared_bytes": {str(k): v[0] for k, v in staged.items()},
+        "staged_cp_async": {str(k): v[1] for k, v in staged.items()},
         "push_arrives": len(re.findall(r"barrier\.cluster\.arrive", push)),
         "push_remote_stores": len(re.findall(r"\bst\.shared::cluster\.f32", push)),
         "push_dsmem_loads": len(re.findall(r"\bld\.shared::cluster", push)),

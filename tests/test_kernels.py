@@ -1068,6 +1068,9 @@ def test_cluster_attention_compiles_for_sm90(sm90_report):
     # PUSH: a "started" arrival first thing, the partials out as remote stores, one barrier, every read local
     assert r["push_arrives"] == 2 and r["push_remote_stores"] > 0 and r["push_dsmem_loads"] == 0
     assert r["push_buffers"] == [["spc_push_s", "5120"]]
+    # aligned as on a GPU, K and V go to shared memory by cp.async; 2 stages take less of it than Triton's 3
+    assert all(n > 0 for n in r["staged_cp_async"].values())
+    assert r["staged_shared_bytes"]["2"] < r["staged_shared_bytes"]["3"]
 
 
 def test_engine_sets_the_cluster_from_the_config(monkeypatch, field_wired):
@@ -1183,3 +1186,33 @@ def test_engine_sets_the_cluster_push_from_the_config(monkeypatch, switch_wired)
     _apply_program_splits(EngineConfig(attn_cluster_push=True))  # CPU: never
     assert ca.PUSH is False
     switch_wired("attn_cluster_push", "--attn-cluster-push", "attn_cluster_push", {"attn_cluster_push": True})
+
+
+def test_engine_sets_the_attention_stages_from_the_config(monkeypatch, field_wired):
+    """EngineConfig.attn_stages -> decode_attention.ONE_LAUNCH_STAGES on CUDA only (0: Triton's default); only 0-4
+    pass validation; a CLI flag; in the loop's layout key and searched by its mechanism; and the one-launch call
+    hands it to its kernel as num_stages (the same numbers: the interpreter ignores it)."""
+    import torch
+
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "ONE_LAUNCH_STAGES", 0)
+    assert EngineConfig().attn_stages == 0
+    _apply_program_splits(EngineConfig(device="cuda", attn_stages=2))
+    assert da.ONE_LAUNCH_STAGES == 2
+    _apply_program_splits(EngineConfig(attn_stages=2))  # CPU: never
+    assert da.ONE_LAUNCH_STAGES == 0
+    for bad in (5, -1, True, "2"):
+        with pytest.raises(ConfigError, match="attn_stages must be 0"):
+            EngineConfig(attn_stages=bad)
+    field_wired("attn_stages", ["--attn-stages", "2"], 2, "attn_stages", {"attn_stages": 2})
+    if da.triton is not None:
+        q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+        pos = torch.tensor([[40]])
+        want = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
+        monkeypatch.setattr(da, "ONE_LAUNCH_STAGES", 2)
+        got = da.decode_attention(q, k, v, pos, split_s=16, block_s=16, one_launch=True)
+        assert torch.equal(got, want)

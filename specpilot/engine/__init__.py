@@ -196,7 +196,7 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys and
     attn_block_keys -> kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK,
-    attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_single_direct -> its
+    attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its ONE_LAUNCH_STAGES, attn_single_direct -> its
     SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
     whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
@@ -210,6 +210,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     decode_attention.MERGE_CHUNK = config.attn_merge_chunk if cuda else 0
     decode_attention.MERGE_UNROLL = config.attn_merge_unroll if cuda else 0
     decode_attention.ONE_LAUNCH_WARPS = config.attn_warps if cuda else 0
+    decode_attention.ONE_LAUNCH_STAGES = config.attn_stages if cuda else 0  # its slice loop's pipeline stages
     decode_attention.SINGLE_DIRECT = config.attn_single_direct and cuda  # one slice: no merge
     decode_attention.LOADS_FIRST = config.attn_loads_first and cuda  # V with K, the merge's first slices early
     from specpilot.kernels import cluster_attention

@@ -351,8 +351,8 @@ def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> bool:
 
 
 def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, scale: float, pdl, *,
-                      early_pos: bool, preload: bool, loads_first: bool, warps: int, kv_l2: bool = False
-                      ) -> torch.Tensor | None:
+                      early_pos: bool, preload: bool, loads_first: bool, warps: int, kv_l2: bool = False,
+                      stages: int = 0) -> torch.Tensor | None:
     """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`);
     None where the launch could not ask for a cluster (`_cluster_launch`): the caller runs its own kernel then.
     q [B, H, 1, D], k / v [B, Hkv, S, D], pos [B, 1] contiguous, out [B, H, 1, D] (written), `counters` >= B * Hkv
@@ -382,4 +382,6 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
                   FIRST=loads_first, EVEN=EVEN, KV_L2=kv_l2 and not EVEN, PUSH=PUSH, **pdl.kwargs, **tr)
     if warps:
         kwargs["num_warps"] = warps
+    if stages:
+        kwargs["num_stages"] = stages
     return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None

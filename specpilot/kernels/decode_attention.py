@@ -88,6 +88,13 @@ KV_PRELOAD = False
 # no spill (209 registers with one preloaded block, 200 B spilled with two). EngineConfig.attn_warps. 8 is no faster
 # on the H200 (session 35: 1.5B +0.3%, Qwen3-8B -0.7%, within the drift): the spill was not what the time is.
 ONE_LAUNCH_WARPS = 0
+# Software-pipeline stages of the one-launch kernel's (and the cluster kernel's) slice loop (0: Triton's default, 3;
+# EngineConfig.attn_stages). Why: compiled for sm_90 with the JIT's alignment facts, the loop's K and V tiles go to
+# shared memory by cp.async, one buffer a stage, so the default's 3 stages take 136 KB of shared memory a program
+# (2: 72 KB, 1: 40 KB, with K and V loaded through registers) for a loop that runs once at 128 keys a program: room
+# the qkv and o_proj programs around it under PDL, and a cluster's 8 SMs, must leave free. Same sums in the same
+# order whatever the stages. Off until a GPU times it (session 42, compiled only)
+ONE_LAUNCH_STAGES = 0
 # The last-arriving program of the one-launch kernel reads the slices' accumulators MERGE_CHUNK at a time (one L2
 # round trip a chunk: `_merge_chunks`) instead of one slice at a time (one round trip a slice: at 512 tokens and
 # 64 keys a program, 8 dependent L2 reads before the output is stored). EngineConfig.attn_merge_chunk; 0: the loop.
@@ -664,12 +671,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         pre_nb = split_s // block_s
         preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
         warps = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
+        if ONE_LAUNCH_STAGES:
+            warps["num_stages"] = ONE_LAUNCH_STAGES
         from specpilot.kernels import cluster_attention  # (imports this module)
 
         if cluster_attention.applies(T, G, D, nrb, q.device) and cluster_attention.cluster_attention(
                 q, k, v, pos, out, _counters(q.device, B * Hkv), split_s, block_s, scale, pdl,
                 early_pos=PDL_EARLY_POS, preload=preload, loads_first=LOADS_FIRST, warps=ONE_LAUNCH_WARPS,
-                kv_l2=kv_l2) is not None:
+                kv_l2=kv_l2, stages=ONE_LAUNCH_STAGES) is not None:
             return out  # the slices merged inside a CTA cluster
         tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)  # a diagnostic (off)
         _split_merge_kernel[(B * Hkv * nrb, splits)](

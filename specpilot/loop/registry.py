@@ -288,6 +288,11 @@ register(Mechanism(
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
     "the one-token attention's programs run 8 warps instead of 4, so its 255 registers a thread do not spill"))
 register(Mechanism(
+    "attn_stages", ("verify", "draft"), {"attn_stages": [2, 1, 0]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode,
+    "the one-token attention's slice loop pipelines 2 (or 1) stages instead of Triton's 3: 72 KB of shared memory a "
+    "program instead of 136 KB for a loop that runs once, room the kernels around it and a cluster's SMs need"))
+register(Mechanism(
     "attn_kv_preload", ("verify", "draft"), {"attn_kv_preload": [True, False]},
     _under_pdl_late,
     "under PDL, the one-token attention loads its slice's older K/V rows (written by earlier steps) into registers "
