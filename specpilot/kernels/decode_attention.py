@@ -16,6 +16,10 @@ One launch (`one_launch=True`): at 1.5B-class shapes a bs-1 step is launch/laten
 counter; the one that arrives last merges (the same code, so the same numbers) and zeroes the counter again. The
 counters are one zero-initialised buffer per device, allocated on first use, never per call (see `_counters`).
 
+Cluster (EngineConfig.attn_cluster, 8 by default on CUDA since session 42): on Hopper a one-token call of the one-launch
+path goes to kernels/cluster_attention.py instead, whose slices of a KV head merge inside a thread-block cluster
+through distributed shared memory (no partials in global memory, no atomic); it reuses this module's slice code.
+
 Mask: key slot j is visible to a query at position p iff j <= p (slot p = position p, models/cache.py), the
 DenseLM's positional causal mask, computed in the kernel from `positions` instead of read from a mask tensor.
 
