@@ -1158,34 +1158,20 @@ def test_cluster_launch_asks_triton_for_the_cluster(monkeypatch):
     assert not ca.applies(1, 6, 128, 1, torch.device("cuda"))  # from then on: the one-launch kernel
 
 
-def test_engine_sets_the_even_cluster_split_from_the_config(monkeypatch, switch_wired):
-    """EngineConfig.attn_cluster_even -> kernels/cluster_attention.py EVEN on CUDA only (off by default); a bool;
-    a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
+@pytest.mark.parametrize("field, flag", [("attn_cluster_even", "EVEN"), ("attn_cluster_push", "PUSH")])
+def test_engine_sets_the_cluster_switches_from_the_config(monkeypatch, switch_wired, field, flag):
+    """EngineConfig.attn_cluster_even / attn_cluster_push -> kernels/cluster_attention.py EVEN / PUSH on CUDA only
+    (off by default); a bool; a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
     from specpilot.kernels import cluster_attention as ca
 
-    monkeypatch.setattr(ca, "EVEN", False)
-    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_even=True))
-    assert ca.EVEN is True
-    _apply_program_splits(EngineConfig(attn_cluster_even=True))  # CPU: never
-    assert ca.EVEN is False
-    switch_wired("attn_cluster_even", "--attn-cluster-even", "attn_cluster_even", {"attn_cluster_even": True})
-
-
-def test_engine_sets_the_cluster_push_from_the_config(monkeypatch, switch_wired):
-    """EngineConfig.attn_cluster_push -> kernels/cluster_attention.py PUSH on CUDA only (off by default); a bool;
-    a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
-    from specpilot.config import EngineConfig
-    from specpilot.engine import _apply_program_splits
-    from specpilot.kernels import cluster_attention as ca
-
-    monkeypatch.setattr(ca, "PUSH", False)
-    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_push=True))
-    assert ca.PUSH is True
-    _apply_program_splits(EngineConfig(attn_cluster_push=True))  # CPU: never
-    assert ca.PUSH is False
-    switch_wired("attn_cluster_push", "--attn-cluster-push", "attn_cluster_push", {"attn_cluster_push": True})
+    monkeypatch.setattr(ca, flag, False)
+    _apply_program_splits(EngineConfig(device="cuda", **{field: True}))
+    assert getattr(ca, flag) is True
+    _apply_program_splits(EngineConfig(**{field: True}))  # CPU: never
+    assert getattr(ca, flag) is False
+    switch_wired(field, "--" + field.replace("_", "-"), field, {field: True})
 
 
 def test_engine_sets_the_attention_stages_from_the_config(monkeypatch, field_wired):

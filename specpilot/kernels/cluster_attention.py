@@ -46,7 +46,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.decode_attention import (_kv_l2_hint, _older_rows, _queries, _slice_partial,
+    from specpilot.kernels.decode_attention import (_kv_l2_hint, _preload_slice, _queries, _slice_partial,
                                                     _slice_partial_preloaded, _store_out)
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record
@@ -195,14 +195,8 @@ if triton is not None:
                 p_pre = early_max
             else:
                 p_pre = tl.load(pos_ptr + b * sp_b)
-            s_pre = pid_s * SPLIT_S + tl.arange(0, BLOCK_S)
-            ka = _older_rows(k_ptr, b, hk, s_pre, p_pre, S, sk_b, sk_h, sk_s, D)
-            va = _older_rows(v_ptr, b, hk, s_pre, p_pre, S, sv_b, sv_h, sv_s, D)
-            kb2 = ka
-            vb2 = va
-            if PRE_NB == 2:
-                kb2 = _older_rows(k_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sk_b, sk_h, sk_s, D)
-                vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sv_b, sv_h, sv_s, D)
+            ka, va, kb2, vb2 = _preload_slice(k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, p_pre, S, sk_b, sk_h, sk_s,
+                                              sv_b, sv_h, sv_s, D, BLOCK_S, PRE_NB)
         if USE_PDL:
             gdc_wait()
         if TRACE:
@@ -351,12 +345,13 @@ def _cluster_launch(kernel, grid, args, kwargs, ctas: int) -> bool:
 
 
 def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, scale: float, pdl, *,
-                      early_pos: bool, preload: bool, loads_first: bool, warps: int, kv_l2: bool = False,
-                      stages: int = 0) -> torch.Tensor | None:
+                      early_pos: bool, preload: bool, loads_first: bool, kv_l2: bool = False,
+                      launch: dict | None = None) -> torch.Tensor | None:
     """decode_attention(one_launch=True) for one token through `_cluster_kernel` (the caller checked `applies`);
     None where the launch could not ask for a cluster (`_cluster_launch`): the caller runs its own kernel then.
     q [B, H, 1, D], k / v [B, Hkv, S, D], pos [B, 1] contiguous, out [B, H, 1, D] (written), `counters` >= B * Hkv
-    zero int32 (decode_attention's, left at zero), `pdl` kernels/pdl.py's launch options."""
+    zero int32 (decode_attention's, left at zero), `pdl` kernels/pdl.py's launch options, `launch`
+    the num_warps / num_stages the one-launch kernel takes."""
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -380,8 +375,5 @@ def cluster_attention(q, k, v, pos, out, counters, split_s: int, block_s: int, s
                   USE_PDL=pdl.use_pdl,
                   EARLY_POS=pdl.use_pdl and early_pos, PRELOAD=preload, PRE_NB=pre_nb if preload else 1,
                   FIRST=loads_first, EVEN=EVEN, KV_L2=kv_l2 and not EVEN, PUSH=PUSH, **pdl.kwargs, **tr)
-    if warps:
-        kwargs["num_warps"] = warps
-    if stages:
-        kwargs["num_stages"] = stages
+    kwargs.update(launch or {})  # num_warps / num_stages, as decode_attention launches its own kernel
     return out if _cluster_launch(_cluster_kernel, (B * Hkv * C, groups), args, kwargs, C) else None

@@ -244,6 +244,21 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def _preload_slice(k_ptr, v_ptr, b, hk, start, p, S, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, D: tl.constexpr,
+                       BLOCK_S: tl.constexpr, PRE_NB: tl.constexpr):
+        """KV_PRELOAD's loads of the slice starting at `start`: its first block's K and V rows below slot p (ka, va)
+        and, when PRE_NB == 2, its second's (kb2, vb2; else ka, va again) -> ka, va, kb2, vb2."""
+        s_pre = start + tl.arange(0, BLOCK_S)
+        ka = _older_rows(k_ptr, b, hk, s_pre, p, S, sk_b, sk_h, sk_s, D)
+        va = _older_rows(v_ptr, b, hk, s_pre, p, S, sv_b, sv_h, sv_s, D)
+        kb2 = ka
+        vb2 = va
+        if PRE_NB == 2:
+            kb2 = _older_rows(k_ptr, b, hk, s_pre + BLOCK_S, p, S, sk_b, sk_h, sk_s, D)
+            vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p, S, sv_b, sv_h, sv_s, D)
+        return ka, va, kb2, vb2
+
+    @triton.jit
     def _slice_partial_preloaded(q, pos, ka, va, kb2, vb2, k_ptr, v_ptr, b, hk, start, p, sk_b, sk_h, sk_s, sv_b,
                                  sv_h, sv_s, S, scale, D: tl.constexpr, BLOCK_R: tl.constexpr,
                                  BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -519,14 +534,8 @@ if triton is not None:
                 p_pre = early_max  # T == 1: b's one position, read above
             else:
                 p_pre = tl.load(pos_ptr + b * sp_b)  # (a static graph input, see PDL_EARLY_POS)
-            s_pre = pid_s * SPLIT_S + tl.arange(0, BLOCK_S)
-            ka = _older_rows(k_ptr, b, hk, s_pre, p_pre, S, sk_b, sk_h, sk_s, D)
-            va = _older_rows(v_ptr, b, hk, s_pre, p_pre, S, sv_b, sv_h, sv_s, D)
-            kb2 = ka
-            vb2 = va
-            if PRE_NB == 2:
-                kb2 = _older_rows(k_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sk_b, sk_h, sk_s, D)
-                vb2 = _older_rows(v_ptr, b, hk, s_pre + BLOCK_S, p_pre, S, sv_b, sv_h, sv_s, D)
+            ka, va, kb2, vb2 = _preload_slice(k_ptr, v_ptr, b, hk, pid_s * SPLIT_S, p_pre, S, sk_b, sk_h, sk_s,
+                                              sv_b, sv_h, sv_s, D, BLOCK_S, PRE_NB)
         if USE_PDL:
             gdc_wait()
         if TRACE:
@@ -654,36 +663,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     nrb = triton.cdiv(G * T, rows)
     splits = triton.cdiv(S, split_s)
     pos = positions if positions.is_contiguous() else positions.contiguous()
-    # the slices' partials: row (b * Hkv + hk, slice, r) of o [.., D], m, l (fp32)
-    o = torch.empty(B * Hkv * nrb * splits * rows, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B * Hkv * nrb * splits * rows, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
     if token_major:  # the kernels store through out's strides
         out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     else:
         out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), pos.stride(0))
-    consts = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
     scale = D ** -0.5 if scale is None else scale
     if one_launch:  # the fused one-token path's attention: launched with PDL when the switch is on
         pdl = launch_options()
         kv_l2 = pdl.use_pdl and PDL_KV_L2 and _bulk_rows(k) and _bulk_rows(v)
-        chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
-        unroll = MERGE_UNROLL if MERGE_UNROLL in (2, 4) else 0  # (the config allows only these)
         pre_nb = split_s // block_s
         preload = KV_PRELOAD and T == 1 and pre_nb in (1, 2) and (pdl.late or not pdl.use_pdl)  # see KV_PRELOAD
-        warps = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
+        launch = {"num_warps": ONE_LAUNCH_WARPS} if ONE_LAUNCH_WARPS else {}  # (0: Triton's default)
         if ONE_LAUNCH_STAGES:
-            warps["num_stages"] = ONE_LAUNCH_STAGES
+            launch["num_stages"] = ONE_LAUNCH_STAGES
         from specpilot.kernels import cluster_attention  # (imports this module)
 
         if cluster_attention.applies(T, G, D, nrb, q.device) and cluster_attention.cluster_attention(
                 q, k, v, pos, out, _counters(q.device, B * Hkv), split_s, block_s, scale, pdl,
-                early_pos=PDL_EARLY_POS, preload=preload, loads_first=LOADS_FIRST, warps=ONE_LAUNCH_WARPS,
-                kv_l2=kv_l2, stages=ONE_LAUNCH_STAGES) is not None:
-            return out  # the slices merged inside a CTA cluster
+                early_pos=PDL_EARLY_POS, preload=preload, loads_first=LOADS_FIRST, kv_l2=kv_l2,
+                launch=launch) is not None:
+            return out  # the slices merged inside a CTA cluster (its own partials)
+    # the slices' partials: row (b * Hkv + hk, slice, r) of o [.., D], m, l (fp32)
+    o = torch.empty(B * Hkv * nrb * splits * rows, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B * Hkv * nrb * splits * rows, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), pos.stride(0))
+    consts = dict(D=D, BLOCK_R=rows, BLOCK_S=block_s, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                  UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
+    if one_launch:
+        chunk = min(MERGE_CHUNK, _pow2(splits))  # no wider than the slices there are
+        unroll = MERGE_UNROLL if MERGE_UNROLL in (2, 4) else 0  # (the config allows only these)
         tr = trace.launch_args(q.device, "attention Hkv={} splits={}".format, Hkv, splits)  # a diagnostic (off)
         _split_merge_kernel[(B * Hkv * nrb, splits)](
             q, k, v, pos, o, m, l, out, _counters(q.device, B * Hkv * nrb), *strides,
@@ -691,7 +701,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             SPLITS_P2=_pow2(splits), USE_PDL=pdl.use_pdl, KV_L2=kv_l2, MERGE_CH=chunk,
             MERGE_R=min(rows, _pow2(G * T)), EARLY_POS=pdl.use_pdl and PDL_EARLY_POS, PRELOAD=preload,
             PRE_NB=pre_nb if preload else 1, SINGLE=SINGLE_DIRECT, MERGE_UN=unroll, FIRST=LOADS_FIRST, **pdl.kwargs,
-            **warps, **tr)
+            **launch, **tr)
         return out
     w_ptr, w_span, w_bytes, w_on = warm_args(warm, B * Hkv * nrb * splits, q)
     _split_kernel[(B * Hkv * nrb, splits)](q, k, v, pos, o, m, l, *strides, Hkv, S, T, G, split_s, splits, nrb, scale,
