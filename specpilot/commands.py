@@ -85,17 +85,24 @@ def _scorer(args, target, cfg):
     return specpilot_scorer(target)
 
 
-def _systems(args, cfg, target, tok, spec, ar):
-    """name -> generate(prompt_ids) for each system asked for."""
-    from specpilot.engine import DTYPE
+def _system_names(args) -> list[str]:
+    """--systems as a list, every name known (checked before any model loads)."""
     from specpilot.evaluator.bench import SYSTEMS
-    from specpilot.evaluator.stock import HFSystem, stock_system
-    from specpilot.hub import resolve_model
 
-    names = [n for n in args.systems.split(",") if n]
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = set(names) - set(SYSTEMS)
     if unknown:
         raise ConfigError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return names
+
+
+def _systems(args, cfg, target, tok, spec, ar):
+    """name -> generate(prompt_ids) for each system asked for."""
+    from specpilot.engine import DTYPE
+    from specpilot.evaluator.stock import HFSystem, stock_system
+    from specpilot.hub import resolve_model
+
+    names = _system_names(args)
     names = ["ar"] + [n for n in names if n not in ("ar", "specpilot")] + ["specpilot"]  # both always run
     systems = {"ar": ar.generate, "specpilot": spec.generate}
     hf = dict(dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
@@ -156,6 +163,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("--time-budget must be > 0 seconds")
     if args.skip_prompts < 0:
         raise ConfigError("--skip-prompts must be >= 0")
+    _system_names(args)
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     # --skip-prompts N: the selection --num-prompts N + M would make, less its first N (the rest of a cut run,
     # pooled with it by `specpilot bench-merge`)

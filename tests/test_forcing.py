@@ -236,3 +236,16 @@ def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
     assert rep["stopped_by_time_budget"] and rep["num_prompts"] == 1 and [r["id"] for r in recs] == ["x/3"]
     # the warm-ups on the longest prompt (x/7), then the one prompt, two systems
     assert rep["systems"]["ar"]["prompts"] == 1 and calls == [7, 7, 3, 3]
+
+
+def test_bench_rejects_an_unknown_system_before_loading_any_model(monkeypatch, capsys):
+    """--systems is checked first: a typo must not cost the minutes of loading (and downloading) two models."""
+    import specpilot.commands
+    from specpilot.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before --systems was checked")
+
+    monkeypatch.setattr(specpilot.commands, "_load_engines", no_load)
+    assert main(["bench", "--systems", "ar,foo", "--num-prompts", "1"]) == 2
+    assert "unknown systems ['foo']; choose from ar, hf-ar, stock, specpilot" in capsys.readouterr().err

@@ -341,3 +341,29 @@ def test_models_list_command_shows_every_known_model(tmp_path, monkeypatch, caps
     for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"):
         assert name in out
     assert "not pulled" in out
+
+
+@pytest.mark.parametrize("device, message", [
+    ("foo", "unknown device 'foo': use cpu, cuda or cuda:N"),
+    ("mps", "device 'mps': SpecPilot runs on cpu or cuda"),
+])
+def test_load_model_names_a_bad_device_before_reading_weights(tiny_model_dir, device, message):
+    from specpilot.errors import ConfigError
+    from specpilot.models.loader import load_model
+
+    with pytest.raises(ConfigError, match=message):
+        load_model(tiny_model_dir(), device=device)
+
+
+def test_load_model_on_cuda_without_cuda_says_so(tiny_model_dir, monkeypatch):
+    """On a CPU-only machine `--device cuda` used to fail inside the weight reader, with an error about pinned
+    memory; it must say that CUDA is not there."""
+    import torch
+
+    from specpilot.errors import ConfigError
+    from specpilot.models.loader import load_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        load_model(tiny_model_dir(), device="cuda")
+    assert load_model(tiny_model_dir()).lm_head.weight.device.type == "cpu"

@@ -592,6 +592,42 @@ def test_cpu_runs_default_to_the_short_main_job_and_flags_win(tmp_path):
     assert s["rounds"] == 5 and s["trials"] == DEFAULTS["trials"]
 
 
+@pytest.mark.parametrize("argv, deployment, message", [
+    (["--rounds", "-1"], None, "rounds must be a whole number >= 0, got -1"),
+    (["--wall-s", "0"], None, "wall_s must be a number > 0"),
+    (["--workers", "0"], None, "workers must be a whole number >= 1"),
+    (["--num-prompts", "0"], None, "num_prompts must be a whole number >= 1"),
+    ([], "repeats: 1\n", "repeats must be a whole number >= 2, got 1"),
+    ([], "rounds: three\n", "rounds must be a whole number >= 0, got 'three'"),
+    ([], "trials: true\n", "trials must be a whole number >= 1, got True"),
+])
+def test_optimize_rejects_bad_numbers_before_loading_any_model(tmp_path, monkeypatch, capsys, argv, deployment,
+                                                                message):
+    """A bad budget in a flag or the deployment file is one clear line and exit 2, before the minutes of model
+    loading it would otherwise cost (or a run with a nonsense budget)."""
+    import specpilot.engine
+    from specpilot.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(specpilot.engine, "load_target", no_load)
+    if deployment is not None:
+        f = tmp_path / "d.yaml"
+        f.write_text(deployment)
+        argv = argv + ["--deployment", str(f)]
+    assert main(["optimize", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_optimize_default_settings_pass_the_check():
+    from specpilot.cli import build_parser
+    from specpilot.loop import _check_settings, _settings
+
+    for argv in (["optimize"], ["optimize", "--device", "cuda"]):
+        _check_settings(_settings(build_parser().parse_args(argv)))
+
+
 def test_time_engine_warms_every_prompt_shape_before_timing():
     """A first call per prompt length is slow (new prefill shapes: kernel choices, attention plans); timing starts
     only after every prompt has run once, so the repeats agree and the gate's noise is not the warm-up."""

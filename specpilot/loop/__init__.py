@@ -306,6 +306,28 @@ def _settings(args) -> dict:
     return s
 
 
+# numeric settings: (type, least value, whether the least itself is allowed), checked before any model loads
+_NUMBERS = {"rounds": (int, 0, True), "trials": (int, 1, True), "wall_s": (float, 0, False),
+            "directions": (int, 0, True), "per_direction": (int, 0, True), "repeats": (int, 2, True),
+            "workers": (int, 1, True), "num_prompts": (int, 1, True), "heldout_num_prompts": (int, 1, True),
+            "max_new_tokens": (int, 1, True), "tolerance": (float, 0, True)}
+_OPTIONAL = ("heldout_num_prompts", "max_new_tokens", "tolerance")  # None: its default applies
+
+
+def _check_settings(s: dict) -> None:
+    """A clear ConfigError for a bad number in the settings (a flag or the deployment file), before the minutes of
+    loading models that a bad value would otherwise waste before failing (or before running a nonsense budget)."""
+    for key, (kind, least, inclusive) in _NUMBERS.items():
+        v = s.get(key)
+        if v is None and key in _OPTIONAL:
+            continue
+        ok = (not isinstance(v, bool) and isinstance(v, (int, float) if kind is float else int)
+              and (v >= least if inclusive else v > least))
+        if not ok:
+            what = "a whole number" if kind is int else "a number"
+            raise ConfigError(f"optimize: {key} must be {what} {'>=' if inclusive else '>'} {least}, got {v!r}")
+
+
 def _prompts(s: dict, which: str) -> list:
     from specpilot.evaluator import datasets
 
@@ -334,6 +356,7 @@ def cmd_optimize(args) -> int:
 
     err = Console(stderr=True)
     s = _settings(args)
+    _check_settings(s)
     s["target"] = s["target"] or dep_defaults.DEFAULT_TARGET
     if s["drafter"] is None and s["drafter_kind"] == "dflash":
         raise ConfigError("--drafter-kind dflash needs --drafter (a DFlash checkpoint)")

@@ -26,6 +26,7 @@ from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.config import read_config_json
 from specpilot.models.dense import rope_inv_freq
 from specpilot.models.dflash import DFlashConfig, DFlashDrafter
+from specpilot.models.loader import check_device
 from specpilot.models.weight_storage import FORMATS, check_format, dequantize, quantize
 
 _INDEX = "model.safetensors.index.json"
@@ -59,6 +60,7 @@ def load_dflash(
     path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
 ) -> DFlashDrafter:
     """A z-lab DFlash checkpoint folder -> `DFlashDrafter` (eval mode). `dtype=None` keeps the stored dtypes."""
+    check_device(device)
     path = Path(path)
     cfg = read_dflash_config(path)
     with torch.device("meta"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specpilot.errors import ModelFormatError
+from specpilot.errors import ConfigError, ModelFormatError
 from specpilot.models.config import ModelConfig
 from specpilot.models.dense import DenseLM, rope_inv_freq
 
@@ -28,7 +28,25 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device that this machine has, or a ConfigError that says why not (rather than an error
+    from deep inside the weight reader, e.g. about pinned memory, when CUDA is asked for on a CPU-only machine)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r}: CUDA is not available (no NVIDIA GPU or a CPU-only torch build)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise ConfigError(f"device {device!r}: SpecPilot runs on cpu or cuda")
+    return dev
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DenseLM:
+    check_device(device)
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     with torch.device("meta"):
