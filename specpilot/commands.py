@@ -35,8 +35,12 @@ def cmd_models(args) -> int:
 
 
 def _load_engines(args, cfg):
+    from specpilot import deployments as dep
     from specpilot.engine import Engine, build_drafter, load_target
 
+    if cfg.drafter_kind == "dflash" and args.drafter == dep.DEFAULT_DRAFTER:  # --drafter left at its default
+        raise ConfigError(f"--drafter-kind dflash needs --drafter, a DFlash checkpoint (e.g. dflash-qwen2.5-coder-1.5b); "
+                          f"the default drafter {dep.DEFAULT_DRAFTER} is a plain model (--drafter-kind model)")
     err.print(f"loading target {args.target} ({cfg.dtype}, {cfg.device})")
     target, tok = load_target(args.target, cfg)
     drafter = None
@@ -83,6 +87,11 @@ def _scorer(args, target, cfg):
 
         return transformers_scorer(resolve_model(args.target), DTYPE[cfg.dtype], cfg.device)
     return specpilot_scorer(target)
+
+
+def _check_tolerance(args) -> None:
+    if args.tolerance is not None and not args.tolerance >= 0:  # (`not >=`: NaN too)
+        raise ConfigError(f"--tolerance is a logit margin >= 0, got {args.tolerance}")
 
 
 def _system_names(args) -> list[str]:
@@ -163,6 +172,9 @@ def cmd_bench(args) -> int:
         raise ConfigError("--time-budget must be > 0 seconds")
     if args.skip_prompts < 0:
         raise ConfigError("--skip-prompts must be >= 0")
+    if args.baseline_prompts < 0:
+        raise ConfigError("--baseline-prompts must be >= 0 (0: all)")
+    _check_tolerance(args)
     _system_names(args)
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     # --skip-prompts N: the selection --num-prompts N + M would make, less its first N (the rest of a cut run,
@@ -263,6 +275,7 @@ def cmd_force(args) -> int:
     from specpilot.evaluator.forcing import DEFAULT_TOLERANCE, force, merge
     from specpilot.engine import load_target
 
+    _check_tolerance(args)
     records = []
     try:
         for n, line in enumerate(Path(args.input).read_text().splitlines(), 1):

@@ -238,14 +238,21 @@ def test_bench_stops_at_its_deadline_and_checkpoints_every_prompt():
     assert rep["systems"]["ar"]["prompts"] == 1 and calls == [7, 7, 3, 3]
 
 
-def test_bench_rejects_an_unknown_system_before_loading_any_model(monkeypatch, capsys):
-    """--systems is checked first: a typo must not cost the minutes of loading (and downloading) two models."""
-    import specpilot.commands
+@pytest.mark.parametrize("argv, message", [
+    (["--systems", "ar,foo"], "unknown systems ['foo']; choose from ar, hf-ar, stock, specpilot"),
+    (["--tolerance", "-1"], "--tolerance is a logit margin >= 0, got -1.0"),
+    (["--tolerance", "nan"], "--tolerance is a logit margin >= 0, got nan"),
+    (["--baseline-prompts", "-2"], "--baseline-prompts must be >= 0"),
+    (["--drafter-kind", "dflash"], "--drafter-kind dflash needs --drafter, a DFlash checkpoint"),
+])
+def test_bench_rejects_bad_options_before_loading_any_model(monkeypatch, capsys, argv, message):
+    """These are checked first: a typo must not cost the minutes of loading (and downloading) two models."""
+    import specpilot.engine
     from specpilot.cli import main
 
     def no_load(*a, **k):
-        raise AssertionError("a model was loaded before --systems was checked")
+        raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(specpilot.commands, "_load_engines", no_load)
-    assert main(["bench", "--systems", "ar,foo", "--num-prompts", "1"]) == 2
-    assert "unknown systems ['foo']; choose from ar, hf-ar, stock, specpilot" in capsys.readouterr().err
+    monkeypatch.setattr(specpilot.engine, "load_target", no_load)
+    assert main(["bench", *argv, "--num-prompts", "1"]) == 2
+    assert message in capsys.readouterr().err
