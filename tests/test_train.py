@@ -611,6 +611,28 @@ def test_cli_train_drafter_end_to_end(train_cli, tmp_path, capsys):
     assert r2["steps"] == 3
 
 
+@pytest.mark.parametrize("flag, value, message", [("--lr", "0", "lr must be > 0"),
+                                                   ("--batch-size", "0", "batch_size must be > 0"),
+                                                   ("--kd-weight", "2", "kd_weight must be in")])
+def test_cli_train_drafter_checks_the_trainer_settings_before_loading(train_cli, tmp_path, monkeypatch, flag, value,
+                                                                      message):
+    """A bad trainer setting fails before the target loads and its responses regenerate (minutes on a real model),
+    and leaves no run folder behind."""
+    import specpilot.models
+
+    model, prompts, parser = train_cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the trainer's settings were checked")
+
+    monkeypatch.setattr(specpilot.models, "load_model", no_load)
+    out = tmp_path / "bad"
+    with pytest.raises(ConfigError, match=message):
+        cmd_train_drafter(parser.parse_args(["train-drafter", "--target", str(model), "--out", str(out), "--prompts",
+                                             str(prompts), flag, value]))
+    assert not out.exists()
+
+
 def test_cli_regen_shards_split_the_work(train_cli, tmp_path, capsys):
     """Two --regen-shard processes (here one after the other) fill one cache; the training run uses all of it."""
     model, prompts, parser = train_cli

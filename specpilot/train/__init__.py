@@ -244,6 +244,13 @@ def _train(args, dist, err, t_start) -> int:
     for name in ("num_prompts", "regen_max_new_tokens", "regen_batch_size", "max_seq_len", "steps"):
         if getattr(s, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+    # the trainer's settings are checked here (TrainConfig's own checks), before the minutes of loading and
+    # regeneration that a bad --lr or --batch-size would otherwise cost before failing
+    cfg = dt.TrainConfig(steps=s.steps, batch_size=s.batch_size, anchors_per_seq=s.anchors_per_seq, lr=s.lr,
+                         warmup_steps=s.warmup_steps, loss_gamma=s.loss_gamma, max_seq_len=s.max_seq_len, seed=s.seed,
+                         length_buckets=getattr(s, "length_buckets", 0),  # runs saved without it: random batches
+                         kd_weight=getattr(s, "kd_weight", 0.0), warm_lr_scale=getattr(s, "warm_lr_scale", 1.0),
+                         carried_layers=_carried_layers(getattr(s, "init_from", None)))
     out.mkdir(parents=True, exist_ok=True)
     if dist.main:
         (out / CONFIG_FILE).write_text(json.dumps(vars(s), indent=2) + "\n")
@@ -306,11 +313,6 @@ def _train(args, dist, err, t_start) -> int:
     err.print(f"sequences: {len(train_seqs)} train ({sum(len(q.response_ids) for q in train_seqs)} response tokens), "
               f"{len(val_seqs)} validation")
 
-    cfg = dt.TrainConfig(steps=s.steps, batch_size=s.batch_size, anchors_per_seq=s.anchors_per_seq, lr=s.lr,
-                         warmup_steps=s.warmup_steps, loss_gamma=s.loss_gamma, max_seq_len=s.max_seq_len, seed=s.seed,
-                         length_buckets=getattr(s, "length_buckets", 0),  # runs saved without it: random batches
-                         kd_weight=getattr(s, "kd_weight", 0.0), warm_lr_scale=getattr(s, "warm_lr_scale", 1.0),
-                         carried_layers=_carried_layers(getattr(s, "init_from", None)))
     ckpt = dt.checkpoint_dir(out)
     best_tau = None
     if ckpt is not None:
