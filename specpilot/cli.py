@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 
-from specpilot.config import EngineConfig, SamplingConfig
+from specpilot.config import EngineConfig, SamplingConfig, load_config_file
 from specpilot.errors import SpecPilotError
 
 
@@ -37,15 +37,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, **overrides) -> EngineConfig:
-    base = {}
-    if getattr(args, "config", None):
-        import yaml
-
-        try:
-            with open(args.config) as fh:
-                base = yaml.safe_load(fh) or {}
-        except OSError as e:
-            raise SpecPilotError(f"cannot read config file: {e}") from None
+    base = load_config_file(args.config) if getattr(args, "config", None) else {}
     base.update(overrides)
     cfg = EngineConfig.from_dict(base)
     changes = {}

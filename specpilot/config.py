@@ -15,6 +15,52 @@ DRAFTERS = ("none", "model", "ngram", "dflash")
 VERIFIERS = ("chain",)
 
 
+_TYPES = {"bool": ((bool,), "true or false"), "int": ((int,), "a whole number"), "float": ((int, float), "a number"),
+          "str": ((str,), "a string")}
+
+
+def _check_types(obj) -> None:
+    """Every plain field holds a value of its declared type (a config file's `num_draft_tokens: "8"` or `pdl: 1` is
+    a clear ConfigError, not a TypeError from a comparison further on, nor a silently truthy switch)."""
+    for f in fields(obj):
+        if f.type not in _TYPES:
+            continue
+        kinds, what = _TYPES[f.type]
+        v = getattr(obj, f.name)
+        if not isinstance(v, kinds) or (isinstance(v, bool) and f.type != "bool"):
+            raise ConfigError(f"{f.name} must be {what}, got {v!r}")
+
+
+def _validate(obj, check_values) -> None:
+    """The field's own checks first (their messages say what values are allowed), then the types; a check that trips
+    over a value of the wrong type (a TypeError from a comparison) gives way to the type's message."""
+    try:
+        check_values()
+    except TypeError:
+        _check_types(obj)
+        raise
+    _check_types(obj)
+
+
+def load_config_file(path, what: str = "config file") -> dict:
+    """A YAML / JSON file holding one mapping -> that dict ({} for an empty file); ConfigError for a missing or
+    unreadable file, bad YAML, or anything but a mapping at the top."""
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML/JSON: {' '.join(x.strip() for x in str(e).splitlines())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping of field: value, got a {type(data).__name__}")
+    return data
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples
@@ -23,6 +69,9 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
+        _validate(self, self._check_values)
+
+    def _check_values(self):
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -300,6 +349,14 @@ class EngineConfig:
         return self.pdl and self.pdl_trigger == "late"
 
     def __post_init__(self):
+        _validate(self, self._check_values)
+
+    def _check_values(self):
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ConfigError(f"sampling must be a mapping of {[f.name for f in fields(SamplingConfig)]}, "
+                              f"got {self.sampling!r}")
+        if not (isinstance(self.stop_strings, tuple) and all(isinstance(x, str) for x in self.stop_strings)):
+            raise ConfigError(f"stop_strings must be a list of strings, got {self.stop_strings!r}")
         if self.drafter_kind not in DRAFTERS:
             raise ConfigError(f"drafter_kind must be one of {DRAFTERS}, got {self.drafter_kind!r}")
         if self.verify not in VERIFIERS:
@@ -438,7 +495,12 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown config fields: {sorted(unknown)}")
         if isinstance(d.get("sampling"), dict):
+            bad = set(d["sampling"]) - {f.name for f in fields(SamplingConfig)}
+            if bad:
+                raise ConfigError(f"unknown sampling fields: {sorted(bad)}")
             d["sampling"] = SamplingConfig(**d["sampling"])
-        if "stop_strings" in d:
+        if isinstance(d.get("stop_strings"), str):  # one stop string, not its characters
+            d["stop_strings"] = (d["stop_strings"],)
+        elif isinstance(d.get("stop_strings"), list):
             d["stop_strings"] = tuple(d["stop_strings"])
         return cls(**d)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from specpilot.config import EngineConfig
+from specpilot.config import EngineConfig, load_config_file
 from specpilot.errors import ConfigError
 from specpilot.loop.explore import GpuLease, Measurement, time_engine
 from specpilot.loop.memory import Memory
@@ -289,12 +289,7 @@ def _settings(args) -> dict:
     s = dict(DEFAULTS)
     given: dict = {}
     if getattr(args, "deployment", None):
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(Path(args.deployment).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read deployment file: {e}") from None
+        loaded = load_config_file(args.deployment, "deployment file")
         unknown = set(loaded) - set(DEFAULTS)
         if unknown:
             raise ConfigError(f"unknown deployment keys: {sorted(unknown)}")
@@ -362,11 +357,7 @@ def cmd_optimize(args) -> int:
         raise ConfigError("--drafter-kind dflash needs --drafter (a DFlash checkpoint)")
     if s["drafter"] is None and s["drafter_kind"] == "model":
         s["drafter"] = dep_defaults.DEFAULT_DRAFTER
-    base = {}
-    if s["config"]:
-        import yaml
-
-        base = yaml.safe_load(Path(s["config"]).read_text()) or {}
+    base = load_config_file(s["config"]) if s["config"] else {}
     base.update(drafter_kind=s["drafter_kind"], device=s["device"], dtype=s["dtype"],
                 max_new_tokens=s["max_new_tokens"] or base.get("max_new_tokens")
                 or (dep_defaults.DEFAULT_CPU_MAX_NEW_TOKENS if s["device"] == "cpu" else 256))
