@@ -284,6 +284,10 @@ def cmd_force(args) -> int:
                 records.append((r["prompt_ids"], r["output_ids"]))
     except FileNotFoundError:
         raise DatasetError(f"no such file: {args.input}") from None
+    except IsADirectoryError:
+        raise DatasetError(f"{args.input} is a folder: pass a JSONL file of prompt_ids / output_ids") from None
+    except UnicodeDecodeError:
+        raise DatasetError(f"{args.input} is not UTF-8 text (JSONL expected)") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DatasetError(f"{args.input} line {n}: need a JSON object with prompt_ids and output_ids ({e})") from None
     cfg = EngineConfig(drafter_kind="none")

@@ -114,6 +114,11 @@ def test_merge_refuses_what_is_not_one_measurement(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(DatasetError, match="not a `specpilot bench` result"):
         merge_runs([a, tmp_path / "bad.json"])
+    with pytest.raises(DatasetError, match="is a folder; pass the results file"):  # was an IsADirectoryError
+        merge_runs([a, tmp_path])
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(DatasetError, match="is not JSON"):  # was a UnicodeDecodeError
+        merge_runs([a, tmp_path / "binary.json"])
 
 
 @pytest.mark.parametrize("extra, same", [({"norm_epilogue": False}, True), ({"norm_epilogue": True}, False),

@@ -166,6 +166,19 @@ def test_missing_benchmark_file_names_the_path(tmp_path):
 
 # --- custom prompt files -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["p.jsonl", "p.json"])
+def test_prompt_file_that_is_a_folder_or_binary_says_so(tmp_path, name):
+    """Were "does not exist" for a folder and a UnicodeDecodeError traceback for a binary file."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    with pytest.raises(DatasetError, match="is a folder: pass a JSON or JSONL file"):
+        load_prompt_file(folder, "prompt")
+    binary = tmp_path / name
+    binary.write_bytes(b"\xff\xfe\xfd not text")
+    with pytest.raises(DatasetError, match="is not UTF-8 text"):
+        load_prompt_file(binary, "prompt")
+
+
 def _write(path: Path, records, jsonl: bool) -> Path:
     text = "\n".join(json.dumps(r) for r in records) + "\n" if jsonl else json.dumps(records)
     path.write_text(text, encoding="utf-8")

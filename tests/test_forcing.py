@@ -256,3 +256,12 @@ def test_bench_rejects_bad_options_before_loading_any_model(monkeypatch, capsys,
     monkeypatch.setattr(specpilot.engine, "load_target", no_load)
     assert main(["bench", *argv, "--num-prompts", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_force_input_that_is_a_folder_or_binary_says_so(tmp_path, capsys):
+    from specpilot.cli import main
+
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\xfd")
+    for path, message in ((tmp_path, "is a folder: pass a JSONL file"), (tmp_path / "bin.jsonl", "is not UTF-8")):
+        assert main(["force", "--input", str(path)]) == 2
+        assert message in capsys.readouterr().err

@@ -31,7 +31,12 @@ def _load(path: str | Path) -> dict:
         payload = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise DatasetError(f"bench-merge: no such file {path}") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise DatasetError(f"bench-merge: {path} is a folder; pass the results file `specpilot bench --out` "
+                           "wrote") from None
+    except OSError as e:
+        raise DatasetError(f"bench-merge: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not JSON, or not text at all (UnicodeDecodeError)
         raise DatasetError(f"bench-merge: {path} is not JSON ({e})") from None
     if not isinstance(payload, dict) or not {"summary", "prompts"} <= payload.keys():
         raise DatasetError(f"bench-merge: {path} is not a `specpilot bench` result (no summary/prompts)")

@@ -86,13 +86,27 @@ def _check_num(num_prompts: int | None) -> None:
         raise DatasetError(f"num_prompts must be a positive integer, got {num_prompts!r}")
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed value) for each non-blank line of a JSONL file."""
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise DatasetError(f"prompt file {path} is a folder: pass a JSON or JSONL file")
     if not path.is_file():
         raise DatasetError(f"prompt file {path} does not exist")
+
+
+def _not_text(path: Path) -> DatasetError:
+    return DatasetError(f"prompt file {path} is not UTF-8 text (JSON or JSONL expected)")
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file."""
+    _check_file(path)
     rows = []
     with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+        try:
+            lines = list(fh)
+        except UnicodeDecodeError:
+            raise _not_text(path) from None
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -104,9 +118,11 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
 
 def _read_records(path: Path) -> list[tuple[str, Any]]:
     """(where, record) pairs from a JSON list or a JSONL file; ``where`` names the record."""
-    if not path.is_file():
-        raise DatasetError(f"prompt file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    _check_file(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise _not_text(path) from None
     if path.suffix.lower() == ".json" or text.lstrip().startswith("["):
         try:
             data = json.loads(text)
