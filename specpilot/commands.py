@@ -39,8 +39,9 @@ def _load_engines(args, cfg):
     from specpilot.engine import Engine, build_drafter, load_target
 
     if cfg.drafter_kind == "dflash" and args.drafter == dep.DEFAULT_DRAFTER:  # --drafter left at its default
-        raise ConfigError(f"--drafter-kind dflash needs --drafter, a DFlash checkpoint (e.g. dflash-qwen2.5-coder-1.5b); "
-                          f"the default drafter {dep.DEFAULT_DRAFTER} is a plain model (--drafter-kind model)")
+        raise ConfigError("--drafter-kind dflash needs --drafter, a DFlash checkpoint (e.g. "
+                          f"dflash-qwen2.5-coder-1.5b); the default drafter {dep.DEFAULT_DRAFTER} is a plain model "
+                          "(--drafter-kind model)")
     err.print(f"loading target {args.target} ({cfg.dtype}, {cfg.device})")
     target, tok = load_target(args.target, cfg)
     drafter = None

@@ -53,7 +53,8 @@ def load_config_file(path, what: str = "config file") -> dict:
     except OSError as e:
         raise ConfigError(f"cannot read {what}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML/JSON: {' '.join(x.strip() for x in str(e).splitlines())}") from None
+        where = " ".join(x.strip() for x in str(e).splitlines())
+        raise ConfigError(f"{what} {path} is not valid YAML/JSON: {where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
