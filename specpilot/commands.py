@@ -106,13 +106,12 @@ def _system_names(args) -> list[str]:
     return names
 
 
-def _systems(args, cfg, target, tok, spec, ar):
-    """name -> generate(prompt_ids) for each system asked for."""
+def _systems(names, args, cfg, target, tok, spec, ar):
+    """name -> generate(prompt_ids) for each system asked for (`names`: _system_names)."""
     from specpilot.engine import DTYPE
     from specpilot.evaluator.stock import HFSystem, stock_system
     from specpilot.hub import resolve_model
 
-    names = _system_names(args)
     names = ["ar"] + [n for n in names if n not in ("ar", "specpilot")] + ["specpilot"]  # both always run
     systems = {"ar": ar.generate, "specpilot": spec.generate}
     hf = dict(dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
@@ -176,7 +175,7 @@ def cmd_bench(args) -> int:
     if args.baseline_prompts < 0:
         raise ConfigError("--baseline-prompts must be >= 0 (0: all)")
     _check_tolerance(args)
-    _system_names(args)
+    system_names = _system_names(args)
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     # --skip-prompts N: the selection --num-prompts N + M would make, less its first N (the rest of a cut run,
     # pooled with it by `specpilot bench-merge`)
@@ -194,7 +193,7 @@ def cmd_bench(args) -> int:
             raise DatasetError(f"{name}: --skip-prompts {args.skip_prompts} leaves no prompts")
     t0 = time.time()
     target, tok, spec, ar = _load_engines(args, cfg)
-    systems = _systems(args, cfg, target, tok, spec, ar)
+    systems = _systems(system_names, args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
     # the run's fixed cost, where it goes (each benchmark's warm-ups: its report's warmup_s)
     setup_s = {"load": round(time.time() - t0, 2)}

@@ -171,10 +171,9 @@ def _apply_pdl(config: EngineConfig) -> None:
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
     """EngineConfig.gemv_prefetch, gemv_pipeline, early_epilogue and tile_after_wait -> the one-row GEMV's
-    (qkv_pipeline -> kernels/qkv_rope.py PIPE)
     process-wide switches (kernels/gemv_fused.py ONE_ROW_PREFETCH, ONE_ROW_PIPE, EARLY_EPILOGUE,
-    FIRST_TILE_AFTER_WAIT; the last two also kernels/qkv_rope.py's), set whenever a model is laid out, as
-    _apply_pdl."""
+    FIRST_TILE_AFTER_WAIT; the last two also kernels/qkv_rope.py's), and qkv_pipeline -> kernels/qkv_rope.py's PIPE,
+    set whenever a model is laid out, as _apply_pdl."""
     from specpilot.kernels import gemv_fused, qkv_rope
 
     what = "the one-row GEMVs it changes are the fused one-token path's"
@@ -196,9 +195,10 @@ def _apply_gemv_prefetch(config: EngineConfig) -> None:
 def _apply_program_splits(config: EngineConfig) -> None:
     """EngineConfig.rope_q_heads -> kernels/rope_write.py's process-wide Q_HEADS_PER_PROGRAM, attn_split_keys and
     attn_block_keys -> kernels/decode_attention.py's ONE_LAUNCH_SPLIT, attn_merge_chunk -> its MERGE_CHUNK,
-    attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its ONE_LAUNCH_STAGES, attn_single_direct -> its
-    SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> its VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set
-    whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
+    attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its
+    ONE_LAUNCH_STAGES, attn_single_direct -> its SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push
+    -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> decode_attention's
+    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
 
