@@ -75,7 +75,9 @@ def merge(table: dict, entries: list[dict]) -> dict:
     return {**table, "entries": [keyed[k] for k in sorted(keyed)]}
 
 
-def tune(shape: str, pdl_on: bool, copies_asked: int | None) -> list[dict]:
+def tune(shape: str, pdl_on: bool, copies_asked: int | None, done=lambda entry: None) -> list[dict]:
+    """Every layer GEMV of `shape` timed tile by tile -> the winners' entries; `done(entry)` is called as each GEMV's
+    winner is known (main writes the table then, so a run cut short by a device call's limit keeps what it timed)."""
     import torch
 
     from gemv_occupancy import layer_gemvs
@@ -132,6 +134,7 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None) -> list[dict]:
         entries.append({"kernel": "_gemv_fused_kernel", "key": key, "runs": 1, "source": "in-graph",
                         "config": {"kwargs": json.loads(kwj), "num_warps": warps, "num_stages": stages},
                         "us": round(us, 2), "floor_us_at_4.24TBps": round(floor_us, 2), "gemv": f"{shape} {name}"})
+        done(entries[-1])
         print(f"{shape} {name} best {kwj} w{warps} s{stages}: {us:.2f} us (bytes at 4.24 TB/s: {floor_us:.2f})",
               flush=True)
     tuned.forget()
@@ -163,9 +166,15 @@ def main(argv: list[str]) -> int:
     if table.get("gpu") != gpu:
         print(f"gpu_tune_in_graph: {path} is a table for {table.get('gpu')!r}, this GPU is {gpu!r}", file=sys.stderr)
         return 2
-    entries = [e for shape in shapes for e in tune(shape, opts["pdl"], opts["copies"])]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merge(table, entries), indent=1) + "\n")
+    entries: list[dict] = []
+
+    def write(entry: dict) -> None:  # after each GEMV: the table as far as it is timed
+        entries.append(entry)
+        path.write_text(json.dumps(merge(table, entries), indent=1) + "\n")
+
+    for shape in shapes:
+        tune(shape, opts["pdl"], opts["copies"], write)
     print(json.dumps({"table": str(path), "entries": entries}))
     return 0
 
