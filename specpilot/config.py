@@ -276,11 +276,14 @@ class EngineConfig:
     # qkv and the LM head otherwise make their first DRAM request only after it; kernels/gemv_fused.py
     # FIRST_TILE_AFTER_WAIT; gemv_prefetch's tile comes before the wait). A process-wide switch, as pdl. Same
     # numbers. Off until the H200 times it (session 36 had no device)
-    tuned_tiles: bool = False  # CUDA: the fused GEMVs and qkv + RoPE take their tiles from the table shipped for
-    # this GPU model (kernels/tuned/<gpu>.json, made by scripts/tuned_table.py from several tuning runs) instead of
-    # timing every config at each new shape (100-140 s a layer shape on the H200; and one run on a drifting machine
-    # can pick a slow tile: kernels/tuned.py). Shapes the table lacks are tuned as before. Off until the H200 times
-    # it against per-machine tuning (session 35); the loop searches it
+    tuned_tiles: bool = True  # CUDA: the fused GEMVs and qkv + RoPE take their tiles from the table shipped for
+    # this GPU model (kernels/tuned/<gpu>.json: scripts/tuned_table.py over several tuning runs, or
+    # scripts/gpu_tune_in_graph.py) instead of timing every config at each new shape (100-140 s a layer shape on the
+    # H200; ~46 s at 1.5B on an H100; and one run on a drifting machine can pick a slow tile: kernels/tuned.py).
+    # Shapes the table lacks, and GPUs with no table, are tuned as before. On since session 44: on an H100 the
+    # in-graph table's step was as fast as the machine's own tuning at 1.5B (+0.0% / -0.3% at 512 / 2048 tokens)
+    # and 0.6% faster at Qwen3-8B. The H200 table (sessions 34-35) is not yet timed against per-machine tuning;
+    # the loop searches it
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the

@@ -166,21 +166,23 @@ def test_tuned_tiles_field_engine_switch_cli_and_loop(monkeypatch):
     from specpilot.loop.registry import REGISTRY, Deployment
 
     monkeypatch.setattr(tuned, "PINNED", False)
-    assert EngineConfig().tuned_tiles is False  # off until the H200 times it against per-machine tuning
+    assert EngineConfig().tuned_tiles is True  # on since session 44 (the H100 table timed against tuning)
     with pytest.raises(ConfigError, match="tuned_tiles must be true or false"):
         EngineConfig(tuned_tiles="false")
     _apply_program_splits(EngineConfig(tuned_tiles=True))  # CPU: nothing to pin
     assert tuned.PINNED is False
     _apply_program_splits(EngineConfig(device="cuda", tuned_tiles=True))
     assert tuned.PINNED is True
-    _apply_program_splits(EngineConfig(device="cuda"))
+    _apply_program_splits(EngineConfig(device="cuda", tuned_tiles=False))
     assert tuned.PINNED is False
+    _apply_program_splits(EngineConfig(device="cuda"))
+    assert tuned.PINNED is True
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args(["--tuned-tiles"])).tuned_tiles
+    assert not engine_config(parser.parse_args(["--no-tuned-tiles"])).tuned_tiles
     assert "tuned_tiles" in EngineMeasure.LAYOUT
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
-    assert REGISTRY["tuned_tiles"].candidates(gpu.config, gpu) == [{"tuned_tiles": True}]
+    assert REGISTRY["tuned_tiles"].candidates(gpu.config, gpu) == [{"tuned_tiles": False}]
 
 
 def test_a_switch_flip_drops_the_processes_picks(monkeypatch):
@@ -228,3 +230,37 @@ def test_an_override_wins_over_the_table_and_the_switch(monkeypatch):
     assert gf._prune(gf._CONFIGS, named, **kwargs) == [other]
     monkeypatch.setattr(tuned, "OVERRIDES", {key: ({"BLOCK_N": 3}, 4, 1)})
     assert gf._prune(gf._CONFIGS, named, **kwargs) == gf._CONFIGS
+
+
+def test_autotuning_is_kept_on_disk_where_triton_can(monkeypatch):
+    """tuned.autotune asks Triton to keep its timings on disk (cache_results) where this Triton's autotune takes
+    that argument, never where it does not (an older Triton would raise TypeError at import), and not with
+    SPECPILOT_AUTOTUNE_CACHE=0; the prune hook and key reach Triton, and the tuner is registered (a switch flip
+    drops its picks)."""
+    import triton
+
+    def new_autotune(configs, key, prune_configs_by=None, reset_to_zero=None, cache_results=False):
+        return lambda fn: SimpleNamespace(fn=fn, configs=configs, key=key, prune=prune_configs_by,
+                                          cache_results=cache_results, cache={})
+
+    def old_autotune(configs, key, prune_configs_by=None, reset_to_zero=None):
+        return lambda fn: SimpleNamespace(fn=fn, configs=configs, key=key, prune=prune_configs_by, cache={})
+
+    monkeypatch.delenv("SPECPILOT_AUTOTUNE_CACHE", raising=False)
+    assert tuned.disk_cache_kwargs(new_autotune) == {"cache_results": True}
+    assert tuned.disk_cache_kwargs(old_autotune) == {}
+    monkeypatch.setenv("SPECPILOT_AUTOTUNE_CACHE", "0")
+    assert tuned.disk_cache_kwargs(new_autotune) == {}
+    monkeypatch.delenv("SPECPILOT_AUTOTUNE_CACHE")
+
+    hook = lambda configs, named_args, **kw: configs  # noqa: E731
+    for fake, cached in ((new_autotune, True), (old_autotune, None)):
+        monkeypatch.setattr(triton, "autotune", fake)
+        before = len(tuned._AUTOTUNERS)
+        t = tuned.autotune("kernel", ["c1", "c2"], ["N", "K"], hook)
+        assert (t.fn, t.configs, t.key, t.prune) == ("kernel", ["c1", "c2"], ["N", "K"], {"early_config_prune": hook})
+        assert getattr(t, "cache_results", None) is cached
+        assert tuned._AUTOTUNERS[-1] is t and len(tuned._AUTOTUNERS) == before + 1
+        tuned._AUTOTUNERS.pop()
+        assert tuned.autotune("k", [], ["N"]).prune is None  # no hook: none passed
+        tuned._AUTOTUNERS.pop()

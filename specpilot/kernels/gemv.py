@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from specpilot.kernels import tuned  # autotuning kept on disk
+
 try:
     import triton
     import triton.language as tl
@@ -152,9 +154,9 @@ if triton is not None:
     if _INTERPRET:  # CPU tests: one fixed configuration each (small, so masks on N and K get exercised)
         _m1, _dot, _splitk = _gemv_m1_kernel, _gemv_dot_kernel, _gemv_splitk_kernel
     else:
-        _m1 = triton.autotune(configs=_M1_CONFIGS, key=["N", "K"])(_gemv_m1_kernel)
-        _dot = triton.autotune(configs=_DOT_CONFIGS, key=["N", "K"])(_gemv_dot_kernel)
-        _splitk = triton.autotune(configs=_SPLITK_CONFIGS, key=["N", "K", "SPLIT_K"])(_gemv_splitk_kernel)
+        _m1 = tuned.autotune(_gemv_m1_kernel, _M1_CONFIGS, ["N", "K"])
+        _dot = tuned.autotune(_gemv_dot_kernel, _DOT_CONFIGS, ["N", "K"])
+        _splitk = tuned.autotune(_gemv_splitk_kernel, _SPLITK_CONFIGS, ["N", "K", "SPLIT_K"])
 
 
 _H200_SMS = 132

@@ -25,6 +25,7 @@ import os
 import torch
 
 from specpilot.formats.lossless12 import Packed12, unpack
+from specpilot.kernels import tuned  # autotuning kept on disk
 from specpilot.kernels.gemv_fused import _check, gemv_fused_reference
 from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
 
@@ -228,8 +229,8 @@ if triton is not None:
     if _INTERPRET:
         _kernel = _gemv12_kernel
     else:
-        _kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
-                                                         "NORM_OUT"])(_gemv12_kernel)
+        _kernel = tuned.autotune(_gemv12_kernel, _CONFIGS, ["N", "K", "HAS_BIAS", "HAS_NORM", "HAS_RES", "SILU_MUL",
+                                                            "NORM_OUT"])
 
 
 def gemv12(x: torch.Tensor, packed: Packed12, bias: torch.Tensor | None = None, *,

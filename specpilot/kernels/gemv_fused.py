@@ -684,10 +684,8 @@ if triton is not None:
         _kernel = _gemv_fused_kernel
         _gemm_kernel = _gemm_fused_kernel
     else:
-        _kernel = tuned.register(triton.autotune(configs=_CONFIGS, key=_KEY,
-                                                 prune_configs_by={"early_config_prune": _prune})(_gemv_fused_kernel))
-        _gemm_kernel = tuned.register(triton.autotune(configs=_GEMM_CONFIGS, key=_GEMM_KEY, prune_configs_by={
-            "early_config_prune": _gemm_prune})(_gemm_fused_kernel))
+        _kernel = tuned.autotune(_gemv_fused_kernel, _CONFIGS, _KEY, _prune)
+        _gemm_kernel = tuned.autotune(_gemm_fused_kernel, _GEMM_CONFIGS, _GEMM_KEY, _gemm_prune)
 
 
 def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:

@@ -259,8 +259,7 @@ if triton is not None:
         configs = [c for c in configs if half % c.kwargs["BLOCK_P"] == 0] or configs[:1]
         return tuned.narrow("_qkv_rope_kernel", configs, named_args, kwargs, _KEY)
 
-    _kernel = _qkv_rope_kernel if _INTERPRET else tuned.register(triton.autotune(
-        configs=_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(_qkv_rope_kernel))
+    _kernel = _qkv_rope_kernel if _INTERPRET else tuned.autotune(_qkv_rope_kernel, _CONFIGS, _KEY, _prune)
 
 
 def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,

@@ -24,7 +24,9 @@ kernel's autotuning key (`triton.autotune(key=...)`), with x's dtype for the dty
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import os
 import re
 from pathlib import Path
 
@@ -40,6 +42,40 @@ def register(autotuner):
     """Note a pinned kernel's Triton autotuner (its module does, where it builds one) -> the autotuner."""
     _AUTOTUNERS.append(autotuner)
     return autotuner
+
+
+def disk_cache_kwargs(autotune=None) -> dict:
+    """`cache_results=True` for `triton.autotune` where that Triton takes it (3.2 and later) and
+    SPECPILOT_AUTOTUNE_CACHE is not "0"; else {}.
+
+    Why: Triton's autotuner keeps its picks in the process only, so every process that runs the engine re-timed
+    every config of every fused kernel at each new shape: ~46 s at the 1.5B shape on an H100 (session 44: a step
+    timing's setup 69.7 s tuned, 23.9 s from a table), ~100-140 s a shape on the H200 (session 35), each time
+    `specpilot bench` starts. With it the timings go to Triton's cache dir (TRITON_CACHE_DIR, ~/.triton/cache),
+    keyed by Triton's version, the GPU target, the kernel's source, its config list and the launch's key, so a
+    later process on the machine takes the pick at once and a changed kernel is tuned again. A pick made on a
+    noisy machine is kept too: SPECPILOT_AUTOTUNE_CACHE=0 (or an emptied cache dir) tunes afresh."""
+    if os.environ.get("SPECPILOT_AUTOTUNE_CACHE", "1") == "0":
+        return {}
+    if autotune is None:
+        import triton
+
+        autotune = triton.autotune
+    try:
+        takes = "cache_results" in inspect.signature(autotune).parameters
+    except (TypeError, ValueError):  # no signature to read: leave Triton's default
+        takes = False
+    return {"cache_results": True} if takes else {}
+
+
+def autotune(kernel, configs: list, key: list, prune=None):
+    """`kernel` under Triton's autotuner with `configs` and `key`, `prune` as its early_config_prune hook (where the
+    kernel's pinned picks narrow the list: `narrow`), its timings kept on disk (`disk_cache_kwargs`), registered
+    here (`register`) -> the autotuned kernel."""
+    import triton
+
+    extra = {"prune_configs_by": {"early_config_prune": prune}} if prune is not None else {}
+    return register(triton.autotune(configs=configs, key=key, **extra, **disk_cache_kwargs())(kernel))
 
 
 def forget() -> None:
@@ -119,5 +155,5 @@ def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names
     return same[:1] or configs
 
 
-__all__ = ["OVERRIDES", "PINNED", "TABLES", "forget", "launch_key", "load", "narrow", "register", "set_pinned",
-           "table_name"]
+__all__ = ["OVERRIDES", "PINNED", "TABLES", "autotune", "disk_cache_kwargs", "forget", "launch_key", "load",
+           "narrow", "register", "set_pinned", "table_name"]
