@@ -7,6 +7,7 @@ Defaults are stated once, in these dataclasses; nothing mutates a config at run 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 from specpilot.errors import ConfigError
 
@@ -284,6 +285,9 @@ class EngineConfig:
     # in-graph table's step was as fast as the machine's own tuning at 1.5B (+0.0% / -0.3% at 512 / 2048 tokens)
     # and 0.6% faster at Qwen3-8B. The H200 table (sessions 34-35) is not yet timed against per-machine tuning;
     # the loop searches it
+    tuned_table: str = ""  # CUDA, with tuned_tiles: a tile table file (kernels/tuned.py's format; e.g. one
+    # scripts/gpu_tune_in_graph.py wrote for your GPU) taken instead of the one shipped for this GPU model. Why: a GPU
+    # with no shipped table gets pinned tiles too, and one process can time two tables against each other
     norm_epilogue: bool = False  # CUDA, with fused_decode / fused_verify: the fused layer's residual GEMVs (o_proj,
     # down_proj) also write the RMSNorm of their output that the next GEMV reads (post-attention; the next layer's
     # input norm, after the last layer the final norm): the last program of the launch to finish normalizes the
@@ -444,6 +448,9 @@ class EngineConfig:
             raise ConfigError(f"gemv_prefetch must be true or false, got {self.gemv_prefetch!r}")
         if not isinstance(self.tuned_tiles, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"tuned_tiles must be true or false, got {self.tuned_tiles!r}")
+        if isinstance(self.tuned_table, str) and self.tuned_table and not Path(self.tuned_table).is_file():
+            raise ConfigError(f"tuned_table: no file {self.tuned_table!r} (a table as kernels/tuned/*.json, or \"\" "
+                              f"for the one shipped for the GPU)")
         if not isinstance(self.qkv_pipeline, bool):
             raise ConfigError(f"qkv_pipeline must be true or false, got {self.qkv_pipeline!r}")
         if not isinstance(self.gemv_pipeline, bool):  # as pdl: "false" from a file must not turn it on

@@ -114,7 +114,7 @@ def test_a_table_for_another_gpu_in_the_file_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(tuned, "TABLES", tmp_path)
     tuned.load.cache_clear()
     try:
-        with pytest.raises(ValueError, match="a table for 'NVIDIA H200'"):
+        with pytest.raises(ValueError, match="not a tile table for 'NVIDIA H200'.*has 'gpu': 'NVIDIA H100'"):
             tuned.load(H200)
     finally:
         tuned.load.cache_clear()
@@ -264,3 +264,69 @@ def test_autotuning_is_kept_on_disk_where_triton_can(monkeypatch):
         tuned._AUTOTUNERS.pop()
         assert tuned.autotune("k", [], ["N"]).prune is None  # no hook: none passed
         tuned._AUTOTUNERS.pop()
+
+
+def _own_table(tmp_path, gpu, config):
+    """A one-entry table file for `gpu` pinning the 1.5B gate/up launch to `config` (a gf._CONFIGS member)."""
+    entry = {"kernel": "_gemv_fused_kernel", "key": {**GATE_UP_15B, "dtype": "bfloat16"},
+             "config": {"kwargs": config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"gpu": gpu, "entries": [entry]}))
+    return path
+
+
+def test_a_table_file_of_ones_own_replaces_the_shipped_one(monkeypatch, on_h200, tmp_path):
+    """EngineConfig.tuned_table -> tuned.TABLE: the launch takes that file's pick, not the shipped table's; a file
+    for another GPU, a malformed one or a missing one is a ValueError naming the file (never a silent fall-back
+    to tuning); a change of table drops the autotuners' per-process picks."""
+    named, kwargs = _launch(GATE_UP_15B, _cuda_x())
+    shipped = gf._prune(gf._CONFIGS, named, **kwargs)[0]
+    other = next(c for c in gf._CONFIGS if c is not shipped)
+    path = _own_table(tmp_path, H200, other)
+    fake = SimpleNamespace(cache={("k",): "config"})
+    monkeypatch.setattr(tuned, "_AUTOTUNERS", [fake])
+    monkeypatch.setattr(tuned, "TABLE", "")
+    tuned.set_pinned(True, str(path))
+    assert tuned.TABLE == str(path) and not fake.cache
+    assert gf._prune(gf._CONFIGS, named, **kwargs) == [other]
+    tuned.set_pinned(True)
+    assert gf._prune(gf._CONFIGS, named, **kwargs) == [shipped]
+    tuned.load.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="not a tile table for 'NVIDIA H200'.*'NVIDIA H100 80GB HBM3'"):
+            tuned.load(H200, str(_own_table(tmp_path, "NVIDIA H100 80GB HBM3", other)))
+        (tmp_path / "bad.json").write_text('{"gpu": "NVIDIA H200", "entries": [{"kernel": "k"}]}')
+        with pytest.raises(ValueError, match="bad.json: not a tile table"):
+            tuned.load(H200, str(tmp_path / "bad.json"))
+        (tmp_path / "bad2.json").write_text("{not json")
+        with pytest.raises(ValueError, match="bad2.json: not a tile table"):
+            tuned.load(H200, str(tmp_path / "bad2.json"))
+        with pytest.raises(ValueError, match="no file"):
+            tuned.load(H200, str(tmp_path / "missing.json"))
+    finally:
+        tuned.load.cache_clear()
+        tuned.set_pinned(False)
+
+
+def test_tuned_table_field(tmp_path, monkeypatch):
+    """The config field: a missing file is a ConfigError at once; a non-string one too; off CUDA (or with
+    tuned_tiles off) laying out sets no table; the engine's switch snapshot restores it through the setter."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits, kernel_switches, restore_kernel_switches
+    from specpilot.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tuned_table: no file"):
+        EngineConfig(tuned_table=str(tmp_path / "nope.json"))
+    with pytest.raises(ConfigError, match="tuned_table must be a string"):
+        EngineConfig(tuned_table=3)
+    path = _own_table(tmp_path, H200, gf._CONFIGS[0])
+    monkeypatch.setattr(tuned, "TABLE", "")
+    monkeypatch.setattr(tuned, "PINNED", False)
+    _apply_program_splits(EngineConfig(tuned_table=str(path)))  # CPU: nothing to pin
+    assert (tuned.PINNED, tuned.TABLE) == (False, "")
+    saved = kernel_switches()
+    tuned.set_pinned(True, str(path))
+    fake = SimpleNamespace(cache={("k",): "config"})
+    monkeypatch.setattr(tuned, "_AUTOTUNERS", [fake])
+    restore_kernel_switches(saved)
+    assert (tuned.PINNED, tuned.TABLE) == (False, "") and not fake.cache

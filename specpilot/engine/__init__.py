@@ -198,7 +198,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its
     ONE_LAUNCH_STAGES, attn_single_direct -> its SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push
     -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> decode_attention's
-    VERIFY_WARM_MAX_BYTES and tuned_tiles -> kernels/tuned.py's PINNED, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
+    VERIFY_WARM_MAX_BYTES and tuned_tiles / tuned_table -> kernels/tuned.py's PINNED / TABLE, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
     128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
 
@@ -222,7 +222,13 @@ def _apply_program_splits(config: EngineConfig) -> None:
     from specpilot.kernels import gemv_fused, tuned
 
     gemv_fused.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
-    tuned.set_pinned(config.tuned_tiles and cuda)  # the shipped table's tiles (kernels/tuned.py)
+    table = config.tuned_table if config.tuned_tiles and cuda else ""
+    if table and torch.cuda.is_available():
+        try:
+            tuned.check_table(table, config.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    tuned.set_pinned(config.tuned_tiles and cuda, table)  # the shipped table's tiles, or tuned_table's
 
 
 def kernel_switches() -> dict:
@@ -239,7 +245,8 @@ def restore_kernel_switches(saved: dict) -> None:
     """Every switch of a `kernel_switches` snapshot back to its value there."""
     from specpilot.kernels import tuned
 
-    tuned.set_pinned(saved[tuned, "PINNED"])  # through the setter: a flip drops the autotuners' per-process picks
+    tuned.set_pinned(saved[tuned, "PINNED"], saved.get((tuned, "TABLE"), ""))  # through the setter: a change
+    # drops the autotuners' per-process picks
     for (module, name), value in saved.items():
         setattr(module, name, value)
 

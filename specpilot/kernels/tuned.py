@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 
 PINNED = False  # the process-wide switch (EngineConfig.tuned_tiles; engine._apply_program_splits sets it)
+TABLE = ""  # a table file taken instead of the shipped one (EngineConfig.tuned_table); "" = kernels/tuned/<gpu>.json
 TABLES = Path(__file__).parent / "tuned"
 _AUTOTUNERS: list = []  # the pinned kernels' autotuners (`register`), whose per-process picks a switch flip drops
 # (kernel, key) -> (kwargs, num_warps, num_stages) taken before any table, whatever PINNED says: a tuner that times
@@ -84,14 +85,15 @@ def forget() -> None:
         getattr(autotuner, "cache", {}).clear()
 
 
-def set_pinned(on: bool) -> None:
-    """Switch pinning on or off. A flip also drops every registered autotuner's picks of this process (its `cache`:
-    a launch key -> config, which does not hold the switch), so the next launch at each shape takes the table's
-    pick, or is tuned again (from Triton's on-disk results where it has them), instead of the other way's."""
-    global PINNED
-    if bool(on) != PINNED:
+def set_pinned(on: bool, table: str = "") -> None:
+    """Switch pinning on or off, with `table` (a file) instead of the shipped table where given. A change of either
+    also drops every registered autotuner's picks of this process (its `cache`: a launch key -> config, which holds
+    neither), so the next launch at each shape takes the table's pick, or is tuned again (from Triton's on-disk
+    results where it has them), instead of the other setting's."""
+    global PINNED, TABLE
+    if bool(on) != PINNED or str(table) != TABLE:
         forget()
-    PINNED = bool(on)
+    PINNED, TABLE = bool(on), str(table)
 
 
 def table_name(gpu: str) -> str:
@@ -100,21 +102,36 @@ def table_name(gpu: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def load(gpu: str) -> dict:
-    """The pinned picks for GPU model `gpu`: {(kernel, key tuple): (kwargs, num_warps, num_stages)}; {} where no
-    table ships for it. A table for another name inside the file, or a malformed one, is an error (ValueError):
-    a shipped file must be right."""
-    path = TABLES / f"{table_name(gpu)}.json"
+def load(gpu: str, table: str = "") -> dict:
+    """The pinned picks for GPU model `gpu`: {(kernel, key tuple): (kwargs, num_warps, num_stages)}, from the file
+    `table` where given, else from the table shipped for `gpu` ({} where none ships). A table for another GPU
+    inside the file, or a malformed one, is an error (ValueError): tiles tuned on another chip are not taken
+    silently, and a shipped file must be right."""
+    path = Path(table) if table else TABLES / f"{table_name(gpu)}.json"
     if not path.is_file():
+        if table:
+            raise ValueError(f"tuned_table: no file {table!r}")
         return {}
-    data = json.loads(path.read_text())
-    if data.get("gpu") != gpu or not isinstance(data.get("entries"), list):
-        raise ValueError(f"{path}: a table for {gpu!r} needs 'gpu': {gpu!r} and a list of 'entries'")
-    picks = {}
-    for e in data["entries"]:
-        cfg = e["config"]
-        picks[(e["kernel"], _key(e["key"]))] = (cfg["kwargs"], cfg["num_warps"], cfg["num_stages"])
+    try:
+        data = json.loads(path.read_text())
+        if data.get("gpu") != gpu or not isinstance(data.get("entries"), list):
+            raise ValueError(f"needs 'gpu': {gpu!r} (this GPU) and a list of 'entries', has 'gpu': {data.get('gpu')!r}")
+        picks = {}
+        for e in data["entries"]:
+            cfg = e["config"]
+            picks[(e["kernel"], _key(e["key"]))] = (cfg["kwargs"], cfg["num_warps"], cfg["num_stages"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, a missing field, a wrong shape
+        raise ValueError(f"{path}: not a tile table for {gpu!r}: {e}") from None
     return picks
+
+
+def check_table(table: str, device) -> None:
+    """Where `table` names a file: read it now for the GPU at `device` (ValueError, saying what is wrong, for a
+    missing or malformed file or one for another GPU), so a bad table stops the engine's start, not a launch."""
+    if table:
+        import torch
+
+        load(torch.cuda.get_device_name(torch.device(device)), table)
 
 
 def _key(named: dict) -> tuple:
@@ -147,7 +164,7 @@ def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names
     key = (kernel, _key(launch_key(key_names, named_args, kwargs, x_name)))
     pick = OVERRIDES.get(key)
     if pick is None and PINNED:
-        pick = load(_gpu_name(x.device.index or 0)).get(key)
+        pick = load(_gpu_name(x.device.index or 0), TABLE).get(key)
     if pick is None:
         return configs
     kw, warps, stages = pick
@@ -155,5 +172,5 @@ def narrow(kernel: str, configs: list, named_args: dict, kwargs: dict, key_names
     return same[:1] or configs
 
 
-__all__ = ["OVERRIDES", "PINNED", "TABLES", "autotune", "disk_cache_kwargs", "forget", "launch_key", "load",
-           "narrow", "register", "set_pinned", "table_name"]
+__all__ = ["OVERRIDES", "PINNED", "TABLE", "TABLES", "autotune", "check_table", "disk_cache_kwargs", "forget",
+           "launch_key", "load", "narrow", "register", "set_pinned", "table_name"]
