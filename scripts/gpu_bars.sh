@@ -7,6 +7,9 @@
 #   CONFIGS="w8:attn_kv_preload=true,attn_warps=8 pre:attn_kv_preload=true"
 # (Qwen3-8B takes the first two: an 80 GB card holds three of its random models.) ROUNDS15 / ROUNDS8: rounds (4 / 3).
 # TRACE=1: then the per-program trace of the defaults at both shapes (scripts/gpu_step_trace.py).
+# INGRAPH=1: first the in-graph tile tuner (scripts/gpu_tune_in_graph.py, 1.5B and Qwen3-8B, ~80 + ~100 s with
+# compiling on an H100) into OUT/ingraph-table.json, then that table timed as config "ig" (tuned_table) beside
+# the shipped table (tt) at both shapes; the table comes back with OUT.
 # DRY=1: print the commands with their timeouts, run nothing (the tests').
 # Why the timeouts follow the cache: session 40's first call ran every command past its timeout, because the
 # carried .tcache was packed for older kernel sources (scripts/kernel_stamp.py) and each process re-tuned every GEMV
@@ -52,6 +55,17 @@ run() {  # run SECONDS LOG command... (the first run gets first_extra more)
   timeout "$s" "$@" > "$log" 2>&1 || rc=$?
   grep -h "summary\|att_merge_us" "$log" | cut -c1-300 || echo "gpu_bars.sh: nothing from $log (rc $rc)"
 }
+if [ -n "${INGRAPH:-}" ]; then
+  table=$OUT/ingraph-table.json
+  if [ -n "${DRY:-}" ]; then
+    echo "timeout $((200 + extra)) python3 scripts/gpu_tune_in_graph.py qwen2.5-1.5b qwen3-8b --into=$table"
+  else
+    timeout $((200 + extra)) python3 scripts/gpu_tune_in_graph.py qwen2.5-1.5b qwen3-8b --into="$table" \
+      > "$OUT/ingraph.log" 2>&1 || echo "gpu_bars.sh: the in-graph tuner stopped (rc $?): what it timed is kept"
+    grep -h " best " "$OUT/ingraph.log" | cut -c1-200
+  fi
+  if [ -n "${DRY:-}" ] || [ -s "$table" ]; then configs=("--config=ig:tuned_tiles=true,tuned_table=$table" "${configs[@]}"); fi
+fi
 base=(--no-compile --tokens=1 --config=tt:tuned_tiles=true)
 for c in $contexts; do
   run $((60 + 15 * ${#configs[@]} + extra)) "$OUT/bars15_c$c.log" python3 scripts/gpu_step_timing.py qwen2.5-1.5b \

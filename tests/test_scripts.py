@@ -391,6 +391,13 @@ def test_bars_script_sizes_its_timeouts_by_the_triton_cache(tmp_path):
     assert [x.split()[:2] for x in r.stdout.strip().splitlines()] == [["timeout", "60"], ["timeout", "90"],
                                                                        ["timeout", "60"], ["timeout", "80"]]
     assert bars("5x").returncode == 2 and bars(CONFIGS="w8").returncode == 2
+    r = bars("512", INGRAPH="1", CONFIGS="pre:attn_kv_preload=true c8:attn_merge_chunk=8")  # the in-graph table first
+    lines = r.stdout.strip().splitlines()
+    table = str(tmp_path / "out" / "ingraph-table.json")
+    assert r.returncode == 0 and lines[0] == (f"timeout 200 python3 scripts/gpu_tune_in_graph.py qwen2.5-1.5b "
+                                              f"qwen3-8b --into={table}")
+    ig = f"--config=ig:tuned_tiles=true,tuned_table={table}"
+    assert ig in lines[1] and "c8:" in lines[1] and ig in lines[2] and "pre:" in lines[2] and "c8:" not in lines[2]
 
 
 def test_prefill_timing_script_runs_on_cpu():
