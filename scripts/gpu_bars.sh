@@ -64,7 +64,9 @@ if [ -n "${INGRAPH:-}" ]; then
       > "$OUT/ingraph.log" 2>&1 || echo "gpu_bars.sh: the in-graph tuner stopped (rc $?): what it timed is kept"
     grep -h " best " "$OUT/ingraph.log" | cut -c1-200
   fi
-  if [ -n "${DRY:-}" ] || [ -s "$table" ]; then configs=("--config=ig:tuned_tiles=true,tuned_table=$table" "${configs[@]}"); fi
+  if [ -n "${DRY:-}" ] || [ -s "$table" ]; then
+    configs=("--config=ig:tuned_tiles=true,tuned_table=$table" "${configs[@]}")
+  fi
 fi
 base=(--no-compile --tokens=1 --config=tt:tuned_tiles=true)
 for c in $contexts; do

@@ -15,8 +15,8 @@ COPIES x the weight's bytes is at least 4x the 50 MB L2 by default), with PDL on
 --no-pdl: us a launch = replay time / COPIES, median of 20 replays. The winner of each GEMV goes into the table
 `--into` names (default this GPU's, kernels/tuned/<gpu>.json), replacing that key's entry, as soon as it is known;
 entries carry `"source": "in-graph"`. Session 44 (H100, 1.5B + Qwen3-8B + 0.5B: ~80 s and ~100 s with compiling)
-made kernels/tuned/nvidia-h100-80gb-hbm3.json this way. Prints one line a config and a JSON summary last. GPU only: without CUDA it says so and
-exits 2.
+made kernels/tuned/nvidia-h100-80gb-hbm3.json this way. Prints one line a config and a JSON summary last. GPU
+only: without CUDA it says so and exits 2.
 """
 
 from __future__ import annotations

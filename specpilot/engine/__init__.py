@@ -198,8 +198,9 @@ def _apply_program_splits(config: EngineConfig) -> None:
     attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its
     ONE_LAUNCH_STAGES, attn_single_direct -> its SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push
     -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> decode_attention's
-    VERIFY_WARM_MAX_BYTES and tuned_tiles / tuned_table -> kernels/tuned.py's PINNED / TABLE, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads;
-    128 keys a program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
+    VERIFY_WARM_MAX_BYTES and tuned_tiles / tuned_table -> kernels/tuned.py's PINNED / TABLE, set whenever a model
+    is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads; 128 keys a
+    program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")
