@@ -309,6 +309,13 @@ class EngineConfig:
     # 1.5B -4.0% (session 30) and -2.0% (session 31, a second machine), Qwen3-8B -0.2% / 0.0% (neutral). Not with
     # rope_in_attention (both move the same work: set this false to try that); with lossless12 the 12-bit qkv GEMV
     # keeps the RoPE launch
+    fused_mlp: bool = False  # CUDA, with fused_decode and rope_in_qkv: a one-token fused layer's whole MLP (norm,
+    # gate/up, SiLU x up, down) in ONE launch split by intermediate columns, down's partial sums added into a
+    # pending fp32 row by atomics that the next layer's qkv + RoPE launch rounds and adds to the residual
+    # (kernels/fused_mlp.py): 5 -> 4 launches a layer, and the MLP one 82 MB stream (1.5B) with one ramp and one
+    # tail instead of two. Numbers: down's fp32 summation order differs and on a GPU varies between runs (token
+    # forcing judges it). Keeps a transposed copy of down_proj's weights. Not with norm_epilogue or lossless12.
+    # Off until a GPU times it (session 45: written without one)
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
     # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did
@@ -479,6 +486,8 @@ class EngineConfig:
             raise ConfigError("rope_in_qkv (on by default) and rope_in_attention both move a layer's RoPE + K/V write "
                               "(into the qkv GEMV, into the attention): choose one; with rope_in_attention set "
                               "rope_in_qkv false (--no-rope-in-qkv)")
+        if not isinstance(self.fused_mlp, bool):  # as pdl: "false" from a file must not turn it on
+            raise ConfigError(f"fused_mlp must be true or false, got {self.fused_mlp!r}")
         if not isinstance(self.megakernel, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"megakernel must be true or false, got {self.megakernel!r}")
         if not isinstance(self.draft_chain_graph, bool):  # as pdl: "false" from a file must not turn it on

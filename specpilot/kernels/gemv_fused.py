@@ -309,6 +309,16 @@ if triton is not None:
         return b, bu, r
 
     @triton.jit
+    def _silu_times_up(y, u, dt: tl.constexpr, ON_GPU: tl.constexpr):
+        """The eager MLP's SiLU(gate) x up on gate y and up u, both fp32 holding dtype values: silu rounded to the
+        dtype, times up, in fp32 (the caller rounds the product once). kernels/fused_mlp.py shares it."""
+        if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
+            e = libdevice.exp(-y)
+        else:  # the interpreter has no libdevice: numpy's exp
+            e = tl.exp(-y)
+        return _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
+
+    @triton.jit
     def _epilogue_apply(y, u, b, bu, r, y_ptrs, mask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                         SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
         """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise) -> the stored outputs: + bias b (bu for
@@ -321,12 +331,7 @@ if triton is not None:
         if SILU_MUL:
             if HAS_BIAS:
                 u += bu
-            u = _to_dtype(u, dt).to(tl.float32)
-            if ON_GPU:  # torch's silu: g / (1 + exp(-g)), IEEE division, CUDA's expf (as kernels/silu_mul.py)
-                e = libdevice.exp(-y)
-            else:  # the interpreter has no libdevice: numpy's exp
-                e = tl.exp(-y)
-            y = _to_dtype(tl.math.div_rn(y, 1.0 + e), dt).to(tl.float32) * u  # silu rounded, then times up
+            y = _silu_times_up(y, _to_dtype(u, dt).to(tl.float32), dt, ON_GPU)
         if HAS_RES:
             y += r  # the eager add, rounded below
         tl.store(y_ptrs, _to_dtype(y, dt), mask=mask)

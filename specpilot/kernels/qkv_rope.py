@@ -52,6 +52,7 @@ try:
 
     from specpilot.kernels.gemv_fused import _L2_CHUNK_C, _l2_prefetch_rows, _norm_h, _norm_rstd  # shared with
     # the plain GEMV: its norm prologue and L2 warming
+    from specpilot.kernels.fused_mlp import settled_row, settled_rstd  # PENDING: the previous layer's fused MLP
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows  # rope_write's per-head norm + rotation
@@ -110,7 +111,7 @@ if triton is not None:
                          QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, L2_PF: tl.constexpr = False, L2_PART: tl.constexpr = 64,
                          EARLY_EPI: tl.constexpr = False, TILE_AFTER_WAIT: tl.constexpr = False,
-                         PIPE: tl.constexpr = False,
+                         PIPE: tl.constexpr = False, pend_ptr=None, xo_ptr=None, PENDING: tl.constexpr = False,
                          TRACE: tl.constexpr = False, tr_ptr=None):
         HALF: tl.constexpr = D // 2
         if TRACE:  # kernels/trace.py (a diagnostic): this program's timeline row, written at its end
@@ -144,23 +145,25 @@ if triton is not None:
             if not QK_NORM:  # (every program: v's ignore theirs, one round trip with the others)
                 c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, j, D)
         rstd = 1.0
-        if HAS_NORM:
+        if PENDING:  # x + the previous layer's fused MLP (kernels/fused_mlp.py); program 0 stores the settled row
+            rstd = settled_rstd(x_ptr, pend_ptr, xo_ptr, K, eps, K_P2, dt)
+        elif HAS_NORM:
             rstd = _norm_rstd(x_ptr, K, eps, K_P2)
         acc = tl.zeros((2 * BLOCK_P, BLOCK_K), dtype=tl.float32)
         if PIPE:  # block k0's tile is in flight since two iterations back; ask for block k0 + 2 first
             for k0 in range(0, K, BLOCK_K):
                 k_2 = k0 + 2 * BLOCK_K + tl.arange(0, BLOCK_K)
                 w2 = tl.load(w_ptr + rows + k_2[None, :], mask=(k_2 < K)[None, :], other=0.0)
-                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K, pend_ptr, PENDING)
                 w0 = w1
                 w1 = w2
         else:
             if TILE_AFTER_WAIT:  # block 0 with the tile loaded above (the loop's body: the same order of sums)
-                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+                acc = _qkv_block(acc, w0, x_ptr, nw_ptr, 0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K, pend_ptr, PENDING)
             for k0 in range(TILE_AFTER_WAIT * BLOCK_K, K, BLOCK_K):  # gemv_fused's one-row loop
                 k_offs = k0 + tl.arange(0, BLOCK_K)
                 w = tl.load(w_ptr + rows + k_offs[None, :], mask=(k_offs < K)[None, :], other=0.0)
-                acc = _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K)
+                acc = _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt, HAS_NORM, ON_GPU, BLOCK_K, pend_ptr, PENDING)
         if TRACE:
             t_looped = _tr_now()
         if USE_PDL and PDL_LATE:  # every weight is in: the attention's programs may take the slots we free
@@ -216,12 +219,15 @@ if triton is not None:
 
     @triton.jit
     def _qkv_block(acc, w, x_ptr, nw_ptr, k0, K, rstd, dt: tl.constexpr, HAS_NORM: tl.constexpr,
-                   ON_GPU: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The K loop's body for block k0 with its weight tile w loaded: x's block (normed with HAS_NORM) times w
-        into acc -> acc."""
+                   ON_GPU: tl.constexpr, BLOCK_K: tl.constexpr, pend_ptr=None, PENDING: tl.constexpr = False):
+        """The K loop's body for block k0 with its weight tile w loaded: x's block (normed with HAS_NORM; with
+        PENDING the settled row, kernels/fused_mlp.py) times w into acc -> acc."""
         k_offs = k0 + tl.arange(0, BLOCK_K)
         k_mask = k_offs < K
-        h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+        if PENDING:
+            h = settled_row(x_ptr, pend_ptr, k_offs, k_mask, dt)
+        else:
+            h = tl.load(x_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             h = _norm_h(h, tl.load(nw_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32), rstd, dt, ON_GPU)
         return acc + w.to(tl.float32) * h[None, :]
@@ -263,10 +269,20 @@ if triton is not None:
 
 
 def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,
-             k_norm_weight) -> str | None:
+             k_norm_weight, pending=None, x_out=None) -> str | None:
     """-> what is wrong with the arguments, or None."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         return f"x must be one row [1, K] with unit stride, got {tuple(x.shape)}"
+    if (pending is None) != (x_out is None):
+        return "pending and x_out come together (the previous layer's fused MLP and where its settled row goes)"
+    if pending is not None:
+        K = x.shape[1]
+        if norm_weight is None:
+            return "pending needs the norm prologue (norm_weight): the settled row is normed here"
+        if tuple(pending.shape) != (K,) or pending.dtype != torch.float32 or not pending.is_contiguous():
+            return f"pending must be a contiguous fp32 [{K}], got {pending.dtype} {tuple(pending.shape)}"
+        if tuple(x_out.shape) != (1, K) or x_out.dtype != x.dtype or not x_out.is_contiguous():
+            return f"x_out must be a contiguous [1, {K}] of x's dtype, got {x_out.dtype} {tuple(x_out.shape)}"
     if k_cache.dim() != 4 or k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape:
         return f"k_cache and v_cache must both be [1, Hkv, S, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
     _, Hkv, S, D = k_cache.shape
@@ -300,17 +316,20 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
              eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor | None = None,
-             k_norm_weight: torch.Tensor | None = None, qk_eps: float = 1e-6) -> torch.Tensor:
+             k_norm_weight: torch.Tensor | None = None, qk_eps: float = 1e-6, pending: torch.Tensor | None = None,
+             x_out: torch.Tensor | None = None) -> torch.Tensor:
     """One token: q = RoPE(qnorm(RMSNorm(x) @ Wq^T + bq)), k likewise into k_cache[0, :, position], v into v_cache;
     -> rotated q [1, H, 1, D] (a new tensor). x [1, K]; weight the fused qkv [(H + 2 Hkv) D, K]; bias [N] and
     norm_weight [K] optional; q_norm_weight / k_norm_weight [D] the per-head norms (Qwen3; both or neither, eps
     qk_eps); cos/sin the token's [.., D] row; positions [1, 1]; caches [1, Hkv, S, D]. A position outside [0, S)
-    is not written. Static shapes, no host sync: safe inside CUDA graphs (once autotuned outside capture, and with
-    the per-head norms launched once eagerly: their counters are allocated then)."""
+    is not written. pending [K] fp32 (the previous layer's fused MLP, kernels/fused_mlp.py) with x_out [1, K]: the
+    input is x settled with it (`fused_mlp.settle`), which is also written to x_out. Static shapes, no host sync:
+    safe inside CUDA graphs (once autotuned outside capture, and with the per-head norms launched once eagerly:
+    their counters are allocated then)."""
     if triton is None:
         raise RuntimeError("qkv_rope needs triton")
     problem = _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads,
-                       q_norm_weight, k_norm_weight)
+                       q_norm_weight, k_norm_weight, pending, x_out)
     if problem:
         raise ValueError(f"qkv_rope: {problem}")
     _, Hkv, S, D = k_cache.shape
@@ -329,7 +348,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
                  **l2_warming(weight, pdl.use_pdl))
     pairs = (num_heads + 2 * Hkv) * D // 2
     tr = trace.launch_args(x.device, "qkv_rope N={} K={}".format, weight.shape[0], K)  # a diagnostic (off)
-    flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT, PIPE=PIPE)
+    flags.update(EARLY_EPI=EARLY_EPILOGUE, TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT, PIPE=PIPE,
+                 PENDING=pending is not None, pend_ptr=pending, xo_ptr=x_out)
     if _INTERPRET:  # CPU tests: a small fixed tile (K's mask exercised: the tests' K is not a multiple of 64)
         _kernel[(pairs // 2,)](*args, **flags, BLOCK_P=2, BLOCK_K=64, **tr)
     else:
@@ -341,18 +361,19 @@ def _register_op():
     """The kernel as a torch custom op: one opaque call under torch.compile (as kernels/rope_write.py); the caches
     are declared mutated so functionalization keeps the writes."""
 
-    @torch.library.custom_op("specpilot::qkv_rope", mutates_args=("k_cache", "v_cache"))
+    @torch.library.custom_op("specpilot::qkv_rope", mutates_args=("k_cache", "v_cache", "x_out"))
     def qkv_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    qk_eps: float = 1e-6) -> torch.Tensor:
+                    qk_eps: float = 1e-6, pending: torch.Tensor | None = None,
+                    x_out: torch.Tensor | None = None) -> torch.Tensor:
         return qkv_rope(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads,
-                        q_norm_weight, k_norm_weight, qk_eps)
+                        q_norm_weight, k_norm_weight, qk_eps, pending, x_out)
 
     @qkv_rope_op.register_fake
     def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight=None,
-          k_norm_weight=None, qk_eps=1e-6):
+          k_norm_weight=None, qk_eps=1e-6, pending=None, x_out=None):
         return x.new_empty(1, num_heads, 1, k_cache.shape[-1])
 
     return qkv_rope_op

@@ -69,13 +69,16 @@ def disk_cache_kwargs(autotune=None) -> dict:
     return {"cache_results": True} if takes else {}
 
 
-def autotune(kernel, configs: list, key: list, prune=None):
+def autotune(kernel, configs: list, key: list, prune=None, reset_to_zero: list | None = None):
     """`kernel` under Triton's autotuner with `configs` and `key`, `prune` as its early_config_prune hook (where the
     kernel's pinned picks narrow the list: `narrow`), its timings kept on disk (`disk_cache_kwargs`), registered
-    here (`register`) -> the autotuned kernel."""
+    here (`register`) -> the autotuned kernel. `reset_to_zero`: arguments the kernel accumulates into (atomics),
+    zeroed before each timed run so the real launch after tuning starts from zero."""
     import triton
 
     extra = {"prune_configs_by": {"early_config_prune": prune}} if prune is not None else {}
+    if reset_to_zero:
+        extra["reset_to_zero"] = list(reset_to_zero)
     return register(triton.autotune(configs=configs, key=key, **extra, **disk_cache_kwargs())(kernel))
 
 

@@ -280,6 +280,7 @@ class DenseLM(nn.Module):
         # its attention launch (five launches a layer)
         self.rope_in_qkv = False  # use_rope_in_qkv(): a one-token fused layer's RoPE + K/V write in its qkv GEMV
         self.l2_prefetch = 0.0  # use_l2_prefetch(): that fraction of a fused layer's gate/up weight warmed in L2
+        self.fused_mlp = False  # use_fused_mlp(): a one-token fused layer's MLP in one launch (kernels/fused_mlp.py)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -419,6 +420,46 @@ class DenseLM(nn.Module):
         self.rope_in_qkv = on
         return self
 
+    def use_fused_mlp(self, on: bool = True) -> "DenseLM":
+        """A one-token fused layer runs its whole MLP (norm, gate/up, SiLU x up, down) in one launch
+        (kernels/fused_mlp.py), down's sums left as fp32 in a pending row that the next layer's qkv + RoPE launch
+        settles (rounds and adds to the residual) as it reads its input: four launches a layer instead of five
+        (the last layer, and layers whose outputs are captured, keep theirs). Numbers: down's fp32 summation
+        order differs, and on a GPU varies between runs (atomics). Keeps a transposed copy of each down_proj
+        weight (memory grows by down's weights). Needs fused_decode and rope_in_qkv over bf16/fp32 weights of
+        their own (not lossless12), without the norm epilogue, and an MLP without biases."""
+        if on:
+            if not (self.fused_decode and self.rope_in_qkv):
+                raise ConfigError("fused_mlp needs fused_decode and rope_in_qkv: the next layer's qkv + RoPE launch "
+                                  "settles the fused MLP's sums")
+            if self.norm_epilogue or getattr(self.lm_head, "packed12", None) is not None:
+                raise ConfigError("fused_mlp does not go with norm_epilogue or lossless12: the next qkv launch must "
+                                  "read and norm the bf16 residual itself")
+            mlps = [layer.mlp for layer in self.model.layers]
+            if any(not hasattr(m, "gate_up_proj") or m.gate_up_proj.bias is not None or m.down_proj.bias is not None
+                   for m in mlps):
+                raise ConfigError("fused_mlp needs fused gate/up projections and an MLP without biases")
+            require_kernel("fused_mlp", "fused MLP kernel")
+        for layer in self.model.layers:
+            if on:
+                layer.mlp.down_t = layer.mlp.down_proj.weight.detach().t().contiguous()
+            elif hasattr(layer.mlp, "down_t"):
+                del layer.mlp.down_t
+        self._mlp_pending = None
+        self.fused_mlp = on
+        return self
+
+    def _pending_rows(self, x: torch.Tensor, T: int, fused: bool, last: int) -> torch.Tensor | None:
+        """The fused MLP's pending rows [L, H] fp32, zeroed for this step, or None where this step has no fused
+        MLP (off, more than one token, a layout it does not go with, or a single layer)."""
+        if not (fused and T == 1 and self.fused_mlp and self.rope_in_qkv and not self.norm_epilogue and last > 0):
+            return None
+        rows = getattr(self, "_mlp_pending", None)
+        if rows is None or rows.device != x.device:  # allocated by the first (eager) step, before any capture
+            rows = self._mlp_pending = torch.zeros(self.config.num_hidden_layers, self.config.hidden_size,
+                                                   dtype=torch.float32, device=x.device)
+        return rows.zero_()
+
     def use_l2_prefetch(self, fraction: float) -> "DenseLM":
         """A fused layer (models/fused_decode.py, one token or a verify block) reads `fraction` of its gate/up
         weight into L2 on a side stream while its latency-bound launches run (kernels/l2_prefetch.py); 0 = off.
@@ -505,15 +546,20 @@ class DenseLM(nn.Module):
         # final norm) comes out of the launch that makes the residual it normalizes
         next_norms = self.norm_epilogue if fused else self.add_norm_kernel
         normed = None
+        rows = self._pending_rows(x, T, fused, last)  # the fused MLP (use_fused_mlp): down's sums, per layer
+        pending = None  # the previous layer's row, settled by this layer's qkv launch
         for i, layer in enumerate(layers):
             nxt = None
             if next_norms:
                 nxt = layers[i + 1].input_layernorm if i < last else self.model.norm if last == L - 1 else None
             if fused:
+                mlp_out = rows[i] if rows is not None and i < last and i not in return_layers else None
                 x = fused_decode.decode_layer(layer, x, cos, sin, positions, cache, kv_len, normed=normed,
                                               next_norm=nxt, norm_epilogue=self.norm_epilogue,
                                               rope_in_attention=self.rope_in_attention,
-                                              rope_in_qkv=self.rope_in_qkv, l2_prefetch=self.l2_prefetch)
+                                              rope_in_qkv=self.rope_in_qkv, l2_prefetch=self.l2_prefetch,
+                                              pending=pending, mlp_out=mlp_out)
+                pending = mlp_out
             else:
                 x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)

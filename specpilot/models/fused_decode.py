@@ -109,7 +109,7 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
                  norm_epilogue: bool = False, rope_in_attention: bool = False, rope_in_qkv: bool = False,
-                 l2_prefetch: float = 0.0):
+                 l2_prefetch: float = 0.0, pending: torch.Tensor | None = None, mlp_out: torch.Tensor | None = None):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -128,7 +128,12 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
 
     `l2_prefetch` (EngineConfig.l2_prefetch, kernels/l2_prefetch.py): that fraction of gate/up's weight is read
     into L2 on a side stream while qkv, RoPE, attention and o_proj run (latency-bound launches that leave HBM
-    idle); gate/up's GEMV waits for it. Same numbers."""
+    idle); gate/up's GEMV waits for it. Same numbers.
+
+    The fused MLP (EngineConfig.fused_mlp, kernels/fused_mlp.py), T = 1 with rope_in_qkv: `pending` [H] fp32 holds
+    the previous layer's down sums, which this layer's qkv launch settles into x (the residual it then adds to);
+    `mlp_out` [H] fp32 (zero) makes this layer's MLP one launch that leaves its down sums there, so the returned
+    x is the residual before the MLP (the next layer, given mlp_out as its `pending`, completes it)."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
@@ -146,11 +151,15 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         x_in, nw = (x2, pre.weight) if normed is None else (normed.view(T, h), None)
         qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None,
                                                                                                          pre.eps)
+        settled = () if pending is None else (pending, torch.empty_like(x2))  # x + the previous fused MLP
         q = kernel_op("qkv_rope")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin, positions,
-                                  cache.k[i], cache.v[i], n, *qk)  # [1, n, 1, d]
+                                  cache.k[i], cache.v[i], n, *qk, *settled)  # [1, n, 1, d]
         keys, values = cache.read(i, kv_len)
-        return _after_attention(layer, attend(q, keys, values, positions), x2, T, h, n, d, norm_epilogue, next_norm,
-                                side)
+        return _after_attention(layer, attend(q, keys, values, positions), settled[1] if settled else x2, T, h, n, d,
+                                norm_epilogue, next_norm, side, mlp_out)
+    if pending is not None or mlp_out is not None:
+        raise ValueError("the fused MLP's sums are settled by a one-token qkv + RoPE launch over bf16 weights "
+                         "(rope_in_qkv): this layer has none")
     if normed is None:
         qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
     else:  # normed by the previous layer's down GEMV
@@ -174,7 +183,8 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side)
 
 
-def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilogue: bool, next_norm, side):
+def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilogue: bool, next_norm, side,
+                     mlp_out=None):
     """The layer from its attention output out [1, n, T, d] and residual x2 [T, h] on: o_proj + residual, the MLP
     (decode_layer's arguments say the rest)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -188,6 +198,11 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
         gate_in, gate_norm = x2, post.weight
     if side is not None:  # gate/up's GEMV after its warming
         kernels_l2.join(side)
+    if mlp_out is not None:  # the whole MLP in one launch; down's sums stay pending for the next layer's qkv
+        from specpilot.models.dense import kernel_op
+
+        kernel_op("fused_mlp")(x2, post.weight, post.eps, mlp.gate_up_proj.weight, mlp.down_t, mlp_out)
+        return x2.view(1, T, h)
     act = project(mlp.gate_up_proj, gate_in, gate_norm, post.eps, None, "silu_mul")  # [T, I]
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
