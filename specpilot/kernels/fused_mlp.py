@@ -95,9 +95,9 @@ if triton is not None:
     @triton.jit
     def _fused_mlp_kernel(x_ptr, nw_ptr, w_ptr, wd_ptr, pend_ptr, I, H, stride_w, stride_wd, eps,
                           ON_GPU: tl.constexpr, H_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PER_SM: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
-        """pending[:H] += this program's columns' share of down(SiLU(gate) x up) of RMSNorm(x); PER_SM only sizes
-        the grid (a tuning choice)."""
+                          PER_SM=1, USE_PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
+        """pending[:H] += this program's columns' share of down(SiLU(gate) x up) of RMSNorm(x). PER_SM (programs a
+        multiprocessor, a tuning choice) only sizes the grid: a plain argument, so it compiles no new variant."""
         if USE_PDL and not PDL_LATE:
             gdc_launch_dependents()
         dt = x_ptr.dtype.element_ty
