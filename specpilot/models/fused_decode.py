@@ -39,6 +39,11 @@ write the norm the next GEMV reads: o_proj's the post-attention norm, down's the
 norm after the last layer), so qkv, gate_up and the LM head run norm-free; a block's layer is seven launches, and
 only layer 0's input norm keeps its launch (or prologue). Same numbers.
 
+With EngineConfig.fused_mlp (DenseLM.use_fused_mlp, kernels/fused_mlp.py), with rope_in_qkv, a one-token layer's
+MLP is ONE launch: down's sums go into a pending fp32 row by atomics, and the next layer's qkv + RoPE launch settles
+them (rounds, adds the residual) as it reads its input: four launches a layer (the last layer keeps five). The
+numbers differ from the five-launch layer's only in down's fp32 summation order.
+
 Both apply under the positional mask only; prefill of more than 16 tokens, batches and custom masks (trees) keep
 the regular path. Needs fused projections (qkv_proj, gate_up_proj). With EngineConfig.lossless12 the one-token
 GEMVs (and the LM head's) read lossless 12-bit copies of the weights (formats/lossless12.py, kernels/gemv12.py):
