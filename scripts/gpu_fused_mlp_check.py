@@ -101,6 +101,14 @@ def _model_case(name: str, steps: int = 16, ctx: int = 64) -> dict:
 
 
 def main(shapes: list[str]) -> int:
+    from specpilot.errors import ConfigError
+
+    for name in shapes:  # a bad shape name: one clear line, before anything else
+        try:
+            synthetic_config(name)
+        except (ConfigError, KeyError, ValueError) as e:
+            print(f"gpu_fused_mlp_check.py: {e}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("gpu_fused_mlp_check.py: no CUDA device", file=sys.stderr)
         return 2

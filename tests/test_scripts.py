@@ -501,6 +501,16 @@ def test_sync_probe_says_what_it_needs_and_rejects_bad_arguments():
     assert r.returncode == 2 and "--spin-limit must be >= 2" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_fused_mlp_check_says_it_needs_a_gpu():
+    """gpu_fused_mlp_check.py (BENCHMARKS.md session 45) on a machine without CUDA: one clear line and exit 2; an
+    unknown shape is one clear line too."""
+    script = str(SCRIPTS / "gpu_fused_mlp_check.py")
+    r = subprocess.run([sys.executable, script, "qwen2.5-1.5b"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, script, "no-such-shape"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no-such-shape" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_engine_check_says_it_needs_a_gpu():
     """gpu_engine_check.py on a machine without CUDA: one clear line and exit 2 (its arguments checked first)."""
     path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
