@@ -162,7 +162,8 @@ def _problem(x, norm_weight, gate_up_weight, down_t, pending) -> str | None:
         return f"down_t must be down_proj's weight transposed, contiguous [I, H = {H}], got {tuple(down_t.shape)}"
     I = down_t.shape[0]
     if tuple(gate_up_weight.shape) != (2 * I, H) or not gate_up_weight.is_contiguous():
-        return f"gate_up_weight must be the contiguous fused [2I, H] = [{2 * I}, {H}], got {tuple(gate_up_weight.shape)}"
+        return (f"gate_up_weight must be the contiguous fused [2I, H] = [{2 * I}, {H}], "
+                f"got {tuple(gate_up_weight.shape)}")
     if tuple(norm_weight.shape) != (H,) or not norm_weight.is_contiguous():
         return f"norm_weight must be [{H}], got {tuple(norm_weight.shape)}"
     if tuple(pending.shape) != (H,) or pending.dtype != torch.float32 or not pending.is_contiguous():
