@@ -314,8 +314,8 @@ class EngineConfig:
     # pending fp32 row by atomics that the next layer's qkv + RoPE launch rounds and adds to the residual
     # (kernels/fused_mlp.py): 5 -> 4 launches a layer, and the MLP one 82 MB stream (1.5B) with one ramp and one
     # tail instead of two. Numbers: down's fp32 summation order differs and on a GPU varies between runs (token
-    # forcing judges it). Keeps a transposed copy of down_proj's weights. Not with norm_epilogue or lossless12.
-    # Off until a GPU times it (session 45: written without one)
+    # forcing judges it). Keeps a transposed copy of down_proj's weights. Not with norm_epilogue, lossless12 or
+    # compile. Off until a GPU times it (session 45: written without one)
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
     # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did

@@ -241,7 +241,7 @@ def test_fused_mlp_field_setter_loop_and_cost_model(tiny_model_dir, monkeypatch)
     assert "fused_mlp" in EngineMeasure.LAYOUT and "fused_mlp" in KERNEL_FLAGS
     gpu = Deployment("t", "d", EngineConfig(device="cuda"), "H200")
     assert REGISTRY["fused_mlp"].candidates(gpu.config, gpu) == [{"fused_mlp": True}]
-    for other in (dict(rope_in_qkv=False), dict(norm_epilogue=True), dict(lossless12=True)):
+    for other in (dict(rope_in_qkv=False), dict(norm_epilogue=True), dict(lossless12=True), dict(compile=True)):
         assert "fused_mlp" not in [m.name for m in applicable(gpu, gpu.config.with_(**other))]
     # the setter: needs fused_decode + rope_in_qkv, not with the norm epilogue
     with pytest.raises(ConfigError, match="needs fused_decode and rope_in_qkv"):
@@ -259,8 +259,9 @@ def test_fused_mlp_field_setter_loop_and_cost_model(tiny_model_dir, monkeypatch)
     laid = load_model(tiny_model_dir("qwen2"))
     eng._apply_layout(laid, base)
     assert laid.fused_mlp and laid.rope_in_qkv
-    with pytest.warns(RuntimeWarning, match="fused_mlp needs"):
-        eng._apply_layout(load_model(tiny_model_dir("qwen2")), base.with_(norm_epilogue=True))
+    for other in (dict(norm_epilogue=True), dict(compile=True)):
+        with pytest.warns(RuntimeWarning, match="fused_mlp needs"):
+            eng._apply_layout(load_model(tiny_model_dir("qwen2")), base.with_(**other))
     # priced: one launch fewer in every one-token layer but the last, one zeroing a pass; bytes unchanged
     cfg = ModelConfig(model_type="qwen2", vocab_size=1000, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -130,12 +130,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
             warnings.warn(f"lossless12 needs bf16 weights (dtype {config.dtype}): the 16-bit weights stay",
                           RuntimeWarning, stacklevel=2)
     if _kernel_on(config, "fused_mlp"):  # after lossless12 and the norm epilogue: it goes with neither
-        if model.fused_decode and model.rope_in_qkv and not model.norm_epilogue \
+        if model.fused_decode and model.rope_in_qkv and not model.norm_epilogue and not config.compile \
                 and getattr(model.lm_head, "packed12", None) is None:
             model.use_fused_mlp()
         else:
-            warnings.warn("fused_mlp needs fused_decode and rope_in_qkv, without norm_epilogue or lossless12: the "
-                          "MLP keeps its two launches", RuntimeWarning, stacklevel=2)
+            warnings.warn("fused_mlp needs fused_decode and rope_in_qkv, without norm_epilogue, lossless12 or "
+                          "compile: the MLP keeps its two launches", RuntimeWarning, stacklevel=2)
     _apply_pdl(config)
     _apply_gemv_prefetch(config)
     _apply_program_splits(config)

@@ -379,7 +379,8 @@ register(Mechanism(
     "pairs of columns RoPE mixes; a q/k norm in each head's last program): five launches a layer instead of six"))
 register(Mechanism(
     "fused_mlp", ("draft", "verify"), {"fused_mlp": [True, False]},
-    lambda dep, cfg: _fused_path(dep, cfg) and cfg.rope_in_qkv and not cfg.norm_epilogue and not cfg.lossless12,
+    lambda dep, cfg: (_fused_path(dep, cfg) and cfg.rope_in_qkv and not cfg.norm_epilogue and not cfg.lossless12
+                      and not cfg.compile),
     "a one-token fused layer's whole MLP in one launch split by intermediate columns: down's partial sums meet in "
     "a pending fp32 row by atomics, settled by the next layer's qkv launch (four launches a layer, one MLP stream)"))
 register(Mechanism(
