@@ -127,25 +127,14 @@ def _fused(model):
     return model.use_fused_decode().use_fused_verify().use_rope_in_qkv()
 
 
-def _steps(model, ids, blocks):
-    """Prefill ids[:6], then `blocks` steps of T tokens each -> logits of every step and the whole cache."""
-    cache = model.new_cache(1, 40)
-    t, out = 6, []
-    with torch.no_grad():
-        model(ids[:, :6], torch.arange(6)[None], cache, kv_len=6)
-        for T in blocks:
-            pos = torch.arange(t, t + T)[None]
-            out.append(model.logits(model(ids[:, t:t + T], pos, cache, kv_len=None)))
-            t += T
-    return out + [cache.k, cache.v]
-
-
 @pytest.mark.parametrize("family,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16),
                                           ("qwen3", torch.bfloat16), ("llama", torch.float32)])
 def test_fused_steps_with_the_fused_mlp_match(tiny_model_dir, launch_spy, family, dtype):
     """One-token steps between a 7-token verify block: the fused MLP in every layer of a one-token step but the
     last, none in the block; logits and cache as without it up to down's summation order."""
     import copy
+
+    from test_qkv_rope import _steps  # prefill, then the blocks: every step's logits and the cache
 
     from specpilot.models import load_model
 
