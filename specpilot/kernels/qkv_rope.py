@@ -365,15 +365,14 @@ def _register_op():
     def qkv_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    qk_eps: float = 1e-6, pending: torch.Tensor | None = None,
-                    x_out: torch.Tensor | None = None) -> torch.Tensor:
+                    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, qk_eps: float,
+                    pending: torch.Tensor | None, x_out: torch.Tensor | None) -> torch.Tensor:
         return qkv_rope(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads,
                         q_norm_weight, k_norm_weight, qk_eps, pending, x_out)
 
     @qkv_rope_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight=None,
-          k_norm_weight=None, qk_eps=1e-6, pending=None, x_out=None):
+    def _(x, weight, bias, norm_weight, eps, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,
+          k_norm_weight, qk_eps, pending, x_out):
         return x.new_empty(1, num_heads, 1, k_cache.shape[-1])
 
     return qkv_rope_op
