@@ -315,7 +315,8 @@ class EngineConfig:
     # (kernels/fused_mlp.py): 5 -> 4 launches a layer, and the MLP one 82 MB stream (1.5B) with one ramp and one
     # tail instead of two. Numbers: down's fp32 summation order differs and on a GPU varies between runs (token
     # forcing judges it). Keeps a transposed copy of down_proj's weights. Not with norm_epilogue, lossless12 or
-    # compile. Off until a GPU times it (session 45: written without one)
+    # compile. Off: exact but slower (H100, session 47, graphed one-token step at 512 tokens: 1.5B 2.36 vs 1.45 ms,
+    # +63%; Qwen3-8B 10.46 vs 5.62 ms, +86%; BENCHMARKS.md)
     draft_chain_graph: bool = False  # a small model drafter (greedy, CUDA graphs): its K - 1 one-token passes after
     # the catch-up pass captured as ONE graph, each pass's argmax feeding the next on the device (drafters/
     # small_ar.py): two launches a step instead of K, none of the host's per-pass work. Same drafts. Off: it did

@@ -11,6 +11,12 @@ each program can do its share of both: the columns' gate and up rows give their 
 columns of down's weight turn those into a partial sum of every output. The partial sums meet in `pending` by
 atomic adds, so the MLP is one stream of 82 MB (1.5B) with one ramp and one tail, and the layer four launches.
 
+Measured (H100, session 47, BENCHMARKS.md): exact (argmax equal on every step) but SLOWER, the graphed one-token
+step +63% at the 1.5B shape and +86% at Qwen3-8B's, so it stays off. The likely reason: the down tile
+[BLOCK_C, H] lives in registers, which caps BLOCK_C at 8 (1.5B) or 4 (8B) columns a block, so gate/up is read
+as 8- or 4-row tiles (gemv_fused's one-row kernel reads far wider ones) and each block waits on its own down
+rows. A version worth timing again would stage SiLU x up through shared memory instead.
+
 Work split: program p owns a contiguous range of intermediate columns, in blocks of BLOCK_C (balanced to a block
 whatever I is; the grid is at most PER_SM programs a multiprocessor). Per block: gate/up's one-row K loop over the
 normed input (kernels/gemv_fused.py's helpers: the same norm prologue, the same tiles), SiLU x up rounded where
