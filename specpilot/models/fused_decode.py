@@ -156,12 +156,12 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         x_in, nw = (x2, pre.weight) if normed is None else (normed.view(T, h), None)
         qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None,
                                                                                                          pre.eps)
-        settled = (None, None) if pending is None else (pending, torch.empty_like(x2))  # x + the previous fused MLP
+        settled = None if pending is None else torch.empty_like(x2)  # x + the previous fused MLP's sums
         q = kernel_op("qkv_rope")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin, positions,
-                                  cache.k[i], cache.v[i], n, *qk, *settled)  # [1, n, 1, d]
+                                  cache.k[i], cache.v[i], n, *qk, pending, settled)  # [1, n, 1, d]
         keys, values = cache.read(i, kv_len)
-        return _after_attention(layer, attend(q, keys, values, positions), x2 if pending is None else settled[1], T, h, n, d,
-                                norm_epilogue, next_norm, side, mlp_out)
+        return _after_attention(layer, attend(q, keys, values, positions), x2 if settled is None else settled, T, h, n,
+                                d, norm_epilogue, next_norm, side, mlp_out)
     if pending is not None or mlp_out is not None:
         raise ValueError("the fused MLP's sums are settled by a one-token qkv + RoPE launch over bf16 weights "
                          "(rope_in_qkv): this layer has none")
