@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Why one CUDA graph capture fails: session 47's fused_decode n-gram engine (fp32 check model, norm + RoPE kernels,
+fused decode without rope_in_qkv, buckets 1 and 5) lost its T=1 capture to cudaErrorStreamCaptureInvalidated, while
+the AR engine on the same model captured T=1 fine. The tokens stayed equal (the bucket ran eagerly); the cause was
+unknown.
+
+This builds that engine in a few orders and settings and, around every capture, records what usually breaks one:
+a Triton kernel whose module is first loaded while the stream is capturing (cuModuleLoad is not a stream operation,
+and a global-mode capture is invalidated by it), and host syncs (torch's sync debug mode). On a failed capture it
+prints the traceback of the op that reported it. Cases: ngram_fresh (a fresh model copy, n-gram engine alone),
+after_ar (the check's order: AR engine, then n-gram on the same model), ngram_relaxed (the n-gram engine with
+captures in relaxed error mode: passing there points at an unsafe API call rather than a sync), ar_twice (two AR
+engines on one model: a second engine alone), ngram_no_kernels (fused decode without the norm and RoPE kernels).
+`python scripts/gpu_capture_probe.py [case,...]`. Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import traceback
+import warnings
+
+import torch
+
+import specpilot.engine.runner as runner_mod
+from specpilot.config import EngineConfig
+from specpilot.costmodel import synthetic_config
+from specpilot.engine import Engine, build_drafter
+from specpilot.engine.graphs import _FAILED
+from specpilot.models import random_model
+
+LOADS: list = []  # (kernel name, capturing) for every Triton module load
+MODE = {"capture_error_mode": "global", "phase": ""}
+
+
+def _hook_triton_loads() -> None:
+    from triton.compiler.compiler import CompiledKernel
+
+    orig = CompiledKernel._init_handles
+
+    def init_handles(self):
+        if self.module is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+            LOADS.append((MODE["phase"], self.name, capturing))
+            if capturing:
+                print(f"  module load DURING capture: {self.name} ({MODE['phase']})", flush=True)
+        return orig(self)
+
+    CompiledKernel._init_handles = init_handles
+
+
+def probing_capture(fn, *, warmup: int = 2, pool=None):
+    """engine/graphs.capture with the capture's error mode chosen here and a traceback on failure."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=MODE["capture_error_mode"]):
+            out = fn()
+    except RuntimeError:
+        print(f"  capture FAILED ({MODE['phase']}):", flush=True)
+        traceback.print_exc()
+        _FAILED.append(graph)
+        raise
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return graph, out
+
+
+def main() -> int:
+    _hook_triton_loads()
+    runner_mod.capture = probing_capture
+    cfg = dataclasses.replace(synthetic_config("qwen2.5-0.5b"), num_hidden_layers=4)
+    target = random_model(cfg, dtype=torch.float32, seed=0)
+    base = EngineConfig(drafter_kind="none", device="cuda", max_new_tokens=48, max_seq_len=256, ignore_eos=True,
+                        num_draft_tokens=4)
+    ngram = base.with_(drafter_kind="ngram")
+    g = torch.Generator().manual_seed(0)
+    prompt = (torch.randint(0, 1000, (7,), generator=g).tolist() * 4)[:20]
+
+    def fast():
+        return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
+
+    result = {}
+
+    def case(name, steps, mode="global"):
+        MODE["capture_error_mode"] = mode
+        fails = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for label, model, c in steps:
+                MODE["phase"] = f"{name}/{label}"
+                print(f"{MODE['phase']}: building", flush=True)
+                eng = Engine(model, c, build_drafter(c, None, model))
+                eng.generate(prompt)
+        for w in caught:
+            msg = str(w.message)
+            if "capture failed" in msg:
+                fails.append(msg[:160])
+            elif "sync" in msg.lower():
+                print(f"  sync warning: {msg[:200]}", flush=True)
+        result[name] = {"capture_failures": fails,
+                        "loads_in_capture": [n for p, n, cap in LOADS if cap and p.startswith(name + "/")]}
+        print(name, result[name], flush=True)
+
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+    cases = {
+        "ngram_fresh": lambda: case("ngram_fresh", [("ngram", fast(), ngram)]),
+        "after_ar": lambda: (lambda m: case("after_ar", [("ar", m, base), ("ngram", m, ngram)]))(fast()),
+        "ngram_relaxed": lambda: case("ngram_relaxed", [("ngram", fast(), ngram)], mode="relaxed"),
+        "ar_twice": lambda: (lambda m: case("ar_twice", [("ar1", m, base), ("ar2", m, base)]))(fast()),
+        "ngram_no_kernels": lambda: case("ngram_no_kernels", [("ngram", copy.deepcopy(target).use_fused_decode(),
+                                                                ngram)]),
+    }
+    for name, run in cases.items():
+        if only is None or name in only:
+            try:
+                run()
+            except Exception as e:  # report and go on
+                traceback.print_exc()
+                result[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
