@@ -2,7 +2,8 @@
 """Why one CUDA graph capture fails: session 47's fused_decode n-gram engine (fp32 check model, norm + RoPE kernels,
 fused decode without rope_in_qkv, buckets 1 and 5) lost its T=1 capture to cudaErrorStreamCaptureInvalidated, while
 the AR engine on the same model captured T=1 fine. The tokens stayed equal (the bucket ran eagerly); the cause was
-unknown.
+unknown. Session 48 (a fresh H100): no case here failed, and neither did the check itself, plain or with these
+hooks (BENCHMARKS.md session 48); kept for the next time a capture fails.
 
 This builds that engine in a few orders and settings and, around every capture, records what usually breaks one:
 a Triton kernel whose module is first loaded while the stream is capturing (cuModuleLoad is not a stream operation,
