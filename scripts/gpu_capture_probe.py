@@ -76,7 +76,19 @@ def probing_capture(fn, *, warmup: int = 2, pool=None):
     return graph, out
 
 
+CASES = ("ngram_fresh", "after_ar", "ngram_relaxed", "ar_twice", "ngram_no_kernels")
+
+
 def main() -> int:
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
+    unknown = [c for c in only if c not in CASES]
+    if unknown or len(sys.argv) > 2:
+        print(f"gpu_capture_probe.py [case,...]: unknown case(s) {unknown or sys.argv[2:]}; cases: {', '.join(CASES)}",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():  # a GPU script: one clear line, not a traceback from the first CUDA tensor
+        print("gpu_capture_probe.py needs a CUDA GPU (it captures CUDA graphs); none here", file=sys.stderr)
+        return 2
     _hook_triton_loads()
     runner_mod.capture = probing_capture
     cfg = dataclasses.replace(synthetic_config("qwen2.5-0.5b"), num_hidden_layers=4)
@@ -112,7 +124,6 @@ def main() -> int:
                         "loads_in_capture": [n for p, n, cap in LOADS if cap and p.startswith(name + "/")]}
         print(name, result[name], flush=True)
 
-    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None
     cases = {
         "ngram_fresh": lambda: case("ngram_fresh", [("ngram", fast(), ngram)]),
         "after_ar": lambda: (lambda m: case("after_ar", [("ar", m, base), ("ngram", m, ngram)]))(fast()),
@@ -122,7 +133,7 @@ def main() -> int:
                                                                 ngram)]),
     }
     for name, run in cases.items():
-        if only is None or name in only:
+        if name in only:
             try:
                 run()
             except Exception as e:  # report and go on

@@ -638,3 +638,22 @@ def test_in_graph_tuner_keys_match_the_launch_it_pins(monkeypatch, flags, act):
     gf.gemv_fused(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16),
                   **kw)
     assert seen == [tg.key_for(n, k, flags)]
+
+
+def test_capture_probe_says_it_needs_a_gpu_and_names_its_cases():
+    """gpu_capture_probe.py (BENCHMARKS.md session 48): an unknown case is one clear line listing the cases; on a
+    machine without CUDA, one clear line; exit 2 and no traceback either way."""
+    path = os.pathsep.join(filter(None, [str(SCRIPTS.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    script = str(SCRIPTS / "gpu_capture_probe.py")
+    r = subprocess.run([sys.executable, script, "after_ar,no_such_case"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2 and "no_such_case" in r.stderr and "ngram_fresh" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, script, "after_ar"], capture_output=True, text=True, timeout=120, env=env)
+    if "needs a CUDA GPU" not in r.stderr:
+        import torch
+
+        assert torch.cuda.is_available(), r.stderr  # only a GPU machine may run it for real
+        pytest.skip("a CUDA GPU is here")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
