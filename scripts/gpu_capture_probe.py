@@ -30,7 +30,7 @@ import specpilot.engine.runner as runner_mod
 from specpilot.config import EngineConfig
 from specpilot.costmodel import synthetic_config
 from specpilot.engine import Engine, build_drafter
-from specpilot.engine.graphs import _FAILED
+from specpilot.engine.graphs import capture
 from specpilot.models import random_model
 
 LOADS: list = []  # (kernel name, capturing) for every Triton module load
@@ -54,26 +54,24 @@ def _hook_triton_loads() -> None:
 
 
 def probing_capture(fn, *, warmup: int = 2, pool=None):
-    """engine/graphs.capture with the capture's error mode chosen here and a traceback on failure."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
+    """engine/graphs.capture in the error mode chosen here, syncs reported inside the capture only (the warm-ups may
+    sync), and a traceback on failure."""
+    def fn_checked():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return fn()
+        finally:
+            if capturing:
+                torch.cuda.set_sync_debug_mode(0)
+
     try:
-        torch.cuda.set_sync_debug_mode("warn")
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=MODE["capture_error_mode"]):
-            out = fn()
+        return capture(fn_checked, warmup=warmup, pool=pool, capture_error_mode=MODE["capture_error_mode"])
     except RuntimeError:
         print(f"  capture FAILED ({MODE['phase']}):", flush=True)
         traceback.print_exc()
-        _FAILED.append(graph)
         raise
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return graph, out
 
 
 CASES = ("ngram_fresh", "after_ar", "ngram_relaxed", "ar_twice", "ngram_no_kernels")

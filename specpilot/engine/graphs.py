@@ -15,7 +15,10 @@ import torch
 T = TypeVar("T")
 
 
-def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None,
+            capture_error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, object]:
+    """`capture_error_mode` is torch.cuda.graph's ("relaxed" lets unsafe API calls through: a capture that passes
+    only there failed on such a call, not on a sync; scripts/gpu_capture_probe.py asks for it)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -24,7 +27,7 @@ def capture(fn: Callable[[], object], *, warmup: int = 2, pool=None) -> tuple[to
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             out = fn()
     except RuntimeError:
         # a failed capture leaves the allocator routing its capture to `pool` through a callback on this graph
