@@ -21,9 +21,15 @@ from specpilot.kernels import pdl
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen3-8b": (32, 8, 128)}
 POSITIONS = (0, 1, 63, 64, 127, 128, 511, 700, 1023, 1024, 2047, 2048, 3000, 4095)
-# (cluster size, EVEN, keys a tile): the fixed 128-key slices at each size, and the even split (cluster_attention.EVEN)
-CASES = ((4, False, 128), (8, False, 128), (16, False, 128), (8, True, 128), (8, True, 64), (16, True, 64),
-         (4, "push", 128), (8, "push", 128), (16, "push", 128))  # "push": cluster_attention.PUSH
+# (cluster size, mode, keys a tile): the fixed 128-key slices at each size, the even split (cluster_attention.EVEN),
+# the partials pushed (PUSH, the default since session 49) and both (what the loop's attn_cluster_even runs now)
+CASES = ((4, "", 128), (8, "", 128), (16, "", 128), (8, "even", 128), (8, "even", 64), (16, "even", 64),
+         (4, "push", 128), (8, "push", 128), (16, "push", 128), (8, "even+push", 128), (16, "even+push", 64))
+
+
+def _set(C: int, mode: str) -> None:
+    """The cluster kernel's process-wide switches for one case."""
+    ca.CLUSTER, ca.EVEN, ca.PUSH = C, "even" in mode, "push" in mode
 TOL = 2e-2  # bf16 output: ~3 ulp at |x| ~ 1
 
 
@@ -35,8 +41,8 @@ def main() -> int:
         q = torch.randn(1, H, 1, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16)
-        for C, even, blk in CASES:
-            ca.EVEN, ca.PUSH = even is True, even == "push"
+        for C, mode, blk in CASES:
+            _set(0, mode)
             for p in POSITIONS:
                 pos = torch.tensor([[p]], device=dev, dtype=torch.int64)
                 ref = da.decode_attention_reference(q, k, v, pos).float()
@@ -47,7 +53,7 @@ def main() -> int:
                 ca.CLUSTER = 0
                 e_ref = (got - ref).abs().max().item()
                 e_base = (got - base).abs().max().item()
-                key = f"{shape} C={C}{' ' + ('even' if even is True else 'push') if even else ''} tile={blk}"
+                key = f"{shape} C={C}{' ' + mode if mode else ''} tile={blk}"
                 worst[key] = max(worst.get(key, 0.0), e_ref)
                 print(f"{key} p={p}: vs reference {e_ref:.3e}, vs one-launch {e_base:.3e}", flush=True)
                 if not torch.isfinite(got).all() or e_ref > TOL:
@@ -55,8 +61,8 @@ def main() -> int:
         # inside a CUDA graph, launched with PDL, the position moved between replays (as a decode step does)
         pdl.set_enabled(True, dev, "late", warn=False)
         try:
-            for C, even, blk in CASES:
-                ca.CLUSTER, ca.EVEN, ca.PUSH = C, even is True, even == "push"
+            for C, mode, blk in CASES:
+                _set(C, mode)
                 pos = torch.zeros(1, 1, device=dev, dtype=torch.int64)
                 out = da.decode_attention(q, k, v, pos, split_s=128, block_s=blk, one_launch=True)  # compile, warm
                 torch.cuda.synchronize()
@@ -68,11 +74,12 @@ def main() -> int:
                     graph.replay()
                     torch.cuda.synchronize()
                     e = (out.float() - da.decode_attention_reference(q, k, v, pos).float()).abs().max().item()
-                    print(f"{shape} C={C} even={even} tile={blk} graph+PDL p={p}: vs reference {e:.3e}", flush=True)
+                    key = f"{shape} C={C}{' ' + mode if mode else ''} tile={blk}"
+                    print(f"{key} graph+PDL p={p}: vs reference {e:.3e}", flush=True)
                     if not torch.isfinite(out).all() or e > TOL:
-                        problems.append(f"{shape} C={C} even={even} tile={blk} graph p={p}: {e:.3e}")
+                        problems.append(f"{key} graph p={p}: {e:.3e}")
         finally:
-            ca.CLUSTER, ca.EVEN, ca.PUSH = 0, False, False
+            _set(0, "")
             pdl.set_enabled(False, None, "late", warn=False)
     print(json.dumps({"worst_vs_reference": worst, "problems": problems}))
     return 1 if problems else 0

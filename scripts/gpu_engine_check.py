@@ -602,8 +602,9 @@ def main(only: tuple[str, ...] = ()) -> int:
         early_loads("attn_cluster_even", True, dict(attn_split_keys=16, attn_block_keys=16, attn_cluster=4))
 
     def attn_cluster_push():  # clusters of 4 over 16-key slices (two past 64 positions), the partials pushed to
-        # the CTA that merges them, against the same clusters reading them remotely
-        early_loads("attn_cluster_push", True, dict(attn_split_keys=16, attn_cluster=4))
+        # the CTA that merges them, against the same clusters reading them remotely (on by default since session
+        # 49, so "off" must name False)
+        early_loads("attn_cluster_push", True, dict(attn_split_keys=16, attn_cluster=4, attn_cluster_push=False))
 
     def qkv_pipeline():  # qkv + RoPE's K loop two blocks ahead (the same sums in the same order)
         early_loads("qkv_pipeline")

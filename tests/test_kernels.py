@@ -1158,20 +1158,46 @@ def test_cluster_launch_asks_triton_for_the_cluster(monkeypatch):
     assert not ca.applies(1, 6, 128, 1, torch.device("cuda"))  # from then on: the one-launch kernel
 
 
-@pytest.mark.parametrize("field, flag", [("attn_cluster_even", "EVEN"), ("attn_cluster_push", "PUSH")])
-def test_engine_sets_the_cluster_switches_from_the_config(monkeypatch, switch_wired, field, flag):
-    """EngineConfig.attn_cluster_even / attn_cluster_push -> kernels/cluster_attention.py EVEN / PUSH on CUDA only
-    (off by default); a bool; a CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
+def test_engine_sets_the_cluster_even_switch_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.attn_cluster_even -> kernels/cluster_attention.py EVEN on CUDA only (off by default); a bool; a
+    CLI flag; in the loop's layout key and searched by its mechanism (with a cluster)."""
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
     from specpilot.kernels import cluster_attention as ca
 
-    monkeypatch.setattr(ca, flag, False)
-    _apply_program_splits(EngineConfig(device="cuda", **{field: True}))
-    assert getattr(ca, flag) is True
-    _apply_program_splits(EngineConfig(**{field: True}))  # CPU: never
-    assert getattr(ca, flag) is False
-    switch_wired(field, "--" + field.replace("_", "-"), field, {field: True})
+    monkeypatch.setattr(ca, "EVEN", False)
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_even=True))
+    assert ca.EVEN is True
+    _apply_program_splits(EngineConfig(attn_cluster_even=True))  # CPU: never
+    assert ca.EVEN is False
+    switch_wired("attn_cluster_even", "--attn-cluster-even", "attn_cluster_even", {"attn_cluster_even": True})
+
+
+def test_engine_sets_the_cluster_push_switch_from_the_config(monkeypatch, field_wired):
+    """EngineConfig.attn_cluster_push -> kernels/cluster_attention.py PUSH on CUDA only, ON by default since session
+    49 (so a default CUDA engine pushes, and --no-attn-cluster-push turns it off); only a bool passes validation; in
+    the loop's layout key, and its mechanism proposes turning it off first."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
+    from specpilot.kernels import cluster_attention as ca
+    from specpilot.loop.registry import REGISTRY
+
+    assert EngineConfig().attn_cluster_push is True
+    monkeypatch.setattr(ca, "PUSH", False)
+    _apply_program_splits(EngineConfig(device="cuda"))
+    assert ca.PUSH is True
+    _apply_program_splits(EngineConfig(device="cuda", attn_cluster_push=False))
+    assert ca.PUSH is False
+    monkeypatch.setattr(ca, "PUSH", True)
+    _apply_program_splits(EngineConfig())  # CPU: never
+    assert ca.PUSH is False
+    with pytest.raises(ConfigError, match="attn_cluster_push must be true or false"):
+        EngineConfig(attn_cluster_push="yes")
+    gpu = field_wired("attn_cluster_push", ["--no-attn-cluster-push"], False, "attn_cluster_push",
+                      {"attn_cluster_push": False})
+    first = REGISTRY["attn_cluster_push"].candidates(gpu.config, gpu)[0]
+    assert first == {"attn_cluster_push": False}
 
 
 def test_engine_sets_the_attention_stages_from_the_config(monkeypatch, field_wired):

@@ -308,7 +308,7 @@ register(Mechanism(
     "one cluster takes every visible key of a KV head, dealt out evenly over its CTAs in whole tiles: short contexts "
     "get smaller slices and long ones no second cluster and atomic merge"))
 register(Mechanism(
-    "attn_cluster_push", ("verify", "draft"), {"attn_cluster_push": [True, False]},
+    "attn_cluster_push", ("verify", "draft"), {"attn_cluster_push": [False, True]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.attn_cluster > 0,
     "the cluster's CTAs store their partials' columns into the CTA that merges them, so the merge reads only its "
     "own shared memory: one cluster barrier and no distributed-memory reads"))
