@@ -12,6 +12,11 @@ prints the traceback of the op that reported it. Cases: ngram_fresh (a fresh mod
 after_ar (the check's order: AR engine, then n-gram on the same model), ngram_relaxed (the n-gram engine with
 captures in relaxed error mode: passing there points at an unsafe API call rather than a sync), ar_twice (two AR
 engines on one model: a second engine alone), ngram_no_kernels (fused decode without the norm and RoPE kernels).
+Session 49 found the likely cause (engine/graphs.py's docstring): a CUDA graph destroyed while another records,
+by a cyclic garbage collection that ran mid-capture. Three torch-only cases test that: graph_freed_in_capture (an
+earlier graph's last reference dropped inside a capture: does that invalidate it?), gc_cycle_raw (an earlier graph
+in a reference cycle, the collector made eager, a plain torch.cuda.graph capture) and gc_cycle_guarded (the same
+through engine/graphs.capture, which keeps the collector off while recording).
 `python scripts/gpu_capture_probe.py [case,...]`. Last stdout line: one JSON object.
 """
 
@@ -74,7 +79,50 @@ def probing_capture(fn, *, warmup: int = 2, pool=None):
         raise
 
 
-CASES = ("ngram_fresh", "after_ar", "ngram_relaxed", "ar_twice", "ngram_no_kernels")
+CASES = ("ngram_fresh", "after_ar", "ngram_relaxed", "ar_twice", "ngram_no_kernels", "graph_freed_in_capture",
+         "gc_cycle_raw", "gc_cycle_guarded")
+
+
+def graph_case(name: str) -> dict:
+    """One of the torch-only cases (module docstring) -> {"captured": bool, "error": first line or ""}."""
+    import gc
+
+    x = torch.randn(64, 64, device="cuda")
+
+    def small_graph():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.mul_(1.0)
+        return g
+
+    holder = {"old": small_graph()}
+    if name != "graph_freed_in_capture":  # the old graph only in a cycle: a collection destroys it
+        cycle = {"graph": holder.pop("old")}
+        cycle["me"] = cycle
+        del cycle
+    thresholds = gc.get_threshold()
+
+    def body():  # (the collector made eager only here, inside the capture: earlier it would free the cycle first)
+        gc.set_threshold(1, 1, 1)
+        holder.pop("old", None)  # graph_freed_in_capture: the last reference goes here
+        for _ in range(200):  # Python allocations: with the eager collector, collections run here
+            [[]]
+        return x * 2
+
+    try:
+        if name == "gc_cycle_guarded":
+            capture(body, warmup=0)
+        else:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                body()
+        return {"captured": True, "error": ""}
+    except RuntimeError as e:
+        return {"captured": False, "error": str(e).splitlines()[0][:160]}
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+        torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -87,6 +135,14 @@ def main() -> int:
     if not torch.cuda.is_available():  # a GPU script: one clear line, not a traceback from the first CUDA tensor
         print("gpu_capture_probe.py needs a CUDA GPU (it captures CUDA graphs); none here", file=sys.stderr)
         return 2
+    result = {}
+    for name in [c for c in only if c.startswith(("graph_", "gc_"))]:  # first: they build no engine
+        result[name] = graph_case(name)
+        print(name, result[name], flush=True)
+    only = [c for c in only if c not in result]
+    if not only:
+        print(json.dumps(result))
+        return 0
     _hook_triton_loads()
     runner_mod.capture = probing_capture
     cfg = dataclasses.replace(synthetic_config("qwen2.5-0.5b"), num_hidden_layers=4)
@@ -100,7 +156,6 @@ def main() -> int:
     def fast():
         return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
 
-    result = {}
 
     def case(name, steps, mode="global"):
         MODE["capture_error_mode"] = mode
