@@ -125,7 +125,8 @@ class ModelRunner:
                 try:
                     g, outputs = capture(lambda: self._bucket_step(ids, pos, num_drafts), warmup=3, pool=pool)
                 except RuntimeError as e:
-                    # not expected (H200 session 11: once, compile + the norm/RoPE kernels on an fp32 model); the
+                    # not expected (H200 session 11: once, compile + the norm/RoPE kernels on an fp32 model; the
+                    # failures of sessions 28-49 were a garbage collection mid-capture, now kept out: graphs.py); the
                     # bucket then runs the same step eagerly (slower, same tokens) rather than the engine failing.
                     # The pool that capture broke stays marked as recording: later buckets take a fresh one.
                     warnings.warn(f"T={T} step: CUDA graph capture failed ({e}); this bucket runs eagerly",
