@@ -156,7 +156,6 @@ def main() -> int:
     def fast():
         return copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode()
 
-
     def case(name, steps, mode="global"):
         MODE["capture_error_mode"] = mode
         fails = []

@@ -27,10 +27,17 @@ CASES = ((4, "", 128), (8, "", 128), (16, "", 128), (8, "even", 128), (8, "even"
          (4, "push", 128), (8, "push", 128), (16, "push", 128), (8, "even+push", 128), (16, "even+push", 64))
 
 
+TOL = 2e-2  # bf16 output: ~3 ulp at |x| ~ 1
+
+
 def _set(C: int, mode: str) -> None:
     """The cluster kernel's process-wide switches for one case."""
     ca.CLUSTER, ca.EVEN, ca.PUSH = C, "even" in mode, "push" in mode
-TOL = 2e-2  # bf16 output: ~3 ulp at |x| ~ 1
+
+
+def _key(shape: str, C: int, mode: str, blk: int) -> str:
+    """One case's label in the printed lines and the JSON."""
+    return f"{shape} C={C}{' ' + mode if mode else ''} tile={blk}"
 
 
 def main() -> int:
@@ -53,7 +60,7 @@ def main() -> int:
                 ca.CLUSTER = 0
                 e_ref = (got - ref).abs().max().item()
                 e_base = (got - base).abs().max().item()
-                key = f"{shape} C={C}{' ' + mode if mode else ''} tile={blk}"
+                key = _key(shape, C, mode, blk)
                 worst[key] = max(worst.get(key, 0.0), e_ref)
                 print(f"{key} p={p}: vs reference {e_ref:.3e}, vs one-launch {e_base:.3e}", flush=True)
                 if not torch.isfinite(got).all() or e_ref > TOL:
@@ -74,7 +81,7 @@ def main() -> int:
                     graph.replay()
                     torch.cuda.synchronize()
                     e = (out.float() - da.decode_attention_reference(q, k, v, pos).float()).abs().max().item()
-                    key = f"{shape} C={C}{' ' + mode if mode else ''} tile={blk}"
+                    key = _key(shape, C, mode, blk)
                     print(f"{key} graph+PDL p={p}: vs reference {e:.3e}", flush=True)
                     if not torch.isfinite(out).all() or e > TOL:
                         problems.append(f"{key} graph p={p}: {e:.3e}")
