@@ -416,6 +416,39 @@ def test_prefill_timing_script_runs_on_cpu():
     assert r.returncode == 2 and "--lengths" in r.stderr
 
 
+def test_step_profile_groups_kernels_by_name_and_rejects_bad_arguments():
+    """gpu_step_profile.py's analysis (the profiling needs CUDA): per kernel name the launches a step and the median
+    over replays of their summed time, largest first; kernel time + gaps = the span (gaps negative where launches
+    overlap); a bad argument is a clear ValueError before any GPU work."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_step_profile", SCRIPTS / "gpu_step_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def replay(t0, slow):
+        out, t = [], t0
+        for name, dt in [("gemm", 4.0), ("attn", 3.0), ("gemm", 4.0 + slow), ("norm", 1.0)]:
+            out.append((name, t, t + dt))
+            t += dt + 0.5
+        return out
+
+    r = mod.group([replay(0.0, 0.0), replay(100.0, 2.0), replay(200.0, 4.0)])
+    assert [(k["name"], k["us"], k["launches"]) for k in r["kernels"]] == [("gemm", 10.0, 2), ("attn", 3.0, 1),
+                                                                          ("norm", 1.0, 1)]
+    assert r["kernel_us"] == 14.0 and r["gaps_us"] == 1.5 and r["span_us"] == 15.5
+    overlapped = [[("a", 0.0, 4.0), ("b", 3.0, 5.0)]]  # PDL: b starts before a ends
+    assert mod.group(overlapped)["gaps_us"] == -1.0
+    opts = mod.parse(["qwen3-8b", "--tokens=1,8", "--config=attn_cluster=0,pdl=false", "--replays=3"])
+    assert opts["shapes"] == ["qwen3-8b"] and opts["tokens"] == [1, 8] and opts["replays"] == 3
+    assert opts["fields"] == {"attn_cluster": 0, "pdl": False}
+    assert mod.parse([])["shapes"] == ["qwen2.5-1.5b"] and mod.parse([])["tokens"] == [1, 16]
+    for bad in (["--tokens=0"], ["--tokens=17"], ["--config=nonsense=1"], ["--config=pdl=yes"], ["--replays=x"],
+                ["--frobnicate"]):
+        with pytest.raises(ValueError):
+            mod.parse(bad)
+
+
 def test_step_kernels_finds_the_layer_and_prices_each_launch():
     """gpu_step_kernels.py's analysis (the profiling needs CUDA): a step's kernels = what precedes the layers, a
     per-layer repeat, what follows; per position in the layer its median time, its gap to the next kernel and its
