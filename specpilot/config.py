@@ -199,6 +199,10 @@ class EngineConfig:
     # instead of ramping on DRAM (kernels/decode_attention.py VERIFY_WARM_MAX_BYTES; the one-token path's twin is
     # pdl_l2_mb, which at 1.5B took 4.5-9% off the step). A hint: same numbers. 0: off (H200, session 29: neutral,
     # 5 / 16 tokens +0.3 / +0.4%)
+    verify_one_launch: bool = False  # CUDA, with fused_verify: a 2-16-token verify block's attention is ONE launch
+    # whose last-arriving program merges the slices (PDL where on), not the split + merge pair: a launch fewer a
+    # layer (kernels/decode_attention.py VERIFY_ONE_LAUNCH). Same numbers; verify_l2_mb does not apply with it.
+    # Off until a GPU times it (session 50); the loop searches it
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
     # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
@@ -428,6 +432,8 @@ class EngineConfig:
             raise ConfigError(f"gemm_bucket_min must be 0, 2, 4, 8 or 16, got {self.gemm_bucket_min!r}")
         if not isinstance(self.verify_l2_mb, int) or isinstance(self.verify_l2_mb, bool) or self.verify_l2_mb < 0:
             raise ConfigError(f"verify_l2_mb must be an integer >= 0 (MiB), got {self.verify_l2_mb!r}")
+        if not isinstance(self.verify_one_launch, bool):
+            raise ConfigError(f"verify_one_launch must be true or false, got {self.verify_one_launch!r}")
         if (not isinstance(self.attn_merge_chunk, int) or isinstance(self.attn_merge_chunk, bool)
                 or not 0 <= self.attn_merge_chunk <= 64 or self.attn_merge_chunk & (self.attn_merge_chunk - 1)):
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")

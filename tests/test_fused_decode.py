@@ -238,6 +238,23 @@ def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, mon
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_verify_one_launch_gives_the_pairs_bits_in_a_verify_block(tiny_model_dir, monkeypatch, family):
+    """A fused verify block with its attention in one launch (EngineConfig.verify_one_launch): logits, captured
+    layers and the K/V written are the split + merge pair's bits (bf16, 16 tokens)."""
+    from specpilot.kernels import decode_attention as da
+    from specpilot.models import load_model
+
+    model = load_model(tiny_model_dir(family), dtype=torch.bfloat16).use_fused_decode().use_fused_verify()
+    ids = torch.randint(3, 96, (1, 6 + 16), generator=torch.Generator().manual_seed(9))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", on)
+        logits, captured, cache = _verify_block(model, ids, 16, return_layers=(0, 1))
+        outs[on] = (logits, *captured, cache.k, cache.v)
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+
 def test_fused_verify_is_used_only_for_2_to_16_token_steps_in_one_row(tiny_model_dir, monkeypatch):
     from specpilot.models import load_model
 

@@ -521,6 +521,55 @@ def test_decode_attention_token_major_is_the_same_attention_laid_out_by_token():
         assert fake.shape == got.shape and fake.stride() == got.stride()
 
 
+
+@pytest.mark.parametrize("B,H,Hkv,T,S,D", [(1, 12, 2, 16, 300, 16), (1, 4, 2, 5, 70, 32), (2, 8, 8, 16, 40, 16)])
+def test_verify_one_launch_is_the_pair_bit_for_bit(monkeypatch, B, H, Hkv, T, S, D):
+    """VERIFY_ONE_LAUNCH (EngineConfig.verify_one_launch): the verify op runs the one-launch kernel over the pair's
+    slices (6 x 16 = 96 rows a KV head: three row blocks, each merged by its own last arrival) -> the two-launch
+    numbers bit for bit, laid out token-major the same way; the merge kernel no longer launches and the counters end
+    at zero."""
+    from specpilot.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(T * 10 + H)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ends = torch.randint(T - 1, S, (B,), generator=g)
+    ends[-1] = S - 1  # a row that sees the whole pool: every slice works
+    positions = ends[:, None] - (T - 1) + torch.arange(T)[None]
+    monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", False)
+    pair = da.decode_attention_token_major_op(q, k, v, positions)
+    real, merges = da._combine_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "_combine_kernel", Spy())
+    monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", True)
+    one = da.decode_attention_token_major_op(q, k, v, positions)
+    assert not merges and torch.equal(one, pair) and one.stride() == pair.stride()
+    assert (one - da.decode_attention_reference(q, k, v, positions)).abs().max().item() < 1e-4
+    assert not da._COUNTERS[q.device].any()
+    monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", False)
+    da.decode_attention_token_major_op(q, k, v, positions)
+    assert len(merges) == 1  # off: the pair again
+
+
+def test_engine_sets_verify_one_launch_from_the_config(monkeypatch, switch_wired):
+    """EngineConfig.verify_one_launch -> decode_attention.VERIFY_ONE_LAUNCH on CUDA only (off by default); a bool;
+    a CLI flag; in the loop's layout key and proposed by its mechanism on a GPU deployment."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import _apply_program_splits
+    from specpilot.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", False)
+    _apply_program_splits(EngineConfig(device="cuda", verify_one_launch=True))
+    assert da.VERIFY_ONE_LAUNCH is True
+    _apply_program_splits(EngineConfig(verify_one_launch=True))  # CPU: the pair, as the CPU tests pin
+    assert da.VERIFY_ONE_LAUNCH is False
+    switch_wired("verify_one_launch", "--verify-one-launch", "verify_one_launch", {"verify_one_launch": True})
+
 # --- RMSNorm (kernels/rmsnorm.py) -------------------------------------------------------------------------------
 
 

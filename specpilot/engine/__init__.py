@@ -205,9 +205,10 @@ def _apply_program_splits(config: EngineConfig) -> None:
     attn_merge_unroll -> its MERGE_UNROLL, attn_warps -> its ONE_LAUNCH_WARPS, attn_stages -> its
     ONE_LAUNCH_STAGES, attn_single_direct -> its SINGLE_DIRECT, attn_cluster / attn_cluster_even / attn_cluster_push
     -> kernels/cluster_attention.py's CLUSTER / EVEN / PUSH, verify_l2_mb -> decode_attention's
-    VERIFY_WARM_MAX_BYTES and tuned_tiles / tuned_table -> kernels/tuned.py's PINNED / TABLE, set whenever a model
-    is laid out, as _apply_pdl; off CUDA the layouts the CPU tests pin (one program for all q heads; 128 keys a
-    program, 64 an inner step; the merge a slice at a time; no warming; no pinned tiles)."""
+    VERIFY_WARM_MAX_BYTES, verify_one_launch -> its VERIFY_ONE_LAUNCH and tuned_tiles / tuned_table ->
+    kernels/tuned.py's PINNED / TABLE, set whenever a model is laid out, as _apply_pdl; off CUDA the layouts the CPU
+    tests pin (one program for all q heads; 128 keys a program, 64 an inner step; the merge a slice at a time; no
+    warming; no pinned tiles; a verify block's attention in two launches)."""
     from specpilot.kernels import decode_attention, rope_write
 
     cuda = str(config.device).startswith("cuda")
@@ -226,6 +227,7 @@ def _apply_program_splits(config: EngineConfig) -> None:
     cluster_attention.CLUSTER = config.attn_cluster if cuda else 0  # the slices' merge inside a CTA cluster
     cluster_attention.EVEN = config.attn_cluster_even and cuda  # one cluster, the keys dealt out evenly
     cluster_attention.PUSH = config.attn_cluster_push and cuda  # partials pushed to the CTA that merges them
+    decode_attention.VERIFY_ONE_LAUNCH = config.verify_one_launch and cuda  # a verify block's attention: one launch
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
     from specpilot.kernels import gemv_fused, tuned
 

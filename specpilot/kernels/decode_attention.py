@@ -132,6 +132,14 @@ LOADS_FIRST = False
 # EngineConfig.verify_l2_mb sets it (engine._apply_program_splits); 0: off. Neutral on the H200 (session 29, 1.5B
 # graphed verify steps: 5 tokens +0.3%, 16 tokens +0.4%): off, searched by the loop.
 VERIFY_WARM_MAX_BYTES = 0
+# A verify block's attention (T > 1) runs the one-launch kernel instead of the split + merge pair
+# (EngineConfig.verify_one_launch): the last program of each (KV head, row block) to finish merges, and under PDL the
+# launch follows RoPE + K/V write early, as the one-token path's does. Why: the one-token step has had PDL and one
+# launch a layer for its attention since sessions 12 and 26, the T-row path has not, and on an H100 (session 50) the
+# real 1.5B's 16-token verify took 2.07 ms against 1.48 ms for a whole AR token. The same 128-key slices in 64-key
+# steps and the same merge code as the pair: the same numbers (tests/test_kernels.py). VERIFY_WARM_MAX_BYTES
+# (the pair's split kernel warming o_proj) does not apply then. Off until a GPU times it; the loop searches it.
+VERIFY_ONE_LAUNCH = False
 # The one-launch kernel's only working slice (the context fits in one program's keys: n_used == 1) stores the output
 # itself, without publishing a partial, the atomic arrival and the merge's reads of what it just wrote
 # (EngineConfig.attn_single_direct). Why: the session-37 trace put the 1.5B one-token attention at 8.1 us a layer
@@ -722,7 +730,8 @@ def _register_op():
     (session 10: InductorError in its compile worker), which kept `compile` and the kernel from combining.
     "specpilot::decode_attention_one" is the one-launch path (its counters end every call at zero, as they began:
     no state torch.compile would need to know of); "specpilot::decode_attention_token_major" the two-launch path
-    with its output token-major (a fused verify step's, models/fused_decode.py)."""
+    (the one-launch one with VERIFY_ONE_LAUNCH) with its output token-major (a fused verify step's,
+    models/fused_decode.py)."""
 
     @torch.library.custom_op("specpilot::decode_attention", mutates_args=())
     def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -737,6 +746,8 @@ def _register_op():
     @torch.library.custom_op("specpilot::decode_attention_token_major", mutates_args=())
     def decode_attention_token_major_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                                         warm: torch.Tensor | None = None) -> torch.Tensor:
+        if VERIFY_ONE_LAUNCH:  # one launch (PDL where on), the pair's slices: the same numbers
+            return decode_attention(q, k, v, positions, one_launch=True, token_major=True)
         return decode_attention(q, k, v, positions, token_major=True, warm=warm)
 
     for op in (decode_attention_op, decode_attention_one_op):

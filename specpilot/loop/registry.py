@@ -333,6 +333,11 @@ register(Mechanism(
     "a verify block's attention warms o_proj's weight in L2 while it runs (latency-bound: HBM idles), so the "
     "o_proj GEMV after it reads L2"))
 register(Mechanism(
+    "verify_one_launch", ("verify",), {"verify_one_launch": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
+    "a verify block's attention in one launch, its slices merged by the last program to finish (PDL where on), not "
+    "a split launch and a merge launch: a launch fewer a layer in the step a speculative step is mostly made of"))
+register(Mechanism(
     "gemm_bucket", ("verify",), {"gemm_bucket_min": [16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "
