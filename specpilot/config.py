@@ -202,7 +202,9 @@ class EngineConfig:
     verify_one_launch: bool = False  # CUDA, with fused_verify: a 2-16-token verify block's attention is ONE launch
     # whose last-arriving program merges the slices (PDL where on), not the split + merge pair: a launch fewer a
     # layer (kernels/decode_attention.py VERIFY_ONE_LAUNCH). Same numbers; verify_l2_mb does not apply with it.
-    # Off until a GPU times it (session 50); the loop searches it
+    # H100, session 50 (random bf16 weights, paired): 1.5B 16-token step -4.4% in two calls, 5 tokens -4.1%, Qwen3-8B
+    # 16 tokens -0.9%. Off until the engine check compares its tokens on a GPU (its call ran out of time compiling);
+    # the loop searches it
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
     # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
