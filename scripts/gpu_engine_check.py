@@ -18,7 +18,7 @@ with K and the merge's first partials with the maxima, attn_cluster / attn_clust
 merged inside a thread-block cluster (one cluster of 8; two of 4, merged across by the last CTA; one of 4 dealing
 out every key evenly; pushing the partials to the merging CTA), qkv_pipeline: qkv + RoPE's K loop two blocks ahead,
 attn_stages: the attention's slice loop in 2 pipeline stages, verify_one_launch: a verify block's attention in one
-launch,
+launch, norm_pdl: the RMSNorm launches with PDL,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -48,7 +48,7 @@ SECTIONS = ("defaults", "attention_kernel", "norm_kernel", "fused_decode", "fuse
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
             "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys",
             "attn_loads_first", "attn_cluster", "attn_cluster_groups", "attn_cluster_even", "attn_cluster_push",
-            "qkv_pipeline", "attn_stages", "verify_one_launch", "rope_split",
+            "qkv_pipeline", "attn_stages", "verify_one_launch", "norm_pdl", "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -616,6 +616,9 @@ def main(only: tuple[str, ...] = ()) -> int:
     def verify_one_launch():  # a verify block's attention in one launch (its n-gram speculation's blocks)
         early_loads("verify_one_launch")
 
+    def norm_pdl():  # the RMSNorm launches with PDL (its n-gram speculation's verify blocks: two a layer)
+        early_loads("norm_pdl")
+
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)
 
@@ -783,6 +786,7 @@ def main(only: tuple[str, ...] = ()) -> int:
               "attn_cluster": attn_cluster, "attn_cluster_groups": attn_cluster_groups,
               "attn_cluster_even": attn_cluster_even, "attn_cluster_push": attn_cluster_push,
               "qkv_pipeline": qkv_pipeline, "attn_stages": attn_stages, "verify_one_launch": verify_one_launch,
+              "norm_pdl": norm_pdl,
               "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,

@@ -205,6 +205,9 @@ class EngineConfig:
     # H100, session 50 (random bf16 weights, paired): 1.5B 16-token step -4.4% in two calls, 5 tokens -4.1%, Qwen3-8B
     # 16 tokens -0.9%. Off until the engine check compares its tokens on a GPU (its call ran out of time compiling);
     # the loop searches it
+    norm_pdl: bool = False  # CUDA, with PDL: the RMSNorm launches (a verify block's two a layer) launch with PDL too,
+    # letting the next GEMV launch first thing and waiting before they read (kernels/rmsnorm.py PDL). Same numbers.
+    # Off until a GPU times it (session 50); the loop searches it
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
     # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
@@ -436,6 +439,8 @@ class EngineConfig:
             raise ConfigError(f"verify_l2_mb must be an integer >= 0 (MiB), got {self.verify_l2_mb!r}")
         if not isinstance(self.verify_one_launch, bool):
             raise ConfigError(f"verify_one_launch must be true or false, got {self.verify_one_launch!r}")
+        if not isinstance(self.norm_pdl, bool):
+            raise ConfigError(f"norm_pdl must be true or false, got {self.norm_pdl!r}")
         if (not isinstance(self.attn_merge_chunk, int) or isinstance(self.attn_merge_chunk, bool)
                 or not 0 <= self.attn_merge_chunk <= 64 or self.attn_merge_chunk & (self.attn_merge_chunk - 1)):
             raise ConfigError(f"attn_merge_chunk must be 0 or a power of two <= 64, got {self.attn_merge_chunk!r}")

@@ -38,6 +38,7 @@ def _cases():
     from specpilot.kernels import qkv_rope as qr
     from specpilot.kernels import rope_attention as ra
     from specpilot.kernels import rope_write as rw
+    from specpilot.kernels import rmsnorm as rk
 
     def gemv_types(n):  # (ocnt_ptr: the norm epilogue's arrival counter, kernels/norm_epilogue.py)
         return "*i32" if n == "ocnt_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n in ("eps", "out_eps") \
@@ -159,6 +160,10 @@ def _cases():
     def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
         return "fp32" if n == "eps" else attn_types(n)
 
+    def norm_types(n):  # kernels/rmsnorm.py (EngineConfig.norm_pdl): a verify block's norms
+        return "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+
+    yield "rmsnorm", rk._rmsnorm_kernel, dict(BLOCK=2048), norm_types
     yield "rope_attention_qk_norm", ra._rope_attention_kernel, dict(
         D=128, BLOCK_R=16, BLOCK_S=64, PREC="tf32", UPCAST=False, SPLITS_P2=32, Q_NORM=True, K_NORM=True), \
         rope_attn_types

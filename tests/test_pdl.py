@@ -626,7 +626,7 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "attention_one_launch_early_pos", "qkv_rope_late", "qkv_rope_qk_norm_late",
             "qkv_rope_l2_late", "gemv_residual_l2_next_late", "attention_one_launch_kv_preload",
             "attention_one_launch_single_early_pos", "qkv_rope_trigger_first",
-            "attention_one_launch_unroll_early_pos"} <= set(report)
+            "attention_one_launch_unroll_early_pos", "rmsnorm"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name
@@ -683,6 +683,43 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 assert ("atom.global.gpu.acq_rel.add.u32" in case["atomics"]) == norm, (name, case)
                 assert (case["cg_loads"] > 0) == norm, (name, case)
 
+
+
+def test_norm_pdl_launches_the_rmsnorm_with_pdl_only_where_pdl_is_on(monkeypatch, switch_wired):
+    """EngineConfig.norm_pdl -> kernels/rmsnorm.py PDL with PDL on only; the RMSNorm launch then passes USE_PDL and
+    launch_pdl (tests/pdl_ptx.py: the compiled kernel triggers, then waits, before any global access), and neither
+    where either is off; validated, a CLI flag, in the loop's layout key, a loop mechanism."""
+    import specpilot.kernels.rmsnorm as rk
+    from specpilot.engine import _apply_pdl
+
+    monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
+    monkeypatch.setattr(rk, "PDL", False)
+    _apply_pdl(EngineConfig(device="cuda", norm_pdl=True))
+    assert pdl.enabled() and rk.PDL is True
+    _apply_pdl(EngineConfig(device="cuda", norm_pdl=True, pdl=False))
+    assert rk.PDL is False
+    _apply_pdl(EngineConfig(device="cuda"))
+    assert rk.PDL is False
+    real, launches = rk._rmsnorm_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append(kw)
+                if not kw.get("USE_PDL"):  # (the interpreter has no griddepcontrol: only the plain launch runs)
+                    real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(rk, "_rmsnorm_kernel", Spy())
+    x, w = torch.randn(3, 64), torch.randn(64)
+    for flag, on in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(rk, "PDL", flag)
+        monkeypatch.setattr(pdl, "_enabled", on)
+        rk.rmsnorm(x, w, 1e-6)
+    assert [(kw.get("USE_PDL", False), kw.get("launch_pdl", False)) for kw in launches] == [
+        (False, False), (False, False), (True, True)]
+    monkeypatch.setattr(pdl, "_enabled", False)
+    switch_wired("norm_pdl", "--norm-pdl", "norm_pdl", {"norm_pdl": True})
 
 def test_qkv_trigger_first_lets_the_attention_launch_at_qkv_start(monkeypatch, switch_wired):
     """EngineConfig.qkv_trigger_first -> kernels/qkv_rope.py TRIGGER_FIRST with PDL on only: under the late trigger

@@ -157,7 +157,8 @@ def _fused_switch_wanted(config: EngineConfig, field: str, what: str, quiet: boo
 
 def _apply_pdl(config: EngineConfig) -> None:
     """EngineConfig.pdl -> the process-wide PDL switch (kernels/pdl.py), set whenever a model is laid out for a
-    config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture). PDL
+    config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture); with it
+    norm_pdl -> kernels/rmsnorm.py's PDL. PDL
     only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
     it stays off without a word: it is on by default, and the kernels are the same without it."""
@@ -174,6 +175,9 @@ def _apply_pdl(config: EngineConfig) -> None:
         decode_attention.PDL_EARLY_POS = config.attn_early_pos and pdl.enabled()  # its positions before the wait
         decode_attention.KV_PRELOAD = config.attn_kv_preload and pdl.enabled()  # its older K/V rows, too
         qkv_rope.TRIGGER_FIRST = config.qkv_trigger_first and pdl.enabled()  # the attention resident during qkv
+    from specpilot.kernels import rmsnorm
+
+    rmsnorm.PDL = config.norm_pdl and pdl.enabled()  # the RMSNorm launches with PDL too (a verify block's norms)
 
 
 def _apply_gemv_prefetch(config: EngineConfig) -> None:
@@ -245,9 +249,11 @@ def kernel_switches() -> dict:
     """The process-wide kernel switches as they are now: (module, name) -> value for the kernel modules' upper-case
     settings and PDL's state, the ones _apply_pdl, _apply_gemv_prefetch and _apply_program_splits set (a snapshot
     for `restore_kernel_switches`, or to tell two configurations' switches apart)."""
-    from specpilot.kernels import cluster_attention, decode_attention, gemv_fused, pdl, qkv_rope, rope_write, tuned
+    from specpilot.kernels import (cluster_attention, decode_attention, gemv_fused, pdl, qkv_rope, rmsnorm, rope_write,
+                                   tuned)
 
-    return {(m, k): v for m in (decode_attention, cluster_attention, gemv_fused, qkv_rope, rope_write, tuned, pdl)
+    return {(m, k): v for m in (decode_attention, cluster_attention, gemv_fused, qkv_rope, rmsnorm, rope_write, tuned,
+                                pdl)
             for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}
 
 

@@ -21,10 +21,20 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
 except ImportError:  # CPU-only installs: the reference path only
     triton = None
 
 MAX_DIM = 16384  # one row per program, held in registers in one block
+# Launched with programmatic dependent launch where PDL is on (EngineConfig.norm_pdl): the kernel lets the next one
+# launch first thing, then waits for the one ahead before it reads anything (kernels/pdl.py's rule). Why: a fused
+# verify block's two RMSNorm launches a layer (models/fused_decode.py PRENORM_ROWS) were the only launches of its
+# chain without PDL besides the attention pair, so each was a full kernel boundary: on an H100 (session 50) the
+# 1.5B's 16-token step had 406 us of gaps between its kernels against 42 us for the one-token step. The M-row GEMM
+# after a norm then launches while the norm runs and loads its first weight tile before its own wait. Same numbers
+# (nothing but the launch changes). Off until a GPU times it; the loop searches it.
+PDL = False
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,8 +68,12 @@ if triton is not None:
         return _to_dtype(out, out_dtype)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, x_head_stride, HEADS, N, eps, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, x_head_stride, HEADS, N, eps, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
         # row r of x is (r // HEADS, r % HEADS) of a [rows / HEADS, HEADS, N] view: HEADS = 1 for one row stride
+        if USE_PDL:  # (launched with PDL: the next kernel may launch now; nothing is read before the wait)
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         valid = cols < N
@@ -95,8 +109,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.dim() == 2:
         x2 = x2[:, None]
     w = weight if weight.is_contiguous() else weight.contiguous()
+    pdl = launch_options() if PDL else None  # (PDL: only where the switch and PDL itself are on)
+    extra = {"USE_PDL": True, **pdl.kwargs} if pdl is not None and pdl.use_pdl else {}
     _rmsnorm_kernel[(rows,)](x2, w, out, x2.stride(0), x2.stride(1), x2.shape[1], N, eps,
-                             BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
+                             BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8, **extra)
     return out
 
 

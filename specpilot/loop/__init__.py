@@ -62,13 +62,13 @@ class EngineMeasure:
               "gemv_pipeline", "early_epilogue", "tile_after_wait", "tuned_tiles", "tuned_table",
               "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys", "attn_loads_first",
               "attn_cluster", "attn_cluster_even", "attn_cluster_push", "qkv_pipeline", "attn_stages",
-              "fused_mlp", "verify_one_launch")
+              "fused_mlp", "verify_one_launch", "norm_pdl")
     # (pdl, pdl_trigger, pdl_l2_mb, pdl_l2_share, pdl_l2_next_mb, pdl_kv_l2, rope_q_heads, attn_split_keys,
     # attn_merge_chunk, attn_early_pos, attn_warps, attn_kv_preload, verify_l2_mb, gemm_bucket_min,
     # gemv_prefetch, gemv_pipeline, early_epilogue, tile_after_wait, tuned_tiles, tuned_table, qkv_trigger_first,
     # attn_single_direct, attn_merge_unroll, attn_block_keys, attn_loads_first, the attn_cluster fields,
-    # qkv_pipeline, attn_stages and verify_one_launch change no weights, but their process-wide switches are set
-    # when a model is laid out: engine._apply_pdl / _apply_gemv_prefetch / _apply_program_splits)
+    # qkv_pipeline, attn_stages, verify_one_launch and norm_pdl change no weights, but their process-wide switches
+    # are set when a model is laid out: engine._apply_pdl / _apply_gemv_prefetch / _apply_program_splits)
 
     def __init__(self, load_target, drafter: str | None = None, tokenizer=None, loaded=None):
         self.load_target, self.drafter, self.tokenizer = load_target, drafter, tokenizer

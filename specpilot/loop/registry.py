@@ -338,6 +338,11 @@ register(Mechanism(
     "a verify block's attention in one launch, its slices merged by the last program to finish (PDL where on), not "
     "a split launch and a merge launch: a launch fewer a layer in the step a speculative step is mostly made of"))
 register(Mechanism(
+    "norm_pdl", ("verify",), {"norm_pdl": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode and cfg.fused_verify,
+    "the RMSNorm launches (a verify block's two a layer) launch with PDL too, so the GEMV after each launches while "
+    "it runs and loads its first weight tile before its wait, instead of a full kernel boundary"))
+register(Mechanism(
     "gemm_bucket", ("verify",), {"gemm_bucket_min": [16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "
