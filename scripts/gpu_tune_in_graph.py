@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time every tile of the one-row GEMV in the regime of a graphed decode step, and write the winners as a table.
 
-  python scripts/gpu_tune_in_graph.py SHAPE [SHAPE ...] [--no-pdl] [--copies=N] [--into=TABLE.json]
+  python scripts/gpu_tune_in_graph.py SHAPE [SHAPE ...] [--no-pdl] [--copies=N] [--into=TABLE.json] [--rows=M]
 
 Why: Triton's autotuner times each config alone: one launch after a 256 MB write that flushes L2, outside a graph,
 without PDL. The step runs each GEMV in a CUDA graph behind the kernel before it, with PDL and the late trigger,
@@ -17,6 +17,13 @@ COPIES x the weight's bytes is at least 4x the 50 MB L2 by default), with PDL on
 entries carry `"source": "in-graph"`. Session 44 (H100, 1.5B + Qwen3-8B + 0.5B: ~80 s and ~100 s with compiling)
 made kernels/tuned/nvidia-h100-80gb-hbm3.json this way. Prints one line a config and a JSON summary last. GPU
 only: without CUDA it says so and exits 2.
+
+--rows=M (2-16): the same for a verify block of M tokens: its M-row GEMMs (kernels/gemv_fused.py
+`_gemm_fused_kernel`, keyed on M's power-of-two bucket) as models/fused_decode.py launches them: qkv (+ bias),
+o_proj + residual, gate/up + SiLU x up, down + residual, all norm-free (PRENORM_ROWS: the norms are launches of
+their own), every tile of `_GEMM_CONFIGS` the launch's pruning allows (split-K where K >= 2N). Why: on an H100
+(session 50) the 1.5B's 16-token verify spent 1.30 ms of its 2.18 in these GEMMs, ~1.5x their bytes floor, with
+tiles the autotuner picked alone; the shipped tables had none for them.
 """
 
 from __future__ import annotations
@@ -38,10 +45,15 @@ def copies_for(weight_bytes: int, asked: int | None = None) -> int:
 
 
 def parse(argv: list[str]) -> tuple[list[str], dict]:
-    shapes, opts = [], {"pdl": True, "copies": None, "into": None}
+    shapes, opts = [], {"pdl": True, "copies": None, "into": None, "rows": 1}
     for a in argv:
         if a == "--no-pdl":
             opts["pdl"] = False
+        elif a.startswith("--rows="):
+            v = a.split("=", 1)[1]
+            if not v.isdigit() or not 2 <= int(v) <= 16:
+                raise ValueError(f"--rows takes a verify block's tokens, an integer in [2, 16], got {v!r}")
+            opts["rows"] = int(v)
         elif a.startswith("--copies="):
             v = a.split("=", 1)[1]
             if not v.isdigit() or not 1 <= int(v) <= 256:
@@ -50,7 +62,8 @@ def parse(argv: list[str]) -> tuple[list[str], dict]:
         elif a.startswith("--into="):
             opts["into"] = a.split("=", 1)[1]
         elif a.startswith("--"):
-            raise ValueError(f"unknown option {a} (takes SHAPE ... [--no-pdl] [--copies=N] [--into=TABLE.json])")
+            raise ValueError(f"unknown option {a} (takes SHAPE ... [--no-pdl] [--copies=N] [--into=TABLE.json] "
+                             "[--rows=M])")
         else:
             shapes.append(a)
     if not shapes:
@@ -68,6 +81,35 @@ def key_for(n: int, k: int, flags: dict, dtype: str = "bfloat16") -> dict:
     return key
 
 
+def verify_gemms(cfg) -> list[tuple[str, int, int, dict]]:
+    """(name, output columns, K, flags) of a dense layer's M-row GEMMs as a fused verify block launches them
+    (models/fused_decode.py: norm-free, PRENORM_ROWS; the LM head of a block is not this kernel's)."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    return [("qkv", qkv, h, dict(HAS_BIAS=bool(cfg.attention_bias))), ("o_proj", h, cfg.num_attention_heads * d,
+                                                                       dict(HAS_RES=True)),
+            ("gate_up", inter, h, dict(SILU_MUL=True)), ("down", h, inter, dict(HAS_RES=True))]
+
+
+def gemm_key_for(n: int, k: int, rows: int, flags: dict, dtype: str = "bfloat16") -> dict:
+    """The M-row kernel's autotuning key by name (kernels/tuned.py) for `rows` rows of a launch of `flags`."""
+    from specpilot.kernels import gemv_fused as gf
+
+    key = {name: False for name in gf._GEMM_KEY}
+    key.update(N=n, K=k, M_BUCKET=max(1 << (rows - 1).bit_length(), gf.M_BUCKET_MIN), dtype=dtype, **flags)
+    return key
+
+
+def gemm_configs(n: int, k: int) -> list:
+    """The M-row kernel's tiles its pruning lets a norm-free launch of this shape take (kernels/gemv_fused.py
+    `_gemm_prune`, without a pinned pick)."""
+    from specpilot.kernels import gemv_fused as gf
+
+    split_ok = gf._split_k_applies(n, k, False)
+    return [c for c in gf._GEMM_CONFIGS if c.kwargs["SPLIT_K"] == 1
+            or split_ok and k >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
+
+
 def merge(table: dict, entries: list[dict]) -> dict:
     """`table` with each entry of `entries` in place of the same kernel and key's (or added)."""
     keyed = {(e["kernel"], json.dumps(e["key"], sort_keys=True)): e for e in table.get("entries", [])}
@@ -76,9 +118,10 @@ def merge(table: dict, entries: list[dict]) -> dict:
     return {**table, "entries": [keyed[k] for k in sorted(keyed)]}
 
 
-def tune(shape: str, pdl_on: bool, copies_asked: int | None, done=lambda entry: None) -> list[dict]:
+def tune(shape: str, pdl_on: bool, copies_asked: int | None, done=lambda entry: None, rows: int = 1) -> list[dict]:
     """Every layer GEMV of `shape` timed tile by tile -> the winners' entries; `done(entry)` is called as each GEMV's
-    winner is known (main writes the table then, so a run cut short by a device call's limit keeps what it timed)."""
+    winner is known (main writes the table then, so a run cut short by a device call's limit keeps what it timed).
+    rows > 1: a verify block's M-row GEMMs of that many rows instead (--rows)."""
     import torch
 
     from gemv_occupancy import layer_gemvs
@@ -93,23 +136,30 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None, done=lambda entry: 
     pdl.set_enabled(pdl_on, dev, "late")
     gf.PDL_L2_MAX_BYTES = (8 << 20) if pdl.enabled() else 0  # the engine's default warming (EngineConfig.pdl_l2_mb)
     entries = []
-    for name, n, k, flags in layer_gemvs(cfg):
+    kernel = "_gemv_fused_kernel" if rows == 1 else "_gemm_fused_kernel"
+    for name, n, k, flags in layer_gemvs(cfg) if rows == 1 else verify_gemms(cfg):
         silu = flags.get("SILU_MUL", False)
-        rows = 2 * n if silu else n
-        copies = copies_for(rows * k * 2, copies_asked)
+        out_rows = 2 * n if silu else n
+        copies = copies_for(out_rows * k * 2, copies_asked)
         g = torch.Generator(device=dev).manual_seed(0)
-        ws = [torch.randn(rows, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, device=dev, dtype=dt, generator=g)
+        ws = [torch.randn(out_rows, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(copies)]
+        x = torch.randn(rows, k, device=dev, dtype=dt, generator=g)
         kw = {}
+        if flags.get("HAS_BIAS"):
+            kw["bias"] = torch.randn(n, device=dev, dtype=dt, generator=g)
         if flags.get("HAS_NORM"):
             kw["norm_weight"] = torch.ones(k, device=dev, dtype=dt)
         if flags.get("HAS_RES"):
-            kw["residual"] = torch.randn(1, n, device=dev, dtype=dt, generator=g)
+            kw["residual"] = torch.randn(rows, n, device=dev, dtype=dt, generator=g)
         if silu:
             kw["act"] = "silu_mul"
-        key = key_for(n, k, flags)
-        tkey = ("_gemv_fused_kernel", tuned._key(key))
-        configs = [c for c in gf._CONFIGS if silu or not c.kwargs.get("PAIRED", False)]
+        if rows == 1:
+            key = key_for(n, k, flags)
+            configs = [c for c in gf._CONFIGS if silu or not c.kwargs.get("PAIRED", False)]
+        else:
+            key = gemm_key_for(n, k, rows, flags)
+            configs = gemm_configs(n, k)
+        tkey = (kernel, tuned._key(key))
         timings = {}
         for c in configs:
             tuned.OVERRIDES[tkey] = (c.kwargs, c.num_warps, c.num_stages)
@@ -131,10 +181,11 @@ def tune(shape: str, pdl_on: bool, copies_asked: int | None, done=lambda entry: 
         if not timings:
             continue
         (kwj, warps, stages), us = min(timings.items(), key=lambda kv: kv[1])
-        floor_us = rows * k * 2 / 4.24e12 * 1e6
-        entries.append({"kernel": "_gemv_fused_kernel", "key": key, "runs": 1, "source": "in-graph",
+        floor_us = out_rows * k * 2 / 4.24e12 * 1e6
+        entries.append({"kernel": kernel, "key": key, "runs": 1, "source": "in-graph",
                         "config": {"kwargs": json.loads(kwj), "num_warps": warps, "num_stages": stages},
-                        "us": round(us, 2), "floor_us_at_4.24TBps": round(floor_us, 2), "gemv": f"{shape} {name}"})
+                        "us": round(us, 2), "floor_us_at_4.24TBps": round(floor_us, 2),
+                        "gemv": f"{shape} {name}" + (f" x{rows} rows" if rows > 1 else "")})
         done(entries[-1])
         print(f"{shape} {name} best {kwj} w{warps} s{stages}: {us:.2f} us (bytes at 4.24 TB/s: {floor_us:.2f})",
               flush=True)
@@ -175,7 +226,7 @@ def main(argv: list[str]) -> int:
         path.write_text(json.dumps(merge(table, entries), indent=1) + "\n")
 
     for shape in shapes:
-        tune(shape, opts["pdl"], opts["copies"], write)
+        tune(shape, opts["pdl"], opts["copies"], write, opts["rows"])
     print(json.dumps({"table": str(path), "entries": entries}))
     return 0
 

@@ -615,8 +615,9 @@ def test_in_graph_tuner_parses_merges_and_says_it_needs_a_gpu():
     finally:
         sys.path.remove(str(SCRIPTS))
     assert tg.parse(["qwen2.5-1.5b", "--no-pdl", "--copies=8", "--into=t.json"]) == (
-        ["qwen2.5-1.5b"], {"pdl": False, "copies": 8, "into": "t.json"})
-    for bad in (["--copies=0", "x"], ["--what", "x"], []):
+        ["qwen2.5-1.5b"], {"pdl": False, "copies": 8, "into": "t.json", "rows": 1})
+    assert tg.parse(["q", "--rows=16"])[1]["rows"] == 16
+    for bad in (["--copies=0", "x"], ["--what", "x"], [], ["--rows=1", "x"], ["--rows=17", "x"], ["--rows=a", "x"]):
         with pytest.raises(ValueError):
             tg.parse(bad)
     assert tg.copies_for(1536 * 1536 * 2) == 45  # 1.5B o_proj: 4.5 MiB; 45 copies hold 4 x the 50 MiB L2
@@ -672,6 +673,53 @@ def test_in_graph_tuner_keys_match_the_launch_it_pins(monkeypatch, flags, act):
                   **kw)
     assert seen == [tg.key_for(n, k, flags)]
 
+
+
+@pytest.mark.parametrize("rows", [16, 5])
+@pytest.mark.parametrize("flags, act", [({"HAS_BIAS": True}, None), ({"HAS_RES": True}, None),
+                                        ({"SILU_MUL": True}, "silu_mul")])
+def test_in_graph_tuner_keys_match_the_verify_gemm_it_pins(monkeypatch, rows, flags, act):
+    """--rows: the key the tuner pins an M-row tile under is the key a verify block's M-row launch (faked: no kernel
+    runs) builds, M's power-of-two bucket included; the verify GEMMs are a layer's four, norm-free; split-K tiles
+    only where K >= 2N."""
+    import torch
+
+    import specpilot.kernels.gemv_fused as gf
+    from specpilot.costmodel import synthetic_config
+    from specpilot.kernels import tuned
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_tune_in_graph as tg
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    seen = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                named = dict(zip(gf._gemm_fused_kernel.arg_names, args))
+                seen.append(tuned.launch_key(gf._GEMM_KEY, named, kw))
+            return launch
+
+    monkeypatch.setattr(gf, "_INTERPRET", False)
+    monkeypatch.setattr(gf, "_gemm_kernel", Launcher())
+    n, k = 24, 64
+    kw = {"act": act} if act else {}
+    if flags.get("HAS_BIAS"):
+        kw["bias"] = torch.zeros(n, dtype=torch.bfloat16)
+    if flags.get("HAS_RES"):
+        kw["residual"] = torch.zeros(rows, n, dtype=torch.bfloat16)
+    gf.gemv_fused(torch.zeros(rows, k, dtype=torch.bfloat16),
+                  torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16), **kw)
+    assert seen == [tg.gemm_key_for(n, k, rows, flags)]
+    cfg = synthetic_config("qwen2.5-1.5b")
+    assert [(g[0], g[1], g[2]) for g in tg.verify_gemms(cfg)] == [("qkv", 2048, 1536), ("o_proj", 1536, 1536),
+                                                                   ("gate_up", 8960, 1536), ("down", 1536, 8960)]
+    assert tg.verify_gemms(cfg)[0][3] == {"HAS_BIAS": True} and not any(f.get("HAS_NORM")
+                                                                        for *_, f in tg.verify_gemms(cfg))
+    assert any(c.kwargs["SPLIT_K"] > 1 for c in tg.gemm_configs(1536, 8960))
+    assert all(c.kwargs["SPLIT_K"] == 1 for c in tg.gemm_configs(2048, 1536))
 
 def test_capture_probe_says_it_needs_a_gpu_and_names_its_cases():
     """gpu_capture_probe.py (BENCHMARKS.md session 48): an unknown case is one clear line listing the cases; on a
