@@ -91,6 +91,21 @@ def summarize(steps: list[list[tuple[str, float, float]]], layers: int, layer_by
             "layer_us": round(sum(r["us"] + r["gap_us"] for r in per_layer.values()), 3)}
 
 
+def replay_kernels(prof, replays: int) -> list[list[tuple[str, float, float]]] | str:
+    """The GPU kernels a torch.profiler run of `replays` graph replays recorded (copies and memsets left out), in
+    start order, split into one list a replay of (name, start_us, end_us); a message where they do not split
+    evenly. (gpu_step_profile.py takes it too.)"""
+    import torch
+
+    kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                      and "memset" not in e.name.lower()), key=lambda k: k[1])
+    if not kernels or len(kernels) % replays:
+        return f"{len(kernels)} kernels over {replays} replays"
+    n = len(kernels) // replays
+    return [kernels[i * n:(i + 1) * n] for i in range(replays)]
+
+
 def _layer_bytes(cfg, elt: int = 2) -> dict:
     h, d = cfg.hidden_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -132,13 +147,9 @@ def measure(name: str, replays: int, rope_in_qkv: bool = False, pdl_trigger: str
                 graph.replay()
             torch.cuda.synchronize()
     pdl.set_enabled(False)
-    kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
-                      and "memset" not in e.name.lower()), key=lambda k: k[1])
-    if not kernels or len(kernels) % replays:
-        return {"error": f"{len(kernels)} kernels over {replays} replays"}
-    n = len(kernels) // replays
-    steps = [kernels[i * n:(i + 1) * n] for i in range(replays)]
+    steps = replay_kernels(prof, replays)
+    if isinstance(steps, str):
+        return {"error": steps}
     floor_ms = pass_floor_s(forward_cost(cfg, 1, CONTEXT), hw) * 1e3
     out = {"step_ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "over_floor": round(ms / floor_ms, 3),
            "hbm_tb_s": round(hw.hbm_bytes_per_s / 1e12, 3)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 
 def group(steps: list[list[tuple[str, float, float]]]) -> dict:
@@ -48,7 +49,8 @@ def group(steps: list[list[tuple[str, float, float]]]) -> dict:
 
 def parse(argv: list[str]) -> dict:
     """The command line -> options; ValueError with a clear message on a bad argument."""
-    from specpilot.config import EngineConfig
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its neighbours, however it was loaded)
+    from gpu_step_timing import configs
 
     opts = {"shapes": [], "tokens": [1, 16], "replays": 10, "context": 512, "fields": {}}
     for a in argv:
@@ -61,18 +63,8 @@ def parse(argv: list[str]) -> dict:
             if not val.isdigit() or int(val) < 1:
                 raise ValueError(f"{key} takes a positive integer, got {val!r}")
             opts[key[2:]] = int(val)
-        elif key == "--config":
-            for item in filter(None, val.split(",")):
-                f, eq, v = item.partition("=")
-                if not eq or f not in EngineConfig.__dataclass_fields__:
-                    raise ValueError(f"--config: {item!r} is not field=value with an EngineConfig field")
-                cur = getattr(EngineConfig(), f)
-                if isinstance(cur, bool):
-                    if v not in ("true", "false"):
-                        raise ValueError(f"--config: {f} takes true or false, got {v!r}")
-                    opts["fields"][f] = v == "true"
-                else:
-                    opts["fields"][f] = type(cur)(v)
+        elif key == "--config":  # gpu_step_timing.py's fields, parsed and checked as there
+            opts["fields"] = configs([f"--config=profile:{val}"])[0][1]
         elif a.startswith("--"):
             raise ValueError(f"unexpected argument {a!r} (see --help)")
         else:
@@ -91,6 +83,8 @@ def measure(name: str, opts: dict) -> dict:
     from specpilot.engine import _apply_layout, kernel_switches, restore_kernel_switches
     from specpilot.engine.runner import ModelRunner
     from specpilot.models import random_model
+
+    from gpu_step_kernels import replay_kernels
 
     hw = load_or_measure("cuda")
     cfg = synthetic_config(name)
@@ -112,16 +106,10 @@ def measure(name: str, opts: dict) -> dict:
             for _ in range(opts["replays"]):
                 step()
                 torch.cuda.synchronize()
-        kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                          if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
-                          and "memset" not in e.name.lower()), key=lambda k: k[1])
+        steps = replay_kernels(prof, opts["replays"])
         floor = pass_floor_s(forward_cost(cfg, T, ctx), hw) * 1e3
         row = {"step_ms": round(ms, 4), "floor_ms": round(floor, 4), "over_floor": round(ms / floor, 3)}
-        if not kernels or len(kernels) % opts["replays"]:
-            row["error"] = f"{len(kernels)} kernels over {opts['replays']} replays"
-        else:
-            n = len(kernels) // opts["replays"]
-            row.update(group([kernels[i * n:(i + 1) * n] for i in range(opts["replays"])]))
+        row.update({"error": steps} if isinstance(steps, str) else group(steps))
         res[f"T{T}"] = row
         print(name, f"T={T}", {k: row.get(k) for k in ("step_ms", "over_floor", "kernel_us", "span_us", "gaps_us",
                                                           "error")}, flush=True)
@@ -136,9 +124,11 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return 0
+    from specpilot.errors import ConfigError
+
     try:
         opts = parse(argv)
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:  # (ConfigError: a value EngineConfig's own checks refuse)
         print(f"gpu_step_profile.py: {e}", file=sys.stderr)
         return 2
     import torch

@@ -238,7 +238,6 @@ def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, mon
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 
-
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_verify_one_launch_gives_the_pairs_bits_in_a_verify_block(tiny_model_dir, monkeypatch, family):
     """A fused verify block with its attention in one launch (EngineConfig.verify_one_launch): logits, captured

@@ -521,7 +521,6 @@ def test_decode_attention_token_major_is_the_same_attention_laid_out_by_token():
         assert fake.shape == got.shape and fake.stride() == got.stride()
 
 
-
 @pytest.mark.parametrize("B,H,Hkv,T,S,D", [(1, 12, 2, 16, 300, 16), (1, 4, 2, 5, 70, 32), (2, 8, 8, 16, 40, 16)])
 def test_verify_one_launch_is_the_pair_bit_for_bit(monkeypatch, B, H, Hkv, T, S, D):
     """VERIFY_ONE_LAUNCH (EngineConfig.verify_one_launch): the verify op runs the one-launch kernel over the pair's

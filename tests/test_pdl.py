@@ -684,7 +684,6 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 assert (case["cg_loads"] > 0) == norm, (name, case)
 
 
-
 def test_norm_pdl_launches_the_rmsnorm_with_pdl_only_where_pdl_is_on(monkeypatch, switch_wired):
     """EngineConfig.norm_pdl -> kernels/rmsnorm.py PDL with PDL on only; the RMSNorm launch then passes USE_PDL and
     launch_pdl (tests/pdl_ptx.py: the compiled kernel triggers, then waits, before any global access), and neither

@@ -449,6 +449,29 @@ def test_step_profile_groups_kernels_by_name_and_rejects_bad_arguments():
             mod.parse(bad)
 
 
+
+def test_replay_kernels_splits_a_profile_into_replays_without_copies():
+    """gpu_step_kernels.replay_kernels (both profiling scripts'): GPU kernels only, copies and memsets left out,
+    in start order, one list a replay; a message where the count does not split evenly."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_step_kernels", SCRIPTS / "gpu_step_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, t, dev=gpu):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=t, end=t + 1.0))
+
+    events = [ev("b", 3.0), ev("a", 0.0), ev("Memcpy HtoD", 1.0), ev("host", 2.0, cpu), ev("a", 10.0),
+              ev("memset", 11.0), ev("b", 12.0)]
+    steps = mod.replay_kernels(SimpleNamespace(events=lambda: events), 2)
+    assert steps == [[("a", 0.0, 1.0), ("b", 3.0, 4.0)], [("a", 10.0, 11.0), ("b", 12.0, 13.0)]]
+    assert mod.replay_kernels(SimpleNamespace(events=lambda: events), 3) == "4 kernels over 3 replays"
+
 def test_step_kernels_finds_the_layer_and_prices_each_launch():
     """gpu_step_kernels.py's analysis (the profiling needs CUDA): a step's kernels = what precedes the layers, a
     per-layer repeat, what follows; per position in the layer its median time, its gap to the next kernel and its
@@ -609,11 +632,7 @@ def test_gemv_occupancy_counts_programs_an_sm_and_waves():
 def test_in_graph_tuner_parses_merges_and_says_it_needs_a_gpu():
     """scripts/gpu_tune_in_graph.py on CPU: its options (bad ones exit 2 with a line, no traceback), how many weight
     copies a graph cycles through, how a winner replaces its key's table entry, and a clear exit 2 without CUDA."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import gpu_tune_in_graph as tg
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    tg = _tuner()
     assert tg.parse(["qwen2.5-1.5b", "--no-pdl", "--copies=8", "--into=t.json"]) == (
         ["qwen2.5-1.5b"], {"pdl": False, "copies": 8, "into": "t.json", "rows": 1})
     assert tg.parse(["q", "--rows=16"])[1]["rows"] == 16
@@ -635,44 +654,56 @@ def test_in_graph_tuner_parses_merges_and_says_it_needs_a_gpu():
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("flags, act", [({"HAS_NORM": True, "SILU_MUL": True}, "silu_mul"), ({"HAS_RES": True}, None),
-                                        ({}, None)])
-def test_in_graph_tuner_keys_match_the_launch_it_pins(monkeypatch, flags, act):
-    """The key the tuner pins a config under is the key the engine's GPU launch (faked: no kernel runs) builds under
-    PDL late, so its OVERRIDES reach the launch."""
+def _tuner():
+    """scripts/gpu_tune_in_graph.py as a module."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_tune_in_graph as tg
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return tg
+
+
+def _launch_key(monkeypatch, rows: int, flags: dict, act, n: int = 24, k: int = 64) -> list[dict]:
+    """The autotuning key(s) the engine's GPU launch of gemv_fused builds for `rows` rows of `flags` (faked under PDL
+    late: no kernel runs): the one-row kernel's for one row, the M-row kernel's for more."""
     import torch
 
     import specpilot.kernels.gemv_fused as gf
     from specpilot.kernels import tuned
     from specpilot.kernels.pdl import LaunchOptions
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import gpu_tune_in_graph as tg
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    kernel, attr, names = ((gf._gemv_fused_kernel, "_kernel", gf._KEY) if rows == 1
+                           else (gf._gemm_fused_kernel, "_gemm_kernel", gf._GEMM_KEY))
     seen = []
 
     class Launcher:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                named = dict(zip(gf._gemv_fused_kernel.arg_names, args))
-                seen.append(tuned.launch_key(gf._KEY, named, kw))
+                seen.append(tuned.launch_key(names, dict(zip(kernel.arg_names, args)), kw))
             return launch
 
     monkeypatch.setattr(gf, "_INTERPRET", False)
-    monkeypatch.setattr(gf, "_kernel", Launcher())
+    monkeypatch.setattr(gf, attr, Launcher())
     monkeypatch.setattr(gf, "launch_options", lambda: LaunchOptions({"launch_pdl": True}, True, True))
-    n, k = 24, 64
     kw = {"act": act} if act else {}
     if flags.get("HAS_NORM"):
         kw["norm_weight"] = torch.ones(k, dtype=torch.bfloat16)
+    if flags.get("HAS_BIAS"):
+        kw["bias"] = torch.zeros(n, dtype=torch.bfloat16)
     if flags.get("HAS_RES"):
-        kw["residual"] = torch.zeros(1, n, dtype=torch.bfloat16)
-    gf.gemv_fused(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16),
-                  **kw)
-    assert seen == [tg.key_for(n, k, flags)]
+        kw["residual"] = torch.zeros(rows, n, dtype=torch.bfloat16)
+    gf.gemv_fused(torch.zeros(rows, k, dtype=torch.bfloat16),
+                  torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16), **kw)
+    return seen
 
+
+@pytest.mark.parametrize("flags, act", [({"HAS_NORM": True, "SILU_MUL": True}, "silu_mul"), ({"HAS_RES": True}, None),
+                                        ({}, None)])
+def test_in_graph_tuner_keys_match_the_launch_it_pins(monkeypatch, flags, act):
+    """The key the tuner pins a config under is the key the engine's GPU launch (faked: no kernel runs) builds under
+    PDL late, so its OVERRIDES reach the launch."""
+    assert _launch_key(monkeypatch, 1, flags, act) == [_tuner().key_for(24, 64, flags)]
 
 
 @pytest.mark.parametrize("rows", [16, 5])
@@ -682,37 +713,10 @@ def test_in_graph_tuner_keys_match_the_verify_gemm_it_pins(monkeypatch, rows, fl
     """--rows: the key the tuner pins an M-row tile under is the key a verify block's M-row launch (faked: no kernel
     runs) builds, M's power-of-two bucket included; the verify GEMMs are a layer's four, norm-free; split-K tiles
     only where K >= 2N."""
-    import torch
-
-    import specpilot.kernels.gemv_fused as gf
     from specpilot.costmodel import synthetic_config
-    from specpilot.kernels import tuned
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import gpu_tune_in_graph as tg
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    seen = []
-
-    class Launcher:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                named = dict(zip(gf._gemm_fused_kernel.arg_names, args))
-                seen.append(tuned.launch_key(gf._GEMM_KEY, named, kw))
-            return launch
-
-    monkeypatch.setattr(gf, "_INTERPRET", False)
-    monkeypatch.setattr(gf, "_gemm_kernel", Launcher())
-    n, k = 24, 64
-    kw = {"act": act} if act else {}
-    if flags.get("HAS_BIAS"):
-        kw["bias"] = torch.zeros(n, dtype=torch.bfloat16)
-    if flags.get("HAS_RES"):
-        kw["residual"] = torch.zeros(rows, n, dtype=torch.bfloat16)
-    gf.gemv_fused(torch.zeros(rows, k, dtype=torch.bfloat16),
-                  torch.zeros(2 * n if act else n, k, dtype=torch.bfloat16), **kw)
-    assert seen == [tg.gemm_key_for(n, k, rows, flags)]
+    tg = _tuner()
+    assert _launch_key(monkeypatch, rows, flags, act) == [tg.gemm_key_for(24, 64, rows, flags)]
     cfg = synthetic_config("qwen2.5-1.5b")
     assert [(g[0], g[1], g[2]) for g in tg.verify_gemms(cfg)] == [("qkv", 2048, 1536), ("o_proj", 1536, 1536),
                                                                    ("gate_up", 8960, 1536), ("down", 1536, 8960)]

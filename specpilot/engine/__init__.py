@@ -158,8 +158,8 @@ def _fused_switch_wanted(config: EngineConfig, field: str, what: str, quiet: boo
 def _apply_pdl(config: EngineConfig) -> None:
     """EngineConfig.pdl -> the process-wide PDL switch (kernels/pdl.py), set whenever a model is laid out for a
     config, so it follows the newest config (CUDA graphs keep how their kernels were launched at capture); with it
-    norm_pdl -> kernels/rmsnorm.py's PDL. PDL
-    only changes how the fused one-token path's kernels launch: without fused_decode it has nothing to act on.
+    norm_pdl -> kernels/rmsnorm.py's PDL. PDL only changes how the fused one-token path's kernels launch: without
+    fused_decode it has nothing to act on.
     Like the other CUDA switches it is ignored on other devices; on a GPU before Hopper (or without fused_decode)
     it stays off without a word: it is on by default, and the kernels are the same without it."""
     from specpilot.kernels import decode_attention, gemv_fused, pdl, qkv_rope

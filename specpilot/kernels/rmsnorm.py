@@ -109,8 +109,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.dim() == 2:
         x2 = x2[:, None]
     w = weight if weight.is_contiguous() else weight.contiguous()
-    pdl = launch_options() if PDL else None  # (PDL: only where the switch and PDL itself are on)
-    extra = {"USE_PDL": True, **pdl.kwargs} if pdl is not None and pdl.use_pdl else {}
+    pdl = launch_options()
+    extra = {"USE_PDL": True, **pdl.kwargs} if PDL and pdl.use_pdl else {}  # (both the switch and PDL on)
     _rmsnorm_kernel[(rows,)](x2, w, out, x2.stride(0), x2.stride(1), x2.shape[1], N, eps,
                              BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8, **extra)
     return out
