@@ -18,7 +18,8 @@ with K and the merge's first partials with the maxima, attn_cluster / attn_clust
 merged inside a thread-block cluster (one cluster of 8; two of 4, merged across by the last CTA; one of 4 dealing
 out every key evenly; pushing the partials to the merging CTA), qkv_pipeline: qkv + RoPE's K loop two blocks ahead,
 attn_stages: the attention's slice loop in 2 pipeline stages, verify_one_launch: a verify block's attention in one
-launch, norm_pdl: the RMSNorm launches with PDL,
+launch, norm_pdl: the RMSNorm launches with PDL, norm_handoff: a verify block's norms from handed-over sums of
+squares,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -48,7 +49,8 @@ SECTIONS = ("defaults", "attention_kernel", "norm_kernel", "fused_decode", "fuse
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
             "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys",
             "attn_loads_first", "attn_cluster", "attn_cluster_groups", "attn_cluster_even", "attn_cluster_push",
-            "qkv_pipeline", "attn_stages", "verify_one_launch", "norm_pdl", "rope_split",
+            "qkv_pipeline", "attn_stages", "verify_one_launch", "norm_pdl", "norm_handoff",
+            "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
 
@@ -618,6 +620,21 @@ def main(only: tuple[str, ...] = ()) -> int:
 
     def norm_pdl():  # the RMSNorm launches with PDL (its n-gram speculation's verify blocks: two a layer)
         early_loads("norm_pdl")
+
+    def norm_handoff():
+        # a verify block's residual GEMVs hand the next GEMV their rows' sums of squares (EngineConfig.norm_handoff,
+        # kernels/norm_handoff.py): a partial stored in the wrong place, or read before it is written, shows as other
+        # tokens than eager AR's in n-gram speculation (verify blocks of up to 5 and 16 tokens; split-K at
+        # down_proj), graphed and eager, and in a random DFlash drafter's 8-token blocks (its layer features)
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        hand = fast.use_norm_handoff()
+        ngram_on = base.with_(fused_verify=True, norm_handoff=True, drafter_kind="ngram")
+        same_tokens((("spec_ngram_norm_handoff", ngram_on, hand),
+                     ("spec_ngram_norm_handoff_eager", ngram_on.with_(cuda_graphs=False), hand),
+                     ("spec_ngram16_norm_handoff", ngram_on.with_(num_draft_tokens=15), hand)))
+        c = ngram_on.with_(drafter_kind="dflash", num_draft_tokens=7)
+        record("spec_dflash_norm_handoff", [Engine(hand, c, build_drafter(c, dflash_net(), hand)).generate(p)
+                                            for p in prompts])
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)

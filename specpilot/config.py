@@ -308,6 +308,13 @@ class EngineConfig:
     # with one vs 3.8-3.9 without). Same numbers (rmsnorm.py's rounding). Off: SLOWER on the H200 (session 16,
     # 1.5B random weights: T = 1 1.525 -> 1.662 ms, T = 16 1.940 -> 2.553; the last program's serial tail and the
     # registers it adds to every program cost more than the launches saved; scripts/gpu_step_timing.py fusednormepi)
+    norm_handoff: bool = False  # CUDA, with fused_verify: a verify block's residual GEMVs (o_proj, down_proj) hand
+    # the GEMV after them (gate_up, the next layer's qkv) their output rows' sums of squares by 16-column groups,
+    # each partial from the one program that stored those columns (kernels/norm_handoff.py): that GEMV normalizes
+    # its input from them in one small load, with no RMSNorm launch before it and no serial pass over the rows (what
+    # made the M-row norm prologue slow). 2L + 1 norm launches a block become 2 (layer 0's input norm, the final
+    # norm). Numbers: the mean's squares summed in another (fixed) order than the RMSNorm launch's; token forcing
+    # judges. Not with norm_epilogue. Off until a GPU times it (session 51); the loop searches it
     rope_in_attention: bool = False  # CUDA, with fused_decode: a one-token fused layer's q/k norm (Qwen3), RoPE and
     # K/V-cache write run inside its attention launch (kernels/rope_attention.py) instead of a launch of their own
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
@@ -492,6 +499,11 @@ class EngineConfig:
             raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
         if not isinstance(self.norm_epilogue, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"norm_epilogue must be true or false, got {self.norm_epilogue!r}")
+        if not isinstance(self.norm_handoff, bool):
+            raise ConfigError(f"norm_handoff must be true or false, got {self.norm_handoff!r}")
+        if self.norm_handoff and self.norm_epilogue:
+            raise ConfigError("norm_handoff and norm_epilogue both replace a verify block's RMSNorm launches: "
+                              "choose one")
         if not isinstance(self.early_draft, bool):
             raise ConfigError(f"early_draft must be true or false, got {self.early_draft!r}")
         if not isinstance(self.rope_in_attention, bool):  # as pdl: "false" from a file must not turn it on

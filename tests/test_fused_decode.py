@@ -254,6 +254,45 @@ def test_verify_one_launch_gives_the_pairs_bits_in_a_verify_block(tiny_model_dir
         outs[on] = (logits, *captured, cache.k, cache.v)
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny_model_dir, monkeypatch, family,
+                                                                             dtype):
+    """use_norm_handoff: a verify block launches the RMSNorm kernel twice (layer 0's input norm, the final norm)
+    instead of 2L + 1 times; logits, captured layers and K/V follow the block with the norm launches (only the
+    mean's summation order differs: fp32 to ~1e-5, bf16 the same argmax); two blocks give the same bits."""
+    import specpilot.kernels.rmsnorm as rk
+    from specpilot.errors import ConfigError
+    from specpilot.models import load_model
+
+    ref = load_model(tiny_model_dir(family), dtype=dtype).use_fused_verify().use_norm_kernel()
+    fast = copy.deepcopy(ref).use_norm_handoff()
+    L = ref.config.num_hidden_layers
+    ids = torch.randint(3, 96, (1, 6 + 9), generator=torch.Generator().manual_seed(6))
+    real, launches = rk._rmsnorm_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(rk, "_rmsnorm_kernel", Spy())
+    la, ca, cache_a = _verify_block(ref, ids, 9, return_layers=(0, 1))
+    assert launches.count((9,)) == 2 * L + 1
+    del launches[:]
+    lb, cb, cache_b = _verify_block(fast, ids, 9, return_layers=(0, 1))
+    assert launches.count((9,)) == 2 and launches.count((6,)) == 2  # the 6-token prefill is a fused block too
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * la.abs().max().item()
+    assert (la - lb).abs().max().item() <= tol and torch.equal(la.argmax(-1), lb.argmax(-1))
+    for a, b in zip((*ca, cache_a.k, cache_a.v), (*cb, cache_b.k, cache_b.v)):
+        assert a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= max(tol, 0.05)
+    assert torch.equal(lb, _verify_block(fast, ids, 9)[0])
+    with pytest.raises(ConfigError, match="choose one"):
+        copy.deepcopy(fast).use_norm_epilogue()
+    with pytest.raises(ConfigError, match="fused_verify"):
+        load_model(tiny_model_dir(family)).use_norm_handoff()
+
+
 def test_fused_verify_is_used_only_for_2_to_16_token_steps_in_one_row(tiny_model_dir, monkeypatch):
     from specpilot.models import load_model
 

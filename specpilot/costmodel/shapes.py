@@ -65,6 +65,8 @@ _FUSED_DECODE_ROPE_ATTENTION_LAYER_KERNELS = _FUSED_DECODE_LAYER_KERNELS - 1
 # fused_mlp (kernels/fused_mlp.py), with rope_in_qkv: a one-token layer's gate/up and down GEMVs are one launch
 # (every layer but the last: 5 -> 4), plus one zeroing of the pending rows a pass (not launched with PDL)
 _FUSED_MLP_PASS_KERNELS = 1
+# norm_handoff (kernels/norm_handoff.py), with a fused block and without norm_epilogue: the same 7 a layer, but the
+# final norm keeps its launch (the LM head is cuBLAS's), so a block has two norm launches: layer 0's and the final.
 # pdl (kernels/pdl.py), with fused_decode: the six (five) launches a layer and the LM head GEMV launch with programmatic
 # dependent launch (the embedding, RoPE tables, final norm and cast do not); a fused verify pass: its 4 GEMVs and
 # RoPE + K/V write a layer (its two RMSNorms, the split-KV attention pair and the cuBLAS LM head launch without)
@@ -197,9 +199,10 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
-                "lossless12", "pdl", "pdl_late", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "fused_mlp")
+                "lossless12", "pdl", "pdl_late", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "fused_mlp",
+                "norm_handoff")
 _DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "pdl_late",
-                     "norm_epilogue",
+                     "norm_epilogue", "norm_handoff",
                      "rope_in_attention", "rope_in_qkv", "fused_mlp")
 
 
@@ -272,7 +275,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
                  rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False,
                  pdl_l2_mb: float = 0, pdl_l2_share: float = 1.0, pdl_l2_next_mb: float = 0,
-                 fused_mlp: bool = False) -> PassCost:
+                 fused_mlp: bool = False, norm_handoff: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -288,7 +291,9 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     `pdl_l2_mb` / `pdl_l2_share` (with pdl, a one-token fused pass of 16-bit
     weights) the GEMV weights it warms in L2 before their waits (`PassCost.l2_warm_bytes`), `pdl_l2_next_mb` the
     head of gate/up's weight o_proj's launch warms; `fused_mlp` (with rope_in_qkv, without norm_epilogue or
-    lossless12) a one-token fused layer's two MLP GEMVs into one launch (all layers but the last)."""
+    lossless12) a one-token fused layer's two MLP GEMVs into one launch (all layers but the last); `norm_handoff`
+    (without norm_epilogue) a fused block's norm launches into its GEMVs but layer 0's input norm and the final norm
+    (kernels/norm_handoff.py)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -309,6 +314,9 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
             eager = 0
             norms = _NORM_KERNEL_LAUNCHES if block_fused else 0
             per_layer = _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS if block_fused else per_layer
+        elif norm_handoff and block_fused:  # the final norm stays; layer 0's input norm is one launch more
+            norms += _NORM_KERNEL_LAUNCHES
+            per_layer = _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS
         kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + norms, L * _FUSED_LINEARS_PER_LAYER + 1)
         merged = (L - 1 if one_token_fused and fused_mlp and rope_in_qkv and not norm_epilogue
                   and linear_bytes is None else 0)  # MLPs in one launch (the last layer's keeps two)

@@ -105,6 +105,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("norm_epilogue needs fused_decode (and the fused_projections it reads): the norms keep "
                           "their own launches", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "norm_handoff"):  # a fused verify block's GEMVs: with it or not at all
+        if model.fused_verify and not model.norm_epilogue:
+            model.use_norm_handoff()
+        else:
+            warnings.warn("norm_handoff needs fused_verify, without norm_epilogue: a verify block's norms keep "
+                          "their own launches", RuntimeWarning, stacklevel=2)
     if _kernel_on(config, "rope_in_attention"):  # the fused one-token layer's attention launch: with it or not
         if model.fused_decode:
             model.use_rope_in_attention()

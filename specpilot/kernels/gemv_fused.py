@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from specpilot.kernels import trace, tuned  # per-program timelines (a diagnostic); pinned autotuning picks
 from specpilot.kernels.norm_epilogue import check_out_norm, out_norm_args
+from specpilot.kernels.norm_handoff import check_norm_ss, groups, handoff_args
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.scratch import DeviceBuffers
 
@@ -73,6 +74,7 @@ try:
 
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.norm_epilogue import norm_rows_when_last  # NORM_OUT (kernels/norm_epilogue.py)
+    from specpilot.kernels.norm_handoff import rstd_from_ss, ss_store  # SS_IN / SS_OUT (kernels/norm_handoff.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (also interpreted)
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only
@@ -323,7 +325,7 @@ if triton is not None:
                         SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
         """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise) -> the stored outputs: + bias b (bu for
         up), nn.Linear's rounding, SiLU(gate) x up, + residual r, each rounded where the eager modules round;
-        stored at y_ptrs under mask."""
+        stored at y_ptrs under mask. -> the stored values (the norm handoff sums their squares)."""
         dt = y_ptrs.dtype.element_ty
         if HAS_BIAS:
             y += b
@@ -334,16 +336,19 @@ if triton is not None:
             y = _silu_times_up(y, _to_dtype(u, dt).to(tl.float32), dt, ON_GPU)
         if HAS_RES:
             y += r  # the eager add, rounded below
-        tl.store(y_ptrs, _to_dtype(y, dt), mask=mask)
+        out = _to_dtype(y, dt)
+        tl.store(y_ptrs, out, mask=mask)
+        return out
 
     @triton.jit
     def _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS: tl.constexpr,
                        HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr):
         """fp32 sums y (gate with SILU_MUL) and u (up; unused otherwise), [BN] or [rows, BN] -> the stored
         outputs: + bias (columns n_offs, the same for every row), nn.Linear's rounding, SiLU(gate) x up,
-        + residual (read at r_ptrs), each rounded where the eager modules round; stored at y_ptrs under mask."""
+        + residual (read at r_ptrs), each rounded where the eager modules round; stored at y_ptrs under mask.
+        -> the stored values."""
         b, bu, r = _epilogue_loads(n_offs, n_mask, N, b_ptr, r_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL)
-        _epilogue_apply(y, u, b, bu, r, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
+        return _epilogue_apply(y, u, b, bu, r, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL, ON_GPU)
 
     @triton.jit
     def _epilogue(y, u, n_offs, n_mask, N, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -560,11 +565,12 @@ if triton is not None:
     @triton.jit
     def _gemm_fused_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                            stride_wn, stride_rm, stride_ym, eps, M_BUCKET, on_ptr, onw_ptr, ocnt_ptr, out_eps,
-                           HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                           ss_ptr, si_ptr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                            SILU_MUL: tl.constexpr, ON_GPU: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
                            USE_PDL: tl.constexpr = False, NORM_OUT: tl.constexpr = False,
-                           OUT_P2: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
+                           OUT_P2: tl.constexpr = 1, PDL_LATE: tl.constexpr = False, SS_OUT: tl.constexpr = False,
+                           SS_IN: tl.constexpr = False, SS_P2: tl.constexpr = 1):
         """y[m, n] for rows m < M (2 <= M <= BLOCK_M) and this program's BLOCK_N columns n < N (N = I with
         SILU_MUL: gate row n, up row N + n).
 
@@ -579,7 +585,11 @@ if triton is not None:
 
         NORM_OUT: as `_gemv_fused_kernel`'s, over the M rows (on [M, N], row stride N); the programs that stored
         output count in (all of them; with split-K each N tile's merging program, after its merge), so the last of
-        the whole launch normalizes finished rows."""
+        the whole launch normalizes finished rows.
+
+        The norm handoff (kernels/norm_handoff.py): SS_OUT: each program that stores output (with split-K each N
+        tile's merging program) also stores its tile's per-row sums of squares at ss_ptr; SS_IN (with HAS_NORM):
+        the rows' rstd come from such sums at si_ptr (SS_P2 >= their groups) instead of a pass over x's rows."""
         if USE_PDL:
             if not PDL_LATE:
                 gdc_launch_dependents()
@@ -592,7 +602,10 @@ if triton is not None:
         rows = n_offs.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
         x_rows = m_offs.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
         if HAS_NORM:
-            rstd = _norm_rstds(x_ptr, stride_xm, M, K, eps, K_P2, BLOCK_M)[:, None]  # [BM, 1]
+            if SS_IN:  # the producing launch's sums of squares: one [BM, groups] load
+                rstd = rstd_from_ss(si_ptr, K, eps, BLOCK_M, SS_P2)[:, None]  # [BM, 1]
+            else:
+                rstd = _norm_rstds(x_ptr, stride_xm, M, K, eps, K_P2, BLOCK_M)[:, None]  # [BM, 1]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = acc
         k_lo = 0
@@ -621,8 +634,10 @@ if triton is not None:
         y_ptrs = y_ptr + m_offs[:, None] * stride_ym + cols
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
-            _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL,
-                           ON_GPU)
+            out = _epilogue_tile(acc, acc_up, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES,
+                                 SILU_MUL, ON_GPU)
+            if SS_OUT:
+                ss_store(out, mask, ss_ptr, tl.program_id(0), N, BLOCK_M, BLOCK_N)
             if NORM_OUT:
                 norm_rows_when_last(y_ptr, stride_ym, M, N, onw_ptr, out_eps, on_ptr, N, ocnt_ptr,
                                     tl.num_programs(0), OUT_P2)
@@ -637,8 +652,10 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last: every partial of this N tile is published
                 y, u = _sum_partials(tile, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)
-                _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES, SILU_MUL,
-                               ON_GPU)
+                out = _epilogue_tile(y, u, n_offs, n_mask, N, b_ptr, r_ptrs, y_ptrs, mask, HAS_BIAS, HAS_RES,
+                                     SILU_MUL, ON_GPU)
+                if SS_OUT:
+                    ss_store(out, mask, ss_ptr, pid_n, N, BLOCK_M, BLOCK_N)
                 # back to zero for the next launch (the next layer, a graph replay): every arrival of this launch
                 # is in, so nothing else touches this counter before the kernel ends
                 tl.store(cnt_ptr + pid_n, 0)
@@ -704,7 +721,8 @@ def _split_k_applies(N: int, K: int, has_norm: bool) -> bool:
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                act: str | None = None, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6,
-               warm_next: torch.Tensor | None = None, warm_next_halves: bool = False):
+               warm_next: torch.Tensor | None = None, warm_next_halves: bool = False, ss_out: bool = False,
+               norm_ss: torch.Tensor | None = None):
     """y = act(RMSNorm(x) @ weight^T + bias) (+ residual) for M = 1..16 rows, in one launch.
 
     x [M, K] unit stride along K; weight [N, K] contiguous; bias [N]; norm_weight [K] (prologue, eps, per row);
@@ -715,6 +733,9 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     warm_next (M == 1 under PDL, PDL_L2_NEXT_BYTES > 0, this weight warmed): the next GEMV's weight, whose head
     this launch asks L2 for before its wait (`next_warming`; warm_next_halves: a gate/up weight, the heads of both
     halves). A hint only.
+    The norm handoff (M >= 2 rows; kernels/norm_handoff.py): ss_out -> (y, ss), ss the fp32 [ceil(N' / 16), 16]
+    per-row group sums of squares of y (N' its columns) for the launch that normalizes y next; norm_ss (with
+    norm_weight): such sums of x's rows, taken for the norm's rstd instead of a pass over the rows.
     M == 1 runs the one-row kernel, M >= 2 the tl.dot kernel. Static shapes, no host sync: safe inside CUDA graphs
     (once autotuned outside capture, and with the norm epilogue run once eagerly: its counter is allocated then)."""
     if triton is None:
@@ -722,8 +743,13 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     K, out_n, act = _check(x, weight, bias, norm_weight, residual, act)
     check_out_norm(out_norm_weight, out_n, x.dtype, "gemv_fused")
     M = x.shape[0]
+    check_norm_ss(norm_ss, norm_weight, M, K, MAX_ROWS, "gemv_fused")
+    if ss_out and (M < 2 or out_norm_weight is not None):
+        raise ValueError(f"gemv_fused: ss_out is the M-row kernel's (2 to {MAX_ROWS} rows) and not with a norm "
+                         f"epilogue (out_norm_weight), got {M} row(s)")
     y = torch.empty(M, out_n, device=x.device, dtype=x.dtype)
     normed, norm_args, norm_flags = out_norm_args(y, out_norm_weight, out_eps)
+    ss, ss_args, ss_flags = handoff_args(y, ss_out, norm_ss, K, MAX_ROWS)
     ptrs = (x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual, y)  # unused pointers: dummies (the weight)
     pdl = launch_options()  # launch_pdl=True with USE_PDL when the PDL switch is on
@@ -733,7 +759,7 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                  PDL_LATE=pdl.late, **pdl.kwargs, **norm_flags)
     if M > 1:
         _launch_rows(ptrs, M, out_n, K, weight.stride(0), 0 if residual is None else residual.stride(0), eps,
-                     norm_args, flags)
+                     (*norm_args, *ss_args), {**flags, **ss_flags})
     else:
         nx_args, nx_on = next_warming(warm_next, warm_next_halves, pdl.use_pdl, weight)
         args = (*ptrs, out_n, K, weight.stride(0), float(eps), *norm_args, *nx_args)
@@ -751,7 +777,7 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                                                          NX_PF=nx_on, PIPE=ONE_ROW_PIPE,
                                                                          EARLY_EPI=EARLY_EPILOGUE,
                                                                          TILE_AFTER_WAIT=FIRST_TILE_AFTER_WAIT, **tr)
-    return y if normed is None else (y, normed)
+    return y if normed is None and ss is None else (y, normed if ss is None else ss)
 
 
 def trace_name(out_n: int, K: int, flags: dict) -> str:
@@ -802,7 +828,8 @@ def next_warming(nxt: torch.Tensor | None, halves: bool, use_pdl: bool, weight: 
 def _launch_rows(ptrs, M: int, out_n: int, K: int, stride_wn: int, stride_rm: int, eps: float, norm_args: tuple,
                  flags: dict) -> None:
     """The M-row kernel (2 <= M <= 16) over gemv_fused's pointers (x, weight, bias, norm weight, residual, y) and
-    the norm epilogue's arguments (kernels/norm_epilogue.py `out_norm_args`)."""
+    the norm epilogue's and the norm handoff's arguments (kernels/norm_epilogue.py `out_norm_args`, kernels/
+    norm_handoff.py `handoff_args`)."""
     x, y = ptrs[0], ptrs[-1]
     ws = cnt = ptrs[1]  # no split-K: never touched (dummies)
     sizes = _split_k_sizes(out_n, K, flags["HAS_NORM"], flags["SILU_MUL"], INTERPRET_SPLIT_K if _INTERPRET else 0)
@@ -877,7 +904,23 @@ def _register_op():
         _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
         return x.new_empty(x.shape[0], out_n), x.new_empty(x.shape[0], out_n)
 
-    return gemv_fused_op, gemv_fused_normed_op
+    @torch.library.custom_op("specpilot::gemv_fused_handoff", mutates_args=())
+    def gemv_fused_handoff_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, act: str,
+                              norm_ss: torch.Tensor | None, ss_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """gemv_fused with the norm handoff (M >= 2 rows) -> (y, its sums of squares); without ss_out the second is
+        an empty fp32 [0, 16]."""
+        out = gemv_fused(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, act=act,
+                         ss_out=ss_out, norm_ss=norm_ss)
+        return out if ss_out else (out, x.new_empty(0, MAX_ROWS, dtype=torch.float32))
+
+    @gemv_fused_handoff_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, residual, act, norm_ss, ss_out):
+        _, out_n, _ = _check(x, weight, bias, norm_weight, residual, act)
+        return x.new_empty(x.shape[0], out_n), x.new_empty(groups(out_n) if ss_out else 0, MAX_ROWS,
+                                                            dtype=torch.float32)
+
+    return gemv_fused_op, gemv_fused_normed_op, gemv_fused_handoff_op
 
 
-gemv_fused_op, gemv_fused_normed_op = _register_op() if triton is not None else (None, None)
+gemv_fused_op, gemv_fused_normed_op, gemv_fused_handoff_op = _register_op() if triton is not None else (None,) * 3

@@ -343,6 +343,11 @@ register(Mechanism(
     "the RMSNorm launches (a verify block's two a layer) launch with PDL too, so the GEMV after each launches while "
     "it runs and loads its first weight tile before its wait, instead of a full kernel boundary"))
 register(Mechanism(
+    "norm_handoff", ("verify",), {"norm_handoff": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify and not cfg.norm_epilogue,
+    "a verify block's residual GEMVs hand the next GEMV their rows' sums of squares (one writer a partial, no "
+    "atomics), so qkv and gate_up normalize their input themselves: the block's two RMSNorm launches a layer go"))
+register(Mechanism(
     "gemm_bucket", ("verify",), {"gemm_bucket_min": [16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "

@@ -29,7 +29,7 @@ _KERNEL_OPS: dict[str, object] = {}
 
 # ops that live in another kernel's module (kernels/<module>.py): op name -> module
 _OP_MODULE = {"decode_attention_one": "decode_attention", "decode_attention_token_major": "decode_attention",
-              "gemv_fused_normed": "gemv_fused"}
+              "gemv_fused_normed": "gemv_fused", "gemv_fused_handoff": "gemv_fused"}
 
 
 def kernel_op(name: str):
@@ -276,6 +276,7 @@ class DenseLM(nn.Module):
         self.fused_decode = False  # use_fused_decode(): one-token steps through six launches a layer (fused_decode.py)
         self.fused_verify = False  # use_fused_verify(): 2-16-token steps through nine launches a layer (the same)
         self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
+        self.norm_handoff = False  # use_norm_handoff(): a verify block's residual GEMVs hand the next norm its sums
         self.rope_in_attention = False  # use_rope_in_attention(): a one-token fused layer's RoPE + K/V write inside
         # its attention launch (five launches a layer)
         self.rope_in_qkv = False  # use_rope_in_qkv(): a one-token fused layer's RoPE + K/V write in its qkv GEMV
@@ -390,8 +391,27 @@ class DenseLM(nn.Module):
             if not (self.fused_decode or self.fused_verify):
                 raise ConfigError("norm_epilogue needs fused_decode or fused_verify: only the fused layer's GEMVs "
                                   "have the norm epilogue")
+            if self.norm_handoff:
+                raise ConfigError("norm_epilogue and norm_handoff both replace a verify block's RMSNorm launches: "
+                                  "choose one")
             require_kernel("gemv_fused_normed", "fused GEMV with a norm epilogue")
         self.norm_epilogue = on
+        return self
+
+    def use_norm_handoff(self, on: bool = True) -> "DenseLM":
+        """A fused verify block's (models/fused_decode.py, 2-16 tokens) residual GEMVs hand the GEMV after them their
+        output rows' sums of squares (kernels/norm_handoff.py), so qkv and gate_up normalize their input from them:
+        the block's two RMSNorm launches a layer go, layer 0's input norm and the final norm stay. The numbers
+        differ from the RMSNorm launch's only in the mean's summation order. Needs fused_verify, the only path it
+        changes; not with norm_epilogue (both replace the same launches)."""
+        if on:
+            if not self.fused_verify:
+                raise ConfigError("norm_handoff needs fused_verify: only a fused verify block's GEMVs hand over sums")
+            if self.norm_epilogue:
+                raise ConfigError("norm_handoff and norm_epilogue both replace a verify block's RMSNorm launches: "
+                                  "choose one")
+            require_kernel("gemv_fused_handoff", "fused GEMV with the norm handoff")
+        self.norm_handoff = on
         return self
 
     def use_rope_in_attention(self, on: bool = True) -> "DenseLM":
@@ -548,6 +568,8 @@ class DenseLM(nn.Module):
         normed = None
         rows = self._pending_rows(x, T, fused, last)  # the fused MLP (use_fused_mlp): down's sums, per layer
         pending = None  # the previous layer's row, settled by this layer's qkv launch
+        handoff = fused and T > 1 and self.norm_handoff  # a verify block's norms from handed-over sums
+        ss = None  # the previous layer's down GEMV's sums of squares (norm_handoff)
         for i, layer in enumerate(layers):
             nxt = None
             if next_norms:
@@ -558,8 +580,11 @@ class DenseLM(nn.Module):
                                               next_norm=nxt, norm_epilogue=self.norm_epilogue,
                                               rope_in_attention=self.rope_in_attention,
                                               rope_in_qkv=self.rope_in_qkv, l2_prefetch=self.l2_prefetch,
-                                              pending=pending, mlp_out=mlp_out)
+                                              pending=pending, mlp_out=mlp_out, handoff=handoff, norm_ss=ss,
+                                              ss_out=handoff and i < last)
                 pending = mlp_out
+                if handoff and i < last:
+                    x, ss = x
             else:
                 x = layer(x, cos, sin, positions, cache, kv_len, mask, is_causal, normed=normed, next_norm=nxt)
             x, normed = x if nxt is not None else (x, None)

@@ -88,16 +88,24 @@ PRENORM_12BIT = False
 PRENORM_ROWS = True
 
 
-def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str, out_norm=None, warm_next=None):
+def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: str, out_norm=None, warm_next=None,
+            norm_ss=None, ss_out: bool = False):
     """One fused GEMV launch through `linear` for x2 [M, K]: one row over its lossless 12-bit copy when it has one
     (`packed12`, set by DenseLM.use_lossless12; same weights, 3/4 of the bytes), else (and for M > 1 rows: the
     12-bit GEMV takes one) over its bf16 weight. M > 1 rows with a norm: an RMSNorm launch first (PRENORM_ROWS).
     out_norm (an RMSNorm module; the norm epilogue, EngineConfig.norm_epilogue): the same launch also writes the
     output rows' norm -> (y, out_norm(y)) instead of y. warm_next (one row, the bf16 path, no norm epilogue): a
-    gate/up weight whose halves' heads the launch warms in L2 (kernels/gemv_fused.py PDL_L2_NEXT_BYTES; a hint)."""
+    gate/up weight whose halves' heads the launch warms in L2 (kernels/gemv_fused.py PDL_L2_NEXT_BYTES; a hint).
+    The norm handoff (M > 1 rows, bf16 weights; kernels/norm_handoff.py, EngineConfig.norm_handoff): norm_ss, the
+    sums of squares of x2's rows a previous launch handed over, normalize x2 in this launch (no RMSNorm launch);
+    ss_out -> (y, y's sums of squares) for the launch that normalizes y next."""
     from specpilot.models.dense import kernel_op
 
     packed = getattr(linear, "packed12", None) if x2.shape[0] == 1 else None
+    if (norm_ss is not None or ss_out) and out_norm is None and packed is None:
+        y, ss = kernel_op("gemv_fused_handoff")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act,
+                                                norm_ss, ss_out)
+        return (y, ss) if ss_out else y
     prenorm = PRENORM_12BIT if packed is not None else PRENORM_ROWS and x2.shape[0] > 1
     if prenorm and norm_weight is not None:  # one RMSNorm launch, then a norm-free GEMV
         x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
@@ -114,7 +122,8 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
                  norm_epilogue: bool = False, rope_in_attention: bool = False, rope_in_qkv: bool = False,
-                 l2_prefetch: float = 0.0, pending: torch.Tensor | None = None, mlp_out: torch.Tensor | None = None):
+                 l2_prefetch: float = 0.0, pending: torch.Tensor | None = None, mlp_out: torch.Tensor | None = None,
+                 handoff: bool = False, norm_ss: torch.Tensor | None = None, ss_out: bool = False):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -138,7 +147,12 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     The fused MLP (EngineConfig.fused_mlp, kernels/fused_mlp.py), T = 1 with rope_in_qkv: `pending` [H] fp32 holds
     the previous layer's down sums, which this layer's qkv launch settles into x (the residual it then adds to);
     `mlp_out` [H] fp32 (zero) makes this layer's MLP one launch that leaves its down sums there, so the returned
-    x is the residual before the MLP (the next layer, given mlp_out as its `pending`, completes it)."""
+    x is the residual before the MLP (the next layer, given mlp_out as its `pending`, completes it).
+
+    The norm handoff (EngineConfig.norm_handoff, kernels/norm_handoff.py), T > 1: `handoff` makes o_proj's GEMV hand
+    gate_up's its rows' sums of squares (gate_up normalizes from them: no post-attention RMSNorm launch); `norm_ss`:
+    the previous layer's down GEMV's, for this layer's input norm (None: layer 0, an RMSNorm launch); `ss_out`:
+    down's GEMV hands the next layer such sums -> (output, sums)."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
@@ -165,8 +179,8 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     if pending is not None or mlp_out is not None:
         raise ValueError("the fused MLP's sums are settled by a one-token qkv + RoPE launch over bf16 weights "
                          "(rope_in_qkv): this layer has none")
-    if normed is None:
-        qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "")  # [T, (n + 2g) d]
+    if normed is None:  # [T, (n + 2g) d]; normalized from the handed-over sums where there are some
+        qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "", norm_ss=norm_ss)
     else:  # normed by the previous layer's down GEMV
         qkv = project(attn.qkv_proj, normed.view(T, h), None, pre.eps, None, "")
     q, k, v = qkv.split((n * d, g * d, g * d), dim=-1)
@@ -185,11 +199,12 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         # [1, n, T, d]; T > 1: token-major in memory, o_proj's weight handed over to be warmed in L2 (a hint:
         # kernels/decode_attention.py VERIFY_WARM_MAX_BYTES says where it is taken)
         out = attend(q, keys, values, positions) if T == 1 else attend(q, keys, values, positions, attn.o_proj.weight)
-    return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side)
+    return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side,
+                            handoff=handoff and T > 1, ss_out=ss_out)
 
 
 def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilogue: bool, next_norm, side,
-                     mlp_out=None):
+                     mlp_out=None, handoff: bool = False, ss_out: bool = False):
     """The layer from its attention output out [1, n, T, d] and residual x2 [T, h] on: o_proj + residual, the MLP
     (decode_layer's arguments say the rest)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -198,9 +213,14 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
         gate_norm = None  # (already normed)
+        post_ss = None
+    elif handoff:  # o_proj + residual, handing gate_up the sum's sums of squares
+        x2, post_ss = project(attn.o_proj, out2, None, pre.eps, x2, "", ss_out=True)
+        gate_in, gate_norm = x2, post.weight
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "", warm_next=_next_warm(mlp, T))  # + residual
         gate_in, gate_norm = x2, post.weight
+        post_ss = None
     if side is not None:  # gate/up's GEMV after its warming
         kernels_l2.join(side)
     if mlp_out is not None:  # the whole MLP in one launch; down's sums stay pending for the next layer's qkv
@@ -208,7 +228,10 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
 
         kernel_op("fused_mlp")(x2, post.weight, post.eps, mlp.gate_up_proj.weight, mlp.down_t, mlp_out)
         return x2.view(1, T, h)
-    act = project(mlp.gate_up_proj, gate_in, gate_norm, post.eps, None, "silu_mul")  # [T, I]
+    act = project(mlp.gate_up_proj, gate_in, gate_norm, post.eps, None, "silu_mul", norm_ss=post_ss)  # [T, I]
+    if handoff and ss_out:  # + residual, handing the next layer's qkv its sums of squares
+        x2, ss = project(mlp.down_proj, act, None, post.eps, x2, "", ss_out=True)
+        return x2.view(1, T, h), ss
     x2 = project(mlp.down_proj, act, None, post.eps, x2, "", out_norm=next_norm)  # + residual (, its next norm)
     if next_norm is None:
         return x2.view(1, T, h)
