@@ -101,7 +101,7 @@ def _cases():
         gemv_types
     # the M-row (tl.dot) kernel of a multi-token verify step (models/fused_decode.py with fused_verify)
     def gemm_types(n):  # the split-K workspace (fp32 partials) and arrival counters (int32)
-        return {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n) or gemv_types(n)
+        return {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "ss_ptr": "*fp32", "si_ptr": "*fp32"}.get(n) or gemv_types(n)
 
     gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
     yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
@@ -117,6 +117,13 @@ def _cases():
                                                                     "SPLIT_K": 4}, gemm_types
     yield "gemm_residual_split_k_late", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
                                                                 "PDL_LATE": True}, gemm_types
+    # the norm handoff (kernels/norm_handoff.py): the sums-of-squares stores, and the sums' load, after the wait
+    yield "gemm_residual_ss_out", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "SS_OUT": True}, gemm_types
+    yield "gemm_residual_split_k_ss_out", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16,
+                                                                  "SPLIT_K": 4, "SS_OUT": True}, gemm_types
+    yield "gemm_norm_silu_mul_ss_in", gf._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048,
+                                                              "SILU_MUL": True, "SS_IN": True, "SS_P2": 128}, \
+        gemm_types
     gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_G=64, EXC_BLOCK=16)
     yield "gemv12_residual_norm_out", g12._gemv12_kernel, {**gemv12, **norm_out}, gemv12_types
     yield "gemv12_residual_late", g12._gemv12_kernel, {**gemv12, "HAS_RES": True, "PDL_LATE": True}, gemv12_types
