@@ -19,7 +19,7 @@ merged inside a thread-block cluster (one cluster of 8; two of 4, merged across 
 out every key evenly; pushing the partials to the merging CTA), qkv_pipeline: qkv + RoPE's K loop two blocks ahead,
 attn_stages: the attention's slice loop in 2 pipeline stages, verify_one_launch: a verify block's attention in one
 launch, norm_pdl: the RMSNorm launches with PDL, norm_handoff: a verify block's norms from handed-over sums of
-squares,
+squares, verify_rope_in_qkv: a verify block's RoPE + K/V write in its qkv GEMM,
 rope_split: q's heads over several RoPE + K/V-write programs,
 l2_prefetch: gate/up's weight
 warmed in L2 on a side stream in each of its three modes, draft_chain_graph: a small drafter's K - 1 passes in one
@@ -49,7 +49,7 @@ SECTIONS = ("defaults", "attention_kernel", "norm_kernel", "fused_decode", "fuse
             "rope_in_attention", "rope_in_qkv", "rope_in_qkv_qk_norm", "gemv_prefetch", "gemv_pipeline", "early_epilogue",
             "tile_after_wait", "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys",
             "attn_loads_first", "attn_cluster", "attn_cluster_groups", "attn_cluster_even", "attn_cluster_push",
-            "qkv_pipeline", "attn_stages", "verify_one_launch", "norm_pdl", "norm_handoff",
+            "qkv_pipeline", "attn_stages", "verify_one_launch", "norm_pdl", "norm_handoff", "verify_rope_in_qkv",
             "rope_split",
             "attn_split", "pdl_kv_l2", "pdl_l2_next", "attn_kv_preload",
             "attn_merge", "l2_prefetch", "draft_chain_graph", "prefill_graphs", "megakernel", "dflash", "early_draft", "adaptive", "batch", "lossless12")
@@ -635,6 +635,25 @@ def main(only: tuple[str, ...] = ()) -> int:
         c = ngram_on.with_(drafter_kind="dflash", num_draft_tokens=7)
         record("spec_dflash_norm_handoff", [Engine(hand, c, build_drafter(c, dflash_net(), hand)).generate(p)
                                             for p in prompts])
+
+    def verify_rope_in_qkv():
+        # a verify block's RoPE + K/V write in its qkv GEMM's epilogue (EngineConfig.verify_rope_in_qkv,
+        # kernels/qkv_rope_rows.py), alone and with the norm handoff: a pair of columns rotated with the wrong
+        # partner, a slot written for the wrong token or not at all shows as other tokens than eager AR's in n-gram
+        # speculation (blocks of up to 5 and 16 tokens), graphed and eager, and in a random DFlash drafter's blocks
+        fast = copy.deepcopy(target).use_norm_kernel().use_rope_kernel().use_fused_decode().use_fused_verify()
+        for extra in ({}, {"norm_handoff": True}):
+            tag = "_handoff" if extra else ""
+            m = copy.deepcopy(fast).use_verify_rope_in_qkv()
+            if extra:
+                m.use_norm_handoff()
+            ngram_on = base.with_(fused_verify=True, verify_rope_in_qkv=True, drafter_kind="ngram", **extra)
+            same_tokens(((f"spec_ngram_verify_rope_in_qkv{tag}", ngram_on, m),
+                         (f"spec_ngram_verify_rope_in_qkv{tag}_eager", ngram_on.with_(cuda_graphs=False), m),
+                         (f"spec_ngram16_verify_rope_in_qkv{tag}", ngram_on.with_(num_draft_tokens=15), m)))
+            c = ngram_on.with_(drafter_kind="dflash", num_draft_tokens=7)
+            record(f"spec_dflash_verify_rope_in_qkv{tag}",
+                   [Engine(m, c, build_drafter(c, dflash_net(), m)).generate(p) for p in prompts])
 
     def qkv_trigger_first():  # qkv + RoPE lets the attention launch first thing; the attention preloads old K/V
         early_loads("qkv_trigger_first", attn_kv_preload=True)

@@ -315,6 +315,12 @@ class EngineConfig:
     # made the M-row norm prologue slow). 2L + 1 norm launches a block become 2 (layer 0's input norm, the final
     # norm). Numbers: the mean's squares summed in another (fixed) order than the RMSNorm launch's; token forcing
     # judges. Not with norm_epilogue. Off until a GPU times it (session 51); the loop searches it
+    verify_rope_in_qkv: bool = False  # CUDA, with fused_verify: a verify block's RoPE and K/V-cache write run in its
+    # qkv GEMM's epilogue (kernels/qkv_rope_rows.py: a program holds both halves of its columns' RoPE pairs through
+    # two weight tiles) instead of rope_write's launch after it: a launch fewer a layer (H100, session 50: that
+    # launch was 75 us of a 2.18 ms 1.5B 16-token step, plus its boundaries). Layers with a q/k norm (Qwen3) keep
+    # the launch. Numbers: the GEMM's and apply_rope's rounding; the dot products' summation order may differ with
+    # the tiles. Off until a GPU times it (session 51); the loop searches it
     rope_in_attention: bool = False  # CUDA, with fused_decode: a one-token fused layer's q/k norm (Qwen3), RoPE and
     # K/V-cache write run inside its attention launch (kernels/rope_attention.py) instead of a launch of their own
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch
@@ -499,6 +505,8 @@ class EngineConfig:
             raise ConfigError(f"fused_verify must be true or false, got {self.fused_verify!r}")
         if not isinstance(self.norm_epilogue, bool):  # as pdl: "false" from a file must not turn it on
             raise ConfigError(f"norm_epilogue must be true or false, got {self.norm_epilogue!r}")
+        if not isinstance(self.verify_rope_in_qkv, bool):
+            raise ConfigError(f"verify_rope_in_qkv must be true or false, got {self.verify_rope_in_qkv!r}")
         if not isinstance(self.norm_handoff, bool):
             raise ConfigError(f"norm_handoff must be true or false, got {self.norm_handoff!r}")
         if self.norm_handoff and self.norm_epilogue:

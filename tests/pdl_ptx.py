@@ -163,6 +163,18 @@ def _cases():
     yield "qkv_rope_qk_norm_late", qr._qkv_rope_kernel, {**qkv, "HAS_BIAS": False, "QK_NORM": True}, qkv_rope_types
     # L2_PF (qkv's weight under PDL_L2_MAX_BYTES, the 1.5B's): its two row ranges' bulk prefetches before the wait
     yield "qkv_rope_l2_late", qr._qkv_rope_kernel, {**qkv, "L2_PF": True}, qkv_rope_types
+    # a verify block's qkv GEMM + RoPE + K/V write (EngineConfig.verify_rope_in_qkv), normed x or the handed-over sums
+    from specpilot.kernels import qkv_rope_rows as qrr
+
+    def rows_types(n):
+        return "*fp32" if n == "si_ptr" else qkv_rope_types(n)
+
+    rows = dict(HAS_BIAS=True, HAS_NORM=False, SS_IN=False, SS_P2=1, K_P2=1, ON_GPU=True, D=128, BLOCK_M=16,
+                BLOCK_P=32, BLOCK_K=128, PDL_LATE=False)
+    yield "qkv_rope_rows", qrr._qkv_rope_rows_kernel, rows, rows_types
+    yield "qkv_rope_rows_ss_in_late", qrr._qkv_rope_rows_kernel, {**rows, "HAS_NORM": True, "SS_IN": True,
+                                                                  "SS_P2": 128, "K_P2": 2048, "PDL_LATE": True}, \
+        rows_types
 
     def rope_attn_types(n):  # EngineConfig.rope_in_attention: its K/V slot store, partials, counter after the wait
         return "fp32" if n == "eps" else attn_types(n)

@@ -293,6 +293,43 @@ def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny
         load_model(tiny_model_dir(family)).use_norm_handoff()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("handoff", [False, True])
+def test_verify_rope_in_qkv_drops_the_rope_launch_and_follows_it(tiny_model_dir, monkeypatch, family, handoff):
+    """use_verify_rope_in_qkv: a verify block's qkv GEMM does RoPE and the K/V write (no rope_write launch; Qwen3's
+    q/k-norm layers keep it); logits, captured layers and the K/V written follow the block without it (fp32: only
+    summation orders differ), with or without the norm handoff."""
+    import specpilot.kernels.rope_write as rw
+    from specpilot.errors import ConfigError
+    from specpilot.models import load_model
+
+    ref = load_model(tiny_model_dir(family)).use_fused_verify().use_norm_kernel()
+    fast = copy.deepcopy(ref).use_verify_rope_in_qkv()
+    if handoff:
+        fast.use_norm_handoff()
+    L = ref.config.num_hidden_layers
+    ids = torch.randint(3, 96, (1, 6 + 9), generator=torch.Generator().manual_seed(7))
+    real, launches = rw._rope_write_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(rw, "_rope_write_kernel", Spy())
+    la, ca, cache_a = _verify_block(ref, ids, 9, return_layers=(0, 1))
+    assert len(launches) == 2 * L  # the 6-token prefill and the 9-token block
+    del launches[:]
+    lb, cb, cache_b = _verify_block(fast, ids, 9, return_layers=(0, 1))
+    assert len(launches) == (2 * L if family == "qwen3" else 0)
+    assert (la - lb).abs().max().item() < 1e-4
+    for a, b in zip((*ca, cache_a.k, cache_a.v), (*cb, cache_b.k, cache_b.v)):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+    assert cache_b.k[:, :, :, 15:].abs().max().item() == 0  # nothing written past the block
+    with pytest.raises(ConfigError, match="fused_verify"):
+        load_model(tiny_model_dir(family)).use_verify_rope_in_qkv()
+
+
 def test_fused_verify_is_used_only_for_2_to_16_token_steps_in_one_row(tiny_model_dir, monkeypatch):
     from specpilot.models import load_model
 

@@ -627,7 +627,8 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
             "qkv_rope_l2_late", "gemv_residual_l2_next_late", "attention_one_launch_kv_preload",
             "attention_one_launch_single_early_pos", "qkv_rope_trigger_first",
             "attention_one_launch_unroll_early_pos", "rmsnorm", "gemm_residual_ss_out",
-            "gemm_residual_split_k_ss_out", "gemm_norm_silu_mul_ss_in"} <= set(report)
+            "gemm_residual_split_k_ss_out", "gemm_norm_silu_mul_ss_in", "qkv_rope_rows",
+            "qkv_rope_rows_ss_in_late"} <= set(report)
     for name, cases in report.items():
         off, on = cases["off"], cases["on"]
         assert off["launch_dependents"] is None and off["wait"] is None and not off["launch_pdl"], name

@@ -123,6 +123,7 @@ class StepProfile:
     rope_in_qkv: bool = False  # one-token layers' RoPE + K/V write in the qkv GEMV's launch (EngineConfig.*)
     fused_mlp: bool = False  # one-token layers' MLP in one launch (EngineConfig.*)
     norm_handoff: bool = False  # fused blocks' norms from handed-over sums of squares (EngineConfig.*)
+    verify_rope_in_qkv: bool = False  # fused blocks' RoPE + K/V write in the qkv GEMM (EngineConfig.*)
     pdl_l2_mb: int = 0  # with pdl: one-token GEMVs of at most this many MiB warm their weight in L2 (EngineConfig.*)
     pdl_l2_share: float = 1.0  # ... this share of it (EngineConfig.pdl_l2_share)
     pdl_l2_next_mb: int = 0  # with pdl: MiB of gate/up's head o_proj's launch warms (EngineConfig.*)

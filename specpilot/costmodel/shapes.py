@@ -200,9 +200,9 @@ def _flops(cfg: ModelConfig, T: int, context_len: int) -> float:
 # The engine's Triton-kernel switches that change a dense pass's kernel count (EngineConfig fields of these names)
 KERNEL_FLAGS = ("norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel", "fused_decode", "fused_verify",
                 "lossless12", "pdl", "pdl_late", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "fused_mlp",
-                "norm_handoff")
+                "norm_handoff", "verify_rope_in_qkv")
 _DENSE_ONLY_FLAGS = ("add_norm_kernel", "fused_decode", "fused_verify", "lossless12", "pdl", "pdl_late",
-                     "norm_epilogue", "norm_handoff",
+                     "norm_epilogue", "norm_handoff", "verify_rope_in_qkv",
                      "rope_in_attention", "rope_in_qkv", "fused_mlp")
 
 
@@ -275,7 +275,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
                  lossless12: bool = False, pdl: bool = False, norm_epilogue: bool = False,
                  rope_in_attention: bool = False, rope_in_qkv: bool = False, pdl_late: bool = False,
                  pdl_l2_mb: float = 0, pdl_l2_share: float = 1.0, pdl_l2_next_mb: float = 0,
-                 fused_mlp: bool = False, norm_handoff: bool = False) -> PassCost:
+                 fused_mlp: bool = False, norm_handoff: bool = False,
+                 verify_rope_in_qkv: bool = False) -> PassCost:
     """Cost of one pass of `num_tokens` tokens after `context_len` cached ones, weights/KV in `dtype_bytes`.
     `pool_len`: the KV pool a graphed pass attends over in full (masked); None: only the span is read.
     `fused` (q/k/v and gate/up projections fused), `compiled` (torch.compile), `norm_kernel` (each RMSNorm one
@@ -293,7 +294,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
     head of gate/up's weight o_proj's launch warms; `fused_mlp` (with rope_in_qkv, without norm_epilogue or
     lossless12) a one-token fused layer's two MLP GEMVs into one launch (all layers but the last); `norm_handoff`
     (without norm_epilogue) a fused block's norm launches into its GEMVs but layer 0's input norm and the final norm
-    (kernels/norm_handoff.py)."""
+    (kernels/norm_handoff.py); `verify_rope_in_qkv` a fused block's RoPE + K/V write launch into its qkv GEMM (a
+    model without a q/k norm: kernels/qkv_rope_rows.py)."""
     if num_tokens < 1 or context_len < 0 or dtype_bytes < 1:
         raise ConfigError(f"forward_cost needs num_tokens >= 1, context_len >= 0, dtype_bytes >= 1 "
                           f"(got {num_tokens}, {context_len}, {dtype_bytes})")
@@ -317,6 +319,8 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
         elif norm_handoff and block_fused:  # the final norm stays; layer 0's input norm is one launch more
             norms += _NORM_KERNEL_LAUNCHES
             per_layer = _FUSED_VERIFY_EPILOGUE_LAYER_KERNELS
+        rope_merged = block_fused and verify_rope_in_qkv and not cfg.qk_norm  # one launch fewer a layer
+        per_layer -= rope_merged
         kernels = (L * per_layer + _FUSED_DECODE_HEAD_KERNELS + norms, L * _FUSED_LINEARS_PER_LAYER + 1)
         merged = (L - 1 if one_token_fused and fused_mlp and rope_in_qkv and not norm_epilogue
                   and linear_bytes is None else 0)  # MLPs in one launch (the last layer's keeps two)
@@ -324,7 +328,7 @@ def forward_cost(cfg: ModelConfig, num_tokens: int, context_len: int, dtype_byte
             kernels = (kernels[0] - merged + _FUSED_MLP_PASS_KERNELS, kernels[1] - merged)
         if pdl:
             pdl_kernels = (L * per_layer - merged + _PDL_HEAD_KERNELS if one_token_fused
-                           else L * _PDL_VERIFY_KERNELS_PER_LAYER)
+                           else L * (_PDL_VERIFY_KERNELS_PER_LAYER - rope_merged))
     warm = (_l2_warm_bytes(cfg, dtype_bytes, pdl_l2_mb, pdl_l2_share, pdl_l2_next_mb)
             if pdl_kernels and one_token_fused and linear_bytes is None and (pdl_l2_mb > 0 or pdl_l2_next_mb > 0)
             else 0.0)

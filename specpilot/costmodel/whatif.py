@@ -54,6 +54,7 @@ class StepKnobs:
     rope_in_qkv: bool = False  # rope_in_qkv (a one-token layer's RoPE + K/V write in its qkv GEMV)
     fused_mlp: bool = False  # fused_mlp (a one-token layer's MLP in one launch)
     norm_handoff: bool = False  # norm_handoff (a fused block's norms from handed-over sums of squares: fewer launches)
+    verify_rope_in_qkv: bool = False  # verify_rope_in_qkv (a fused block's RoPE + K/V write in its qkv GEMM)
     pdl_l2_mb: int = 0  # pdl_l2_mb (with pdl: one-token GEMVs of at most this many MiB warm their weight in L2)
     pdl_l2_share: float = 1.0  # pdl_l2_share (the share of each such weight warmed)
     pdl_l2_next_mb: int = 0  # pdl_l2_next_mb (with pdl: MiB of gate/up's head o_proj's launch warms)

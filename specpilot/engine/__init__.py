@@ -111,6 +111,12 @@ def _apply_layout(model: DenseLM, config: EngineConfig) -> None:
         else:
             warnings.warn("norm_handoff needs fused_verify, without norm_epilogue: a verify block's norms keep "
                           "their own launches", RuntimeWarning, stacklevel=2)
+    if _kernel_on(config, "verify_rope_in_qkv"):  # a fused verify block's qkv GEMM: with RoPE + K/V write or not
+        if model.fused_verify:
+            model.use_verify_rope_in_qkv()
+        else:
+            warnings.warn("verify_rope_in_qkv needs fused_verify: a verify block's RoPE and K/V write keep their own "
+                          "launch", RuntimeWarning, stacklevel=2)
     if _kernel_on(config, "rope_in_attention"):  # the fused one-token layer's attention launch: with it or not
         if model.fused_decode:
             model.use_rope_in_attention()

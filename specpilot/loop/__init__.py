@@ -62,7 +62,7 @@ class EngineMeasure:
               "gemv_pipeline", "early_epilogue", "tile_after_wait", "tuned_tiles", "tuned_table",
               "qkv_trigger_first", "attn_single_direct", "attn_merge_unroll", "attn_block_keys", "attn_loads_first",
               "attn_cluster", "attn_cluster_even", "attn_cluster_push", "qkv_pipeline", "attn_stages",
-              "fused_mlp", "verify_one_launch", "norm_pdl", "norm_handoff")
+              "fused_mlp", "verify_one_launch", "norm_pdl", "norm_handoff", "verify_rope_in_qkv")
     # (pdl, pdl_trigger, pdl_l2_mb, pdl_l2_share, pdl_l2_next_mb, pdl_kv_l2, rope_q_heads, attn_split_keys,
     # attn_merge_chunk, attn_early_pos, attn_warps, attn_kv_preload, verify_l2_mb, gemm_bucket_min,
     # gemv_prefetch, gemv_pipeline, early_epilogue, tile_after_wait, tuned_tiles, tuned_table, qkv_trigger_first,

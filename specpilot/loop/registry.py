@@ -348,6 +348,11 @@ register(Mechanism(
     "a verify block's residual GEMVs hand the next GEMV their rows' sums of squares (one writer a partial, no "
     "atomics), so qkv and gate_up normalize their input themselves: the block's two RMSNorm launches a layer go"))
 register(Mechanism(
+    "verify_rope_in_qkv", ("verify",), {"verify_rope_in_qkv": [True, False]},
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
+    "a verify block's RoPE and K/V-cache write run in its qkv GEMM's epilogue (each program holds both halves of "
+    "its RoPE pairs through two weight tiles): a launch fewer a layer in the step a speculative step is made of"))
+register(Mechanism(
     "gemm_bucket", ("verify",), {"gemm_bucket_min": [16, 0]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's M-row GEMMs take the tiling tuned for 16 rows whatever their rows (the tunings are timed "

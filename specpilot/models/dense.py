@@ -277,6 +277,7 @@ class DenseLM(nn.Module):
         self.fused_verify = False  # use_fused_verify(): 2-16-token steps through nine launches a layer (the same)
         self.norm_epilogue = False  # use_norm_epilogue(): the fused layer's residual GEMVs also write the next norm
         self.norm_handoff = False  # use_norm_handoff(): a verify block's residual GEMVs hand the next norm its sums
+        self.verify_rope_in_qkv = False  # use_verify_rope_in_qkv(): a verify block's RoPE + K/V write in its qkv GEMM
         self.rope_in_attention = False  # use_rope_in_attention(): a one-token fused layer's RoPE + K/V write inside
         # its attention launch (five launches a layer)
         self.rope_in_qkv = False  # use_rope_in_qkv(): a one-token fused layer's RoPE + K/V write in its qkv GEMV
@@ -412,6 +413,18 @@ class DenseLM(nn.Module):
                                   "choose one")
             require_kernel("gemv_fused_handoff", "fused GEMV with the norm handoff")
         self.norm_handoff = on
+        return self
+
+    def use_verify_rope_in_qkv(self, on: bool = True) -> "DenseLM":
+        """A fused verify block (models/fused_decode.py, 2-16 tokens) runs RoPE and the K/V-cache write in its qkv
+        GEMM's epilogue (kernels/qkv_rope_rows.py) instead of rope_write's launch after it: a launch fewer a layer.
+        Layers with a per-head q/k norm (Qwen3) keep the launch. Needs fused_verify, the only path it changes."""
+        if on:
+            if not self.fused_verify:
+                raise ConfigError("verify_rope_in_qkv needs fused_verify: only a fused verify block's qkv GEMM has "
+                                  "the RoPE epilogue")
+            require_kernel("qkv_rope_rows", "qkv GEMM with RoPE and the K/V write")
+        self.verify_rope_in_qkv = on
         return self
 
     def use_rope_in_attention(self, on: bool = True) -> "DenseLM":
@@ -581,7 +594,8 @@ class DenseLM(nn.Module):
                                               rope_in_attention=self.rope_in_attention,
                                               rope_in_qkv=self.rope_in_qkv, l2_prefetch=self.l2_prefetch,
                                               pending=pending, mlp_out=mlp_out, handoff=handoff, norm_ss=ss,
-                                              ss_out=handoff and i < last)
+                                              ss_out=handoff and i < last,
+                                              rope_in_qkv_rows=self.verify_rope_in_qkv)
                 pending = mlp_out
                 if handoff and i < last:
                     x, ss = x

@@ -123,7 +123,8 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
                  cache: KVCache, kv_len: int | None, *, normed: torch.Tensor | None = None, next_norm=None,
                  norm_epilogue: bool = False, rope_in_attention: bool = False, rope_in_qkv: bool = False,
                  l2_prefetch: float = 0.0, pending: torch.Tensor | None = None, mlp_out: torch.Tensor | None = None,
-                 handoff: bool = False, norm_ss: torch.Tensor | None = None, ss_out: bool = False):
+                 handoff: bool = False, norm_ss: torch.Tensor | None = None, ss_out: bool = False,
+                 rope_in_qkv_rows: bool = False):
     """x [1, T, H] (the residual stream, 1 <= T <= 16) -> the layer's output [1, T, H]; K/V of the T tokens
     written at `positions` [1, T].
 
@@ -152,7 +153,10 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     The norm handoff (EngineConfig.norm_handoff, kernels/norm_handoff.py), T > 1: `handoff` makes o_proj's GEMV hand
     gate_up's its rows' sums of squares (gate_up normalizes from them: no post-attention RMSNorm launch); `norm_ss`:
     the previous layer's down GEMV's, for this layer's input norm (None: layer 0, an RMSNorm launch); `ss_out`:
-    down's GEMV hands the next layer such sums -> (output, sums)."""
+    down's GEMV hands the next layer such sums -> (output, sums).
+
+    `rope_in_qkv_rows` (EngineConfig.verify_rope_in_qkv, kernels/qkv_rope_rows.py), T > 1, a model without a q/k
+    norm: the qkv GEMM's epilogue does RoPE and the K/V write (no rope_write launch)."""
     T = x.shape[1]
     rope_write, attend = _ops(T)
     attn, mlp = layer.self_attn, layer.mlp
@@ -179,6 +183,18 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     if pending is not None or mlp_out is not None:
         raise ValueError("the fused MLP's sums are settled by a one-token qkv + RoPE launch over bf16 weights "
                          "(rope_in_qkv): this layer has none")
+    if rope_in_qkv_rows and T > 1 and attn.q_norm is None and normed is None:  # one launch: GEMM + RoPE + K/V
+        from specpilot.models.dense import kernel_op
+
+        x_in, nw = x2, pre.weight
+        if norm_ss is None and PRENORM_ROWS:  # (without handed-over sums the block's norm is a launch of its own)
+            x_in, nw = kernel_op("rmsnorm")(x2, pre.weight, pre.eps), None
+        q = kernel_op("qkv_rope_rows")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin,
+                                       positions, cache.k[i], cache.v[i], n, norm_ss)  # [1, n, T, d]
+        keys, values = cache.read(i, kv_len)
+        out = attend(q, keys, values, positions, attn.o_proj.weight)
+        return _after_attention(layer, out, x2, T, h, n, d, norm_epilogue, next_norm, side, handoff=handoff,
+                                ss_out=ss_out)
     if normed is None:  # [T, (n + 2g) d]; normalized from the handed-over sums where there are some
         qkv = project(attn.qkv_proj, x2, pre.weight, pre.eps, None, "", norm_ss=norm_ss)
     else:  # normed by the previous layer's down GEMV
