@@ -391,6 +391,30 @@ def test_greedy_spec_with_fused_verify_equals_ar(tiny_model_dir, monkeypatch, dr
         assert got.num_target_forwards < len(want)  # drafts were accepted: the drafter really ran
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_spec_with_the_handoff_and_rope_in_qkv_equals_ar(tiny_model_dir, static):
+    """Verify blocks with the norm handoff and RoPE in the qkv GEMM (both on) give regular AR's tokens, eagerly and
+    through the static bucket path (padded blocks over the whole KV pool, as a CUDA graph records)."""
+    from specpilot.config import EngineConfig
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine
+    from specpilot.engine.runner import ModelRunner
+    from specpilot.models import load_model
+
+    path = tiny_model_dir("qwen2")
+    ref = load_model(path)
+    fast = load_model(path).use_fused_decode().use_fused_verify().use_norm_handoff().use_verify_rope_in_qkv()
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=15, max_new_tokens=24, max_seq_len=64,
+                       ignore_eos=True, ngram_assist=0)
+    eng = Engine(fast, cfg, NgramDrafter(3, 1))
+    if static:
+        eng.runner = ModelRunner(fast, eng.runner.cache, buckets=(1, 16), static=True, greedy_verdict=True)
+    for prompt in ([5, 6, 7, 5, 6, 7, 1, 2], [9, 8, 7, 6, 5, 4, 9, 8, 7, 6, 5, 4, 9, 8]):
+        want = Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+        got = eng.generate(prompt)
+        assert got.output_ids == want and got.num_target_forwards < len(want)
+
+
 def test_fused_verify_field_is_on_by_default_needs_fused_decode_and_is_a_loop_mechanism(monkeypatch):
     import argparse
 
