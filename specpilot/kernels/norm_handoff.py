@@ -3,7 +3,7 @@ normalizes its input rows itself without an RMSNorm launch and without a serial 
 
 Why: a fused verify block (models/fused_decode.py, T = 2..16 tokens) runs each layer's two RMSNorms as launches of
 their own (PRENORM_ROWS), because the M-row GEMV's own norm prologue summed each row's squares row after row, 16
-dependent L2 round trips in every program (H200: qkv 12.5 us with it against 4.3 without). Those 2L + 1 norm
+dependent L2 round trips in every program (H200: qkv 12.5 us with it, cuBLAS 4.55). Those 2L + 1 norm
 launches cost ~1.6 us of kernel and ~1.6 us of graphed gap each (H100, session 50: 92 us of kernels and most of a
 406 us gap total in a 2.18 ms 1.5B verify step). A norm needs the whole row; no program of the producing GEMV has
 it, but each has its BLOCK_N columns of every row, and a sum of squares adds up across programs. So:
