@@ -107,8 +107,7 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
                                                 norm_ss, ss_out)
         return (y, ss) if ss_out else y
     prenorm = PRENORM_12BIT if packed is not None else PRENORM_ROWS and x2.shape[0] > 1
-    if prenorm and norm_weight is not None:  # one RMSNorm launch, then a norm-free GEMV
-        x2, norm_weight = kernel_op("rmsnorm")(x2, norm_weight, eps), None
+    x2, norm_weight = _prenormed(x2, norm_weight, eps, prenorm)
     norm_out = () if out_norm is None else (out_norm.weight, out_norm.eps)
     if packed is not None:
         return gemv12_call(x2, packed, linear.bias, norm_weight, eps, residual, act, norm_out or None)
@@ -117,6 +116,16 @@ def project(linear, x2: torch.Tensor, norm_weight, eps: float, residual, act: st
     if warm_next is not None and x2.shape[0] == 1:
         return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act, warm_next)
     return kernel_op("gemv_fused")(x2, linear.weight, linear.bias, norm_weight, eps, residual, act)
+
+
+def _prenormed(x2: torch.Tensor, norm_weight, eps: float, prenorm: bool):
+    """(x2, norm_weight) as the launch after takes them: with `prenorm` and a norm, x2 normalized by one RMSNorm
+    launch and no norm left for the launch (PRENORM_ROWS, PRENORM_12BIT); otherwise as they are."""
+    if prenorm and norm_weight is not None:
+        from specpilot.models.dense import kernel_op
+
+        return kernel_op("rmsnorm")(x2, norm_weight, eps), None
+    return x2, norm_weight
 
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -186,9 +195,8 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     if rope_in_qkv_rows and T > 1 and attn.q_norm is None and normed is None:  # one launch: GEMM + RoPE + K/V
         from specpilot.models.dense import kernel_op
 
-        x_in, nw = x2, pre.weight
-        if norm_ss is None and PRENORM_ROWS:  # (without handed-over sums the block's norm is a launch of its own)
-            x_in, nw = kernel_op("rmsnorm")(x2, pre.weight, pre.eps), None
+        # (without handed-over sums the block's norm is a launch of its own, as project's)
+        x_in, nw = _prenormed(x2, pre.weight, pre.eps, norm_ss is None and PRENORM_ROWS)
         q = kernel_op("qkv_rope_rows")(x_in, attn.qkv_proj.weight, attn.qkv_proj.bias, nw, pre.eps, cos, sin,
                                        positions, cache.k[i], cache.v[i], n, norm_ss)  # [1, n, T, d]
         keys, values = cache.read(i, kv_len)
@@ -226,17 +234,16 @@ def _after_attention(layer, out, x2, T: int, h: int, n: int, d: int, norm_epilog
     attn, mlp = layer.self_attn, layer.mlp
     pre, post = layer.input_layernorm, layer.post_attention_layernorm
     out2 = out.transpose(1, 2).reshape(T, n * d)  # token-major: a view
+    post_ss = None  # (the norm handoff's sums for gate_up)
     if norm_epilogue:  # o_proj + residual, and the post-attention norm of the sum from the same launch
         x2, gate_in = project(attn.o_proj, out2, None, pre.eps, x2, "", out_norm=post)
         gate_norm = None  # (already normed)
-        post_ss = None
     elif handoff:  # o_proj + residual, handing gate_up the sum's sums of squares
         x2, post_ss = project(attn.o_proj, out2, None, pre.eps, x2, "", ss_out=True)
         gate_in, gate_norm = x2, post.weight
     else:
         x2 = project(attn.o_proj, out2, None, pre.eps, x2, "", warm_next=_next_warm(mlp, T))  # + residual
         gate_in, gate_norm = x2, post.weight
-        post_ss = None
     if side is not None:  # gate/up's GEMV after its warming
         kernels_l2.join(side)
     if mlp_out is not None:  # the whole MLP in one launch; down's sums stay pending for the next layer's qkv
