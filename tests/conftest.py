@@ -122,8 +122,9 @@ def sm90_report():
 @pytest.fixture
 def launch_spy(monkeypatch):
     """spy(module, attr, name): the Triton kernel module.attr still launches, and each launch appends `name` to
-    spy.launches (in launch order): which kernels a model step ran."""
-    launches = []
+    spy.launches and its grid to spy.grids (in launch order): which kernels a model step ran, over how many
+    programs."""
+    launches, grids = [], []
 
     class Spy:
         def __init__(self, name, real):
@@ -131,12 +132,13 @@ def launch_spy(monkeypatch):
 
         def __getitem__(self, grid):
             launches.append(self.name)
+            grids.append(grid)
             return self.real[grid]
 
     def spy(module, attr: str, name: str) -> None:
         monkeypatch.setattr(module, attr, Spy(name, getattr(module, attr)))
 
-    spy.launches = launches
+    spy.launches, spy.grids = launches, grids
     return spy
 
 

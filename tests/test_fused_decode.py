@@ -208,7 +208,8 @@ def test_fused_verify_bf16_follows_the_regular_path(tiny_model_dir, family):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, monkeypatch, family, dtype):
+def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, monkeypatch, launch_spy, family,
+                                                            dtype):
     """PRENORM_ROWS (a verify block's norms as RMSNorm launches of their own, then norm-free M-row GEMVs) rounds
     where the GEMV's norm prologue does: logits, captured layers and the K/V written are the prologue's bits; and
     it does launch the RMSNorm kernel, twice a layer, only when on."""
@@ -218,14 +219,8 @@ def test_prenorm_rows_gives_the_prologue_numbers_bit_for_bit(tiny_model_dir, mon
     model = load_model(tiny_model_dir(family), dtype=dtype).use_fused_verify()
     L = model.config.num_hidden_layers
     ids = torch.randint(3, 96, (1, 6 + 7), generator=torch.Generator().manual_seed(5))
-    real, launches = rk._rmsnorm_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(rk, "_rmsnorm_kernel", Spy())
+    launch_spy(rk, "_rmsnorm_kernel", "rmsnorm")
+    launches = launch_spy.grids
     assert fused_decode.PRENORM_ROWS  # the default
     outs = {}
     for on in (False, True):
@@ -256,7 +251,7 @@ def test_verify_one_launch_gives_the_pairs_bits_in_a_verify_block(tiny_model_dir
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny_model_dir, monkeypatch, family,
+def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny_model_dir, launch_spy, family,
                                                                              dtype):
     """use_norm_handoff: a verify block launches the RMSNorm kernel twice (layer 0's input norm, the final norm)
     instead of 2L + 1 times; logits, captured layers and K/V follow the block with the norm launches (only the
@@ -269,14 +264,8 @@ def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny
     fast = copy.deepcopy(ref).use_norm_handoff()
     L = ref.config.num_hidden_layers
     ids = torch.randint(3, 96, (1, 6 + 9), generator=torch.Generator().manual_seed(6))
-    real, launches = rk._rmsnorm_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(rk, "_rmsnorm_kernel", Spy())
+    launch_spy(rk, "_rmsnorm_kernel", "rmsnorm")
+    launches = launch_spy.grids
     la, ca, cache_a = _verify_block(ref, ids, 9, return_layers=(0, 1))
     assert launches.count((9,)) == 2 * L + 1
     del launches[:]
@@ -295,7 +284,7 @@ def test_norm_handoff_keeps_two_norm_launches_and_follows_the_norm_launches(tiny
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("handoff", [False, True])
-def test_verify_rope_in_qkv_drops_the_rope_launch_and_follows_it(tiny_model_dir, monkeypatch, family, handoff):
+def test_verify_rope_in_qkv_drops_the_rope_launch_and_follows_it(tiny_model_dir, launch_spy, family, handoff):
     """use_verify_rope_in_qkv: a verify block's qkv GEMM does RoPE and the K/V write (no rope_write launch; Qwen3's
     q/k-norm layers keep it); logits, captured layers and the K/V written follow the block without it (fp32: only
     summation orders differ), with or without the norm handoff."""
@@ -309,14 +298,8 @@ def test_verify_rope_in_qkv_drops_the_rope_launch_and_follows_it(tiny_model_dir,
         fast.use_norm_handoff()
     L = ref.config.num_hidden_layers
     ids = torch.randint(3, 96, (1, 6 + 9), generator=torch.Generator().manual_seed(7))
-    real, launches = rw._rope_write_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(rw, "_rope_write_kernel", Spy())
+    launch_spy(rw, "_rope_write_kernel", "rope_write")
+    launches = launch_spy.grids
     la, ca, cache_a = _verify_block(ref, ids, 9, return_layers=(0, 1))
     assert len(launches) == 2 * L  # the 6-token prefill and the 9-token block
     del launches[:]
