@@ -268,6 +268,31 @@ if triton is not None:
     _kernel = _qkv_rope_kernel if _INTERPRET else tuned.autotune(_qkv_rope_kernel, _CONFIGS, _KEY, _prune)
 
 
+def fused_qkv_problem(x, weight, bias, norm_weight, k_cache, v_cache, num_heads: int, **more) -> str | None:
+    """What is wrong with the arguments every qkv launch with RoPE and the K/V write takes (this module's one token,
+    kernels/qkv_rope_rows.py's T rows), or None: caches [1, Hkv, S, D] (D a power of two >= 4, unit stride along
+    D), the fused weight [(H + 2 Hkv) D, K] (K: x's columns), bias [N] and norm_weight [K] (both optional), and one
+    dtype over these, x and `more` (name -> tensor or None)."""
+    if k_cache.dim() != 4 or k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape:
+        return f"k_cache and v_cache must both be [1, Hkv, S, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+    _, Hkv, S, D = k_cache.shape
+    if D < 4 or D & (D - 1):
+        return f"head_dim must be a power of two >= 4, got {D}"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "k_cache and v_cache must have unit stride along head_dim (they are written in place)"
+    N, K = (num_heads + 2 * Hkv) * D, x.shape[1]
+    if weight.dim() != 2 or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
+        return f"weight must be the contiguous fused qkv [(H + 2 Hkv) D, K] = [{N}, {K}], got {tuple(weight.shape)}"
+    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,))):
+        if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
+            return f"{name} must be [{shape[0]}] with unit stride, got {tuple(t.shape)}"
+    tensors = dict(x=x, weight=weight, bias=bias, norm_weight=norm_weight, k_cache=k_cache, v_cache=v_cache, **more)
+    dts = {n: t.dtype for n, t in tensors.items() if t is not None}
+    if len(set(dts.values())) != 1:
+        return f"all tensors must share x's dtype (the eager path's numbers), got {dts}"
+    return None
+
+
 def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache, num_heads, q_norm_weight,
              k_norm_weight, pending=None, x_out=None) -> str | None:
     """-> what is wrong with the arguments, or None."""
@@ -283,33 +308,21 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
             return f"pending must be a contiguous fp32 [{K}], got {pending.dtype} {tuple(pending.shape)}"
         if tuple(x_out.shape) != (1, K) or x_out.dtype != x.dtype or not x_out.is_contiguous():
             return f"x_out must be a contiguous [1, {K}] of x's dtype, got {x_out.dtype} {tuple(x_out.shape)}"
-    if k_cache.dim() != 4 or k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape:
-        return f"k_cache and v_cache must both be [1, Hkv, S, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-    _, Hkv, S, D = k_cache.shape
-    if D < 4 or D & (D - 1):
-        return f"head_dim must be a power of two >= 4, got {D}"
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return "k_cache and v_cache must have unit stride along head_dim (they are written in place)"
-    N, K = (num_heads + 2 * Hkv) * D, x.shape[1]
-    if weight.dim() != 2 or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
-        return f"weight must be the contiguous fused qkv [(H + 2 Hkv) D, K] = [{N}, {K}], got {tuple(weight.shape)}"
+    problem = fused_qkv_problem(x, weight, bias, norm_weight, k_cache, v_cache, num_heads, cos=cos, sin=sin,
+                                q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    if problem:
+        return problem
+    D = k_cache.shape[-1]
     if (q_norm_weight is None) != (k_norm_weight is None):
         return "q_norm_weight and k_norm_weight come together (a model normalizes both q and k, or neither)"
-    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,)),
-                           ("q_norm_weight", q_norm_weight, (D,)), ("k_norm_weight", k_norm_weight, (D,))):
-        if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
-            return f"{name} must be [{shape[0]}] with unit stride, got {tuple(t.shape)}"
+    for name, t in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if t is not None and (tuple(t.shape) != (D,) or t.stride(-1) != 1):
+            return f"{name} must be [{D}] with unit stride, got {tuple(t.shape)}"
     for name, t in (("cos", cos), ("sin", sin)):
         if t.numel() != D or t.stride(-1) != 1:
             return f"{name} must hold one token's row of D = {D} values (one token, one row), got {tuple(t.shape)}"
     if positions.numel() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         return f"positions must be one integer position [1, 1], got {positions.dtype} {tuple(positions.shape)}"
-    dts = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
-                                   ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache),
-                                   ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
-           if t is not None}
-    if len(set(dts.values())) != 1:
-        return f"all tensors must share x's dtype (the eager path's numbers), got {dts}"
     return None
 
 

@@ -36,6 +36,7 @@ import torch
 from specpilot.kernels import tuned
 from specpilot.kernels.gemv_fused import MAX_ROWS, gemv_fused_reference
 from specpilot.kernels.norm_handoff import check_norm_ss, handoff_args
+from specpilot.kernels.qkv_rope import fused_qkv_problem
 from specpilot.kernels.rope_write import rope_write_reference
 
 try:
@@ -158,32 +159,17 @@ def _problem(x, weight, bias, norm_weight, cos, sin, positions, k_cache, v_cache
     """-> what is wrong with the arguments, or None."""
     if x.dim() != 2 or not 2 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
         return f"x must be [T, K] with 2 <= T <= {MAX_ROWS} rows and unit stride, got {tuple(x.shape)}"
-    T, K = x.shape
-    if k_cache.dim() != 4 or k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape:
-        return f"k_cache and v_cache must both be [1, Hkv, S, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-    _, Hkv, S, D = k_cache.shape
-    if D < 4 or D & (D - 1):
-        return f"head_dim must be a power of two >= 4, got {D}"
+    problem = fused_qkv_problem(x, weight, bias, norm_weight, k_cache, v_cache, num_heads, cos=cos, sin=sin)
+    if problem:
+        return problem
+    T, D = x.shape[0], k_cache.shape[-1]
     if not _INTERPRET and D // 2 < MIN_PAIRS:
         return f"head_dim must be >= {2 * MIN_PAIRS} on a GPU (tl.dot's smallest tile), got {D}"
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return "k_cache and v_cache must have unit stride along head_dim (they are written in place)"
-    N = (num_heads + 2 * Hkv) * D
-    if weight.dim() != 2 or tuple(weight.shape) != (N, K) or not weight.is_contiguous():
-        return f"weight must be the contiguous fused qkv [(H + 2 Hkv) D, K] = [{N}, {K}], got {tuple(weight.shape)}"
-    for name, t, shape in (("bias", bias, (N,)), ("norm_weight", norm_weight, (K,))):
-        if t is not None and (tuple(t.shape) != shape or t.stride(-1) != 1):
-            return f"{name} must be [{shape[0]}] with unit stride, got {tuple(t.shape)}"
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != (1, 1, T, D) or t.stride(-1) != 1:
             return f"{name} must be [1, 1, T, D] = [1, 1, {T}, {D}] with unit stride, got {tuple(t.shape)}"
     if tuple(positions.shape) != (1, T) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         return f"positions must be integer [1, T] = [1, {T}], got {positions.dtype} {tuple(positions.shape)}"
-    dts = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
-                                   ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache))
-           if t is not None}
-    if len(set(dts.values())) != 1:
-        return f"all tensors must share x's dtype (the eager path's numbers), got {dts}"
     return None
 
 
