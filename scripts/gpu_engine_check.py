@@ -615,11 +615,13 @@ def main(only: tuple[str, ...] = ()) -> int:
     def attn_stages():  # the attention's slice loop in 2 pipeline stages instead of Triton's 3 (same sums)
         early_loads("attn_stages", 2)
 
-    def verify_one_launch():  # a verify block's attention in one launch (its n-gram speculation's blocks)
-        early_loads("verify_one_launch")
+    def verify_one_launch():  # a verify block's attention in one launch (its n-gram speculation's blocks), against
+        # the split + merge pair (on by default since session 52, so "off" must name False)
+        early_loads("verify_one_launch", True, dict(verify_one_launch=False))
 
-    def norm_pdl():  # the RMSNorm launches with PDL (its n-gram speculation's verify blocks: two a layer)
-        early_loads("norm_pdl")
+    def norm_pdl():  # the RMSNorm launches with PDL (its n-gram speculation's verify blocks: two a layer), against
+        # plain launches (on by default since session 52, so "off" must name False)
+        early_loads("norm_pdl", True, dict(norm_pdl=False))
 
     def norm_handoff():
         # a verify block's residual GEMVs hand the next GEMV their rows' sums of squares (EngineConfig.norm_handoff,
@@ -822,13 +824,16 @@ def main(only: tuple[str, ...] = ()) -> int:
               "attn_cluster": attn_cluster, "attn_cluster_groups": attn_cluster_groups,
               "attn_cluster_even": attn_cluster_even, "attn_cluster_push": attn_cluster_push,
               "qkv_pipeline": qkv_pipeline, "attn_stages": attn_stages, "verify_one_launch": verify_one_launch,
-              "norm_pdl": norm_pdl,
+              "norm_pdl": norm_pdl, "norm_handoff": norm_handoff, "verify_rope_in_qkv": verify_rope_in_qkv,
               "rope_split": rope_split, "attn_split": attn_split,
               "pdl_kv_l2": pdl_kv_l2, "pdl_l2_next": pdl_l2_next, "attn_merge": attn_merge,
               "attn_kv_preload": attn_kv_preload, "l2_prefetch": l2_prefetch,
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
+    if set(checks) != set(SECTIONS):  # a section listed without its check (session 51's two: a KeyError mid-run)
+        raise SystemExit(f"gpu_engine_check.py: sections without a check: {sorted(set(SECTIONS) - set(checks))}; "
+                         f"checks without a section: {sorted(set(checks) - set(SECTIONS))}")
     for name in SECTIONS:
         if not only or name in only:
             section(name, checks[name])

@@ -199,15 +199,16 @@ class EngineConfig:
     # instead of ramping on DRAM (kernels/decode_attention.py VERIFY_WARM_MAX_BYTES; the one-token path's twin is
     # pdl_l2_mb, which at 1.5B took 4.5-9% off the step). A hint: same numbers. 0: off (H200, session 29: neutral,
     # 5 / 16 tokens +0.3 / +0.4%)
-    verify_one_launch: bool = False  # CUDA, with fused_verify: a 2-16-token verify block's attention is ONE launch
+    verify_one_launch: bool = True  # CUDA, with fused_verify: a 2-16-token verify block's attention is ONE launch
     # whose last-arriving program merges the slices (PDL where on), not the split + merge pair: a launch fewer a
     # layer (kernels/decode_attention.py VERIFY_ONE_LAUNCH). Same numbers; verify_l2_mb does not apply with it.
-    # H100, session 50 (random bf16 weights, paired): 1.5B 16-token step -4.4% in two calls, 5 tokens -4.1%, Qwen3-8B
-    # 16 tokens -0.9%. Off until the engine check compares its tokens on a GPU (its call ran out of time compiling);
-    # the loop searches it
-    norm_pdl: bool = False  # CUDA, with PDL: the RMSNorm launches (a verify block's two a layer) launch with PDL too,
+    # On since session 52: H100s, random bf16 weights, paired: 1.5B 16-token step -4.4% (session 50, two calls),
+    # -3.9% (session 52), 5 tokens -4.1%, Qwen3-8B 16 tokens -0.9%; the engine check's tokens equal (session 52).
+    # Not yet timed on an H200; the loop searches off
+    norm_pdl: bool = True  # CUDA, with PDL: the RMSNorm launches (a verify block's two a layer) launch with PDL too,
     # letting the next GEMV launch first thing and waiting before they read (kernels/rmsnorm.py PDL). Same numbers.
-    # Off until a GPU times it (session 50); the loop searches it
+    # On since session 52: on top of verify_one_launch, 1.5B 16-token step -1.5% more on an H100 (paired; -5.4%
+    # against neither), the engine check's tokens equal. Not yet timed on an H200; the loop searches off
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
     # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
@@ -314,13 +315,15 @@ class EngineConfig:
     # its input from them in one small load, with no RMSNorm launch before it and no serial pass over the rows (what
     # made the M-row norm prologue slow). 2L + 1 norm launches a block become 2 (layer 0's input norm, the final
     # norm). Numbers: the mean's squares summed in another (fixed) order than the RMSNorm launch's; token forcing
-    # judges. Not with norm_epilogue. Off until a GPU times it (session 51); the loop searches it
+    # judges. Not with norm_epilogue. Off: slower on an H100 (session 52, 1.5B, paired against verify_one_launch +
+    # norm_pdl: +3.4% at 16 tokens, +3.2% at 5); the loop searches it
     verify_rope_in_qkv: bool = False  # CUDA, with fused_verify: a verify block's RoPE and K/V-cache write run in its
     # qkv GEMM's epilogue (kernels/qkv_rope_rows.py: a program holds both halves of its columns' RoPE pairs through
     # two weight tiles) instead of rope_write's launch after it: a launch fewer a layer (H100, session 50: that
     # launch was 75 us of a 2.18 ms 1.5B 16-token step, plus its boundaries). Layers with a q/k norm (Qwen3) keep
     # the launch. Numbers: the GEMM's and apply_rope's rounding; the dot products' summation order may differ with
-    # the tiles. Off until a GPU times it (session 51); the loop searches it
+    # the tiles. Off: not faster on an H100 (session 52, 1.5B, paired against verify_one_launch + norm_pdl: +0.3% at
+    # 16 tokens, +3.1% at 5); the loop searches it
     rope_in_attention: bool = False  # CUDA, with fused_decode: a one-token fused layer's q/k norm (Qwen3), RoPE and
     # K/V-cache write run inside its attention launch (kernels/rope_attention.py) instead of a launch of their own
     # (kernels/rope_write.py): 6 -> 5 launches a layer (~2.4 us of a ~54 us 1.5B layer on the H200, pure launch

@@ -555,19 +555,33 @@ def test_verify_one_launch_is_the_pair_bit_for_bit(monkeypatch, B, H, Hkv, T, S,
     assert len(merges) == 1  # off: the pair again
 
 
-def test_engine_sets_verify_one_launch_from_the_config(monkeypatch, switch_wired):
-    """EngineConfig.verify_one_launch -> decode_attention.VERIFY_ONE_LAUNCH on CUDA only (off by default); a bool;
-    a CLI flag; in the loop's layout key and proposed by its mechanism on a GPU deployment."""
+def test_engine_sets_verify_one_launch_from_the_config(monkeypatch, field_wired):
+    """EngineConfig.verify_one_launch -> decode_attention.VERIFY_ONE_LAUNCH on CUDA only, ON by default since session
+    52 (so a default CUDA engine's verify attention is one launch, and --no-verify-one-launch gives the pair back);
+    only a bool passes validation; in the loop's layout key, and its mechanism proposes turning it off first (and
+    verify_l2, which only the pair does, is proposed only with it off)."""
     from specpilot.config import EngineConfig
     from specpilot.engine import _apply_program_splits
+    from specpilot.errors import ConfigError
     from specpilot.kernels import decode_attention as da
+    from specpilot.loop.registry import REGISTRY
 
+    assert EngineConfig().verify_one_launch is True
     monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", False)
-    _apply_program_splits(EngineConfig(device="cuda", verify_one_launch=True))
+    _apply_program_splits(EngineConfig(device="cuda"))
     assert da.VERIFY_ONE_LAUNCH is True
-    _apply_program_splits(EngineConfig(verify_one_launch=True))  # CPU: the pair, as the CPU tests pin
+    _apply_program_splits(EngineConfig(device="cuda", verify_one_launch=False))
     assert da.VERIFY_ONE_LAUNCH is False
-    switch_wired("verify_one_launch", "--verify-one-launch", "verify_one_launch", {"verify_one_launch": True})
+    monkeypatch.setattr(da, "VERIFY_ONE_LAUNCH", True)
+    _apply_program_splits(EngineConfig())  # CPU: the pair, as the CPU tests pin
+    assert da.VERIFY_ONE_LAUNCH is False
+    with pytest.raises(ConfigError, match="verify_one_launch must be true or false"):
+        EngineConfig(verify_one_launch="yes")
+    gpu = field_wired("verify_one_launch", ["--no-verify-one-launch"], False, "verify_one_launch",
+                      {"verify_one_launch": False})
+    assert REGISTRY["verify_one_launch"].candidates(gpu.config, gpu)[0] == {"verify_one_launch": False}
+    assert not REGISTRY["verify_l2"].applies(gpu, gpu.config)
+    assert REGISTRY["verify_l2"].applies(gpu, gpu.config.with_(verify_one_launch=False))
 
 # --- RMSNorm (kernels/rmsnorm.py) -------------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ def test_registry_applies_and_filters(tmp_path):
         "block_size", "drafter_kind", "ngram_assist", "ngram_window", "cuda_graphs", "fused_projections",
         "gemv_kernel", "attention_kernel", "norm_kernel", "rope_kernel", "act_kernel", "add_norm_kernel",
         "fused_decode", "fused_verify", "pdl", "pdl_l2", "pdl_l2_next", "pdl_kv_l2", "rope_split", "attn_split",
-        "attn_block", "attn_merge", "attn_merge_unroll", "attn_early_pos", "attn_warps", "attn_stages", "attn_kv_preload", "attn_cluster", "attn_cluster_even", "attn_cluster_push", "attn_loads_first", "attn_single", "qkv_trigger_first", "verify_l2", "verify_one_launch", "norm_pdl", "norm_handoff", "verify_rope_in_qkv", "gemm_bucket", "gemv_prefetch",
+        "attn_block", "attn_merge", "attn_merge_unroll", "attn_early_pos", "attn_warps", "attn_stages", "attn_kv_preload", "attn_cluster", "attn_cluster_even", "attn_cluster_push", "attn_loads_first", "attn_single", "qkv_trigger_first", "verify_one_launch", "norm_pdl", "norm_handoff", "verify_rope_in_qkv", "gemm_bucket", "gemv_prefetch",
         "gemv_pipeline", "qkv_pipeline", "early_epilogue", "tile_after_wait", "tuned_tiles", "norm_epilogue", "rope_in_attention", "rope_in_qkv", "fused_mlp",
         "megakernel",
         "draft_chain_graph",

@@ -686,21 +686,26 @@ def test_compiled_kernels_wait_before_their_first_global_access(sm90_report):
                 assert (case["cg_loads"] > 0) == norm, (name, case)
 
 
-def test_norm_pdl_launches_the_rmsnorm_with_pdl_only_where_pdl_is_on(monkeypatch, switch_wired):
-    """EngineConfig.norm_pdl -> kernels/rmsnorm.py PDL with PDL on only; the RMSNorm launch then passes USE_PDL and
-    launch_pdl (tests/pdl_ptx.py: the compiled kernel triggers, then waits, before any global access), and neither
-    where either is off; validated, a CLI flag, in the loop's layout key, a loop mechanism."""
+def test_norm_pdl_launches_the_rmsnorm_with_pdl_only_where_pdl_is_on(monkeypatch, field_wired):
+    """EngineConfig.norm_pdl (ON by default since session 52) -> kernels/rmsnorm.py PDL with PDL on only; the RMSNorm
+    launch then passes USE_PDL and launch_pdl (tests/pdl_ptx.py: the compiled kernel triggers, then waits, before any
+    global access), and neither where either is off; only a bool passes validation; --no-norm-pdl; in the loop's
+    layout key, and its mechanism proposes turning it off first."""
     import specpilot.kernels.rmsnorm as rk
     from specpilot.engine import _apply_pdl
+    from specpilot.loop.registry import REGISTRY
 
+    assert EngineConfig().norm_pdl is True
     monkeypatch.setattr(pdl, "unsupported_reason", lambda device=None: None)  # as on an H200
     monkeypatch.setattr(rk, "PDL", False)
-    _apply_pdl(EngineConfig(device="cuda", norm_pdl=True))
-    assert pdl.enabled() and rk.PDL is True
-    _apply_pdl(EngineConfig(device="cuda", norm_pdl=True, pdl=False))
-    assert rk.PDL is False
     _apply_pdl(EngineConfig(device="cuda"))
+    assert pdl.enabled() and rk.PDL is True
+    _apply_pdl(EngineConfig(device="cuda", pdl=False))
     assert rk.PDL is False
+    _apply_pdl(EngineConfig(device="cuda", norm_pdl=False))
+    assert rk.PDL is False
+    with pytest.raises(ConfigError, match="norm_pdl must be true or false"):
+        EngineConfig(norm_pdl="yes")
     real, launches = rk._rmsnorm_kernel, []
 
     class Spy:
@@ -720,7 +725,8 @@ def test_norm_pdl_launches_the_rmsnorm_with_pdl_only_where_pdl_is_on(monkeypatch
     assert [(kw.get("USE_PDL", False), kw.get("launch_pdl", False)) for kw in launches] == [
         (False, False), (False, False), (True, True)]
     monkeypatch.setattr(pdl, "_enabled", False)
-    switch_wired("norm_pdl", "--norm-pdl", "norm_pdl", {"norm_pdl": True})
+    gpu = field_wired("norm_pdl", ["--no-norm-pdl"], False, "norm_pdl", {"norm_pdl": False})
+    assert REGISTRY["norm_pdl"].candidates(gpu.config, gpu)[0] == {"norm_pdl": False}
 
 def test_qkv_trigger_first_lets_the_attention_launch_at_qkv_start(monkeypatch, switch_wired):
     """EngineConfig.qkv_trigger_first -> kernels/qkv_rope.py TRIGGER_FIRST with PDL on only: under the late trigger

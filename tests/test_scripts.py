@@ -585,6 +585,21 @@ def test_engine_check_says_it_needs_a_gpu():
     assert r.returncode == 2 and "no_such_section" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_engine_check_has_a_check_for_every_section():
+    """Every name in gpu_engine_check.py's SECTIONS has its entry in main's `checks` and no entry lacks a name
+    (session 51 listed two sections without entries: the device run died with a KeyError after its first sections)."""
+    tree = ast.parse((SCRIPTS / "gpu_engine_check.py").read_text())
+    sections = checks = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "SECTIONS":
+                sections = ast.literal_eval(node.value)
+            elif node.targets[0].id == "checks" and isinstance(node.value, ast.Dict):
+                checks = [ast.literal_eval(k) for k in node.value.keys]
+    assert sections and checks and len(checks) == len(set(checks))
+    assert set(checks) == set(sections), (sorted(set(sections) - set(checks)), sorted(set(checks) - set(sections)))
+
+
 def test_step_timing_summarises_each_config_against_the_first():
     """gpu_step_timing.py's closing lines a shape: each --config's median, x floor and change against the first,
     skipping what a cut run never timed."""

@@ -329,16 +329,16 @@ register(Mechanism(
     "resident during the qkv GEMV (with attn_kv_preload: its older K/V rows load meanwhile)"))
 register(Mechanism(
     "verify_l2", ("verify",), {"verify_l2_mb": [8, 16, 0]},
-    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
+    lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify and not cfg.verify_one_launch,
     "a verify block's attention warms o_proj's weight in L2 while it runs (latency-bound: HBM idles), so the "
     "o_proj GEMV after it reads L2"))
 register(Mechanism(
-    "verify_one_launch", ("verify",), {"verify_one_launch": [True, False]},
+    "verify_one_launch", ("verify",), {"verify_one_launch": [False, True]},
     lambda dep, cfg: dep.on_cuda and cfg.fused_decode and cfg.fused_verify,
     "a verify block's attention in one launch, its slices merged by the last program to finish (PDL where on), not "
     "a split launch and a merge launch: a launch fewer a layer in the step a speculative step is mostly made of"))
 register(Mechanism(
-    "norm_pdl", ("verify",), {"norm_pdl": [True, False]},
+    "norm_pdl", ("verify",), {"norm_pdl": [False, True]},
     lambda dep, cfg: dep.on_cuda and cfg.pdl and cfg.fused_decode and cfg.fused_verify,
     "the RMSNorm launches (a verify block's two a layer) launch with PDL too, so the GEMV after each launches while "
     "it runs and loads its first weight tile before its wait, instead of a full kernel boundary"))
