@@ -357,6 +357,27 @@ def test_triton_cache_stamps_the_kernel_sources_it_was_packed_for(tmp_path):
     assert r.returncode == 1 and "unstamped" in r.stdout
 
 
+def test_probe_script_runs_the_bars_on_an_h200_and_other_work_elsewhere(tmp_path):
+    """gpu_probe.sh (one device call useful whichever card comes), dry: an H200 gets the bars (or BARS), any other
+    card OTHER, nothing where OTHER is empty; no card at all is one clear line and exit 2."""
+    def probe(**env):
+        env = {k: v for k, v in {**os.environ, "DRY": "1", "OUT": str(tmp_path), **env}.items() if v is not None}
+        return subprocess.run(["bash", str(SCRIPTS / "gpu_probe.sh")], capture_output=True, text=True, timeout=60,
+                              env=env)
+
+    r = probe(GPU_NAME="NVIDIA H200", OTHER="echo h100-work")
+    assert r.returncode == 0 and "gpu_bars.sh 512" in r.stdout and f"OUT={tmp_path}" in r.stdout
+    assert "h100-work" not in r.stdout
+    assert "running: echo mine" in probe(GPU_NAME="NVIDIA H200", BARS="echo mine").stdout
+    r = probe(GPU_NAME="NVIDIA H100 80GB HBM3", OTHER="echo h100-work")
+    assert r.returncode == 0 and "running: echo h100-work" in r.stdout and "gpu_bars" not in r.stdout
+    r = probe(GPU_NAME="NVIDIA H100 80GB HBM3")
+    assert r.returncode == 0 and "nothing to run" in r.stdout
+    r = probe(GPU_NAME="", PATH=str(tmp_path) + os.pathsep + "/usr/bin" + os.pathsep + "/bin")  # no nvidia-smi
+    if "card:" not in r.stdout:
+        assert r.returncode == 2 and "no GPU here" in r.stderr
+
+
 def test_bars_script_sizes_its_timeouts_by_the_triton_cache(tmp_path):
     """gpu_bars.sh (issue 3's AR bars in one call), dry: one 1.5B timing a context and Qwen3-8B at the first with
     at most two extra configs, each on top of the shipped tiles; STALE_S more a process where the seeded cache's
