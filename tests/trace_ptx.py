@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from pdl_ptx import _signature, with_defaults
+from pdl_ptx import _aligned, _signature, with_defaults
 
 
 def _cases():
@@ -57,7 +57,7 @@ def report() -> dict:
     from triton.compiler import ASTSource
 
     def compile_ptx(fn, consts, types) -> str:
-        src = ASTSource(fn=fn, signature=_signature(fn, consts, types), constexprs=consts)
+        src = ASTSource(fn=fn, signature=_signature(fn, consts, types), constexprs=consts, attrs=_aligned(fn, consts))
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"]
 
     out = {}

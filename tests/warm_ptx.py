@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from pdl_ptx import _first, _signature
+from pdl_ptx import _aligned, _first, _signature
 
 
 def report() -> dict:
@@ -30,7 +30,8 @@ def report() -> dict:
     out = {}
     for warm in (False, True):
         c = dict(D=128, BLOCK_R=32, BLOCK_S=64, PREC="tf32", UPCAST=False, WARM=warm)
-        src = ASTSource(fn=da._split_kernel, signature=_signature(da._split_kernel, c, types), constexprs=c)
+        src = ASTSource(fn=da._split_kernel, signature=_signature(da._split_kernel, c, types), constexprs=c,
+                        attrs=_aligned(da._split_kernel, c))
         lines = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
         out["on" if warm else "off"] = {
             "l2_prefetches": sum(1 for line in lines if "cp.async.bulk.prefetch.L2" in line),
