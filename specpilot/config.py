@@ -203,7 +203,8 @@ class EngineConfig:
     # whose last-arriving program merges the slices (PDL where on), not the split + merge pair: a launch fewer a
     # layer (kernels/decode_attention.py VERIFY_ONE_LAUNCH). Same numbers; verify_l2_mb does not apply with it.
     # On since session 52: H100s, random bf16 weights, paired: 1.5B 16-token step -4.4% (session 50, two calls),
-    # -3.9% (session 52), 5 tokens -4.1%, Qwen3-8B 16 tokens -0.9%; the engine check's tokens equal (session 52).
+    # -3.9% (session 52), 5 tokens -4.1%, Qwen3-8B 16 tokens -0.9%; with norm_pdl -1.0% on a second H100 (every
+    # round faster); the engine check's tokens equal (session 52).
     # Not yet timed on an H200; the loop searches off
     norm_pdl: bool = True  # CUDA, with PDL: the RMSNorm launches (a verify block's two a layer) launch with PDL too,
     # letting the next GEMV launch first thing and waiting before they read (kernels/rmsnorm.py PDL). Same numbers.
