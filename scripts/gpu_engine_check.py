@@ -831,9 +831,6 @@ def main(only: tuple[str, ...] = ()) -> int:
               "draft_chain_graph": draft_chain_graph, "prefill_graphs": prefill_graphs, "megakernel": megakernel,
               "dflash": dflash,
               "early_draft": early_draft, "adaptive": adaptive, "batch": batch}
-    if set(checks) != set(SECTIONS):  # a section listed without its check (session 51's two: a KeyError mid-run)
-        raise SystemExit(f"gpu_engine_check.py: sections without a check: {sorted(set(SECTIONS) - set(checks))}; "
-                         f"checks without a section: {sorted(set(checks) - set(SECTIONS))}")
     for name in SECTIONS:
         if not only or name in only:
             section(name, checks[name])

@@ -17,8 +17,9 @@ if [ -z "$name" ]; then
 fi
 echo "gpu_probe.sh: card: $name"
 bars=${BARS:-"STALE_S=20 CONFIGS=nopush:attn_cluster_push=false OUT=${OUT:-/tmp/bars} timeout 540 bash scripts/gpu_bars.sh 512"}
+env=scripts/gpu_env.sh
 case $name in
-  *H200*) cmd=$bars ;;
+  *H200*) cmd=$bars; env= ;;  # gpu_bars.sh sets its environment up itself
   *) cmd=${OTHER:-} ;;
 esac
 if [ -z "$cmd" ]; then
@@ -27,8 +28,7 @@ if [ -z "$cmd" ]; then
 fi
 echo "gpu_probe.sh: running: $cmd"
 [ -n "${DRY:-}" ] && exit 0
-case $name in
-  *H200*) ;;  # gpu_bars.sh sets its environment up itself
-  *) source scripts/gpu_env.sh || exit 1 ;;
-esac
+if [ -n "$env" ]; then
+  source "$env" || exit 1
+fi
 bash -c "$cmd"

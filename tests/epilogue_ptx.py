@@ -27,9 +27,7 @@ def loads_before_loop(ptx: str) -> int:
 def report() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from pdl_ptx import _aligned, _signature, with_defaults
+    from pdl_ptx import sm90_source, with_defaults
 
     out = {}
     for name, fn, consts, types in _cases():
@@ -38,7 +36,7 @@ def report() -> dict:
         out[name] = {}
         for label, extra in (("off", {}), ("on", {"EARLY_EPI": True}), ("tile", {"TILE_AFTER_WAIT": True})):
             c = with_defaults(fn, {**consts, **extra})
-            src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c, attrs=_aligned(fn, c))
+            src = sm90_source(fn, c, types)
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"]
             out[name][label] = loads_before_loop(ptx)
     return out

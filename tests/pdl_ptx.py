@@ -188,12 +188,17 @@ def _cases():
         rope_attn_types
 
 
-def _aligned(fn, consts: dict) -> dict:
-    """Every pointer argument 16-byte aligned, as a launch specializes it (torch's allocations are): without it the
-    compiler sees 2-byte alignment, so it emits scalar loads and no software pipelining (cp.async) at all, even for
-    tl.dot loops, and the PTX would not be the device's (session 52: the M-row GEMM's K loop compiled to 52 scalar
-    loads and no cp.async without, 26 cp.async with)."""
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts and n.endswith("_ptr")}
+def sm90_source(fn, consts: dict, types):
+    """The ASTSource a launch of `fn` with these constexprs compiles, every pointer argument 16-byte aligned as a
+    launch specializes it (torch's allocations are): without the alignment the compiler sees 2-byte pointers, so it
+    emits scalar loads and no software pipelining (cp.async) at all, even for tl.dot loops, and the PTX is not the
+    device's (session 52: the M-row GEMM's K loop compiled to 52 scalar loads and no cp.async without, 26 cp.async
+    with)."""
+    from triton.compiler import ASTSource
+
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n not in consts and n.endswith("_ptr")}
+    return ASTSource(fn=fn, signature=_signature(fn, consts, types), constexprs=consts, attrs=aligned)
 
 
 def _first(lines, pattern) -> int | None:
@@ -203,14 +208,13 @@ def _first(lines, pattern) -> int | None:
 def report() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     out = {}
     for name, fn, consts, types in _cases():
         out[name] = {}
         for use_pdl in (False, True):
             c = with_defaults(fn, {**consts, "USE_PDL": use_pdl})
-            src = ASTSource(fn=fn, signature=_signature(fn, c, types), constexprs=c, attrs=_aligned(fn, c))
+            src = sm90_source(fn, c, types)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_pdl})
             lines = compiled.asm["ptx"].splitlines()
             out[name]["on" if use_pdl else "off"] = {

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from pdl_ptx import _aligned, _signature, with_defaults
+from pdl_ptx import sm90_source, with_defaults
 
 
 def _cases():
@@ -54,10 +54,9 @@ def _cases():
 def report() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     def compile_ptx(fn, consts, types) -> str:
-        src = ASTSource(fn=fn, signature=_signature(fn, consts, types), constexprs=consts, attrs=_aligned(fn, consts))
+        src = sm90_source(fn, consts, types)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"]
 
     out = {}

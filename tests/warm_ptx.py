@@ -13,13 +13,12 @@ import os
 import re
 import sys
 
-from pdl_ptx import _aligned, _first, _signature
+from pdl_ptx import _first, sm90_source
 
 
 def report() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from specpilot.kernels import decode_attention as da
 
@@ -30,8 +29,7 @@ def report() -> dict:
     out = {}
     for warm in (False, True):
         c = dict(D=128, BLOCK_R=32, BLOCK_S=64, PREC="tf32", UPCAST=False, WARM=warm)
-        src = ASTSource(fn=da._split_kernel, signature=_signature(da._split_kernel, c, types), constexprs=c,
-                        attrs=_aligned(da._split_kernel, c))
+        src = sm90_source(da._split_kernel, c, types)
         lines = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
         out["on" if warm else "off"] = {
             "l2_prefetches": sum(1 for line in lines if "cp.async.bulk.prefetch.L2" in line),
