@@ -29,7 +29,7 @@ from specpilot.costmodel.hardware import time_median_s
 from specpilot.kernels.decode_attention import _counters, decode_attention
 from specpilot.formats.lossless12 import pack
 from specpilot.kernels.gemv12 import gemv12
-from specpilot.kernels import gemv_fused as gemv_fused_module
+from specpilot.kernels import gemm_rows
 from specpilot.kernels.gemv_fused import gemv_fused, gemv_fused_reference
 from specpilot.kernels.rmsnorm import rmsnorm
 from specpilot.kernels.rope_write import rope_write, rope_write_reference
@@ -144,7 +144,7 @@ def gemv_parity(out: dict, only12: bool = False) -> None:
 
 
 def gemm_parity(out: dict) -> None:
-    """The M-row fused GEMV (M >= 2: kernels/gemv_fused.py `_gemm_fused_kernel`, tl.dot) against its twin at M = 2,
+    """The M-row fused GEMV (M >= 2: kernels/gemm_rows.py `_gemm_fused_kernel`, tl.dot) against its twin at M = 2,
     5, 16 (bf16: tl.dot's products exact, fp32 sums, so a few ulp at most), then graphed M = 16 vs M = 1 (the
     weights are read once either way: ideally about the same time) and vs cuBLAS at M = 16 (the regular verify)."""
     torch.manual_seed(3)
@@ -199,7 +199,7 @@ def gemm_parity(out: dict) -> None:
             print(name, case, row, flush=True)
         del cases
         torch.cuda.empty_cache()
-    counters = gemv_fused_module._SPLIT_COUNTERS.get(torch.device("cuda", torch.cuda.current_device()))
+    counters = gemm_rows._SPLIT_COUNTERS.get(torch.device("cuda", torch.cuda.current_device()))
     out["gemm_split_k_used"] = counters is not None  # some shape let the autotuner try split-K
     out["gemm_split_k_counters_zero"] = counters is None or bool((counters == 0).all())
 
@@ -207,7 +207,7 @@ def gemm_parity(out: dict) -> None:
 def _picked_config() -> str | None:
     """The M-row kernel's config of its latest launch (the autotuner's `best_config`; None where this Triton's
     autotuner has no such attribute)."""
-    cfg = getattr(gemv_fused_module._gemm_kernel, "best_config", None)
+    cfg = getattr(gemm_rows._gemm_kernel, "best_config", None)
     return None if cfg is None else str(cfg)
 
 

@@ -18,7 +18,7 @@ entries carry `"source": "in-graph"`. Session 44 (H100, 1.5B + Qwen3-8B + 0.5B: 
 made kernels/tuned/nvidia-h100-80gb-hbm3.json this way. Prints one line a config and a JSON summary last. GPU
 only: without CUDA it says so and exits 2.
 
---rows=M (2-16): the same for a verify block of M tokens: its M-row GEMMs (kernels/gemv_fused.py
+--rows=M (2-16): the same for a verify block of M tokens: its M-row GEMMs (kernels/gemm_rows.py
 `_gemm_fused_kernel`, keyed on M's power-of-two bucket) as models/fused_decode.py launches them: qkv (+ bias),
 o_proj + residual, gate/up + SiLU x up, down + residual, all norm-free (PRENORM_ROWS: the norms are launches of
 their own), every tile of `_GEMM_CONFIGS` the launch's pruning allows (split-K where K >= 2N). Why: on an H100
@@ -93,20 +93,20 @@ def verify_gemms(cfg) -> list[tuple[str, int, int, dict]]:
 
 def gemm_key_for(n: int, k: int, rows: int, flags: dict, dtype: str = "bfloat16") -> dict:
     """The M-row kernel's autotuning key by name (kernels/tuned.py) for `rows` rows of a launch of `flags`."""
-    from specpilot.kernels import gemv_fused as gf
+    from specpilot.kernels import gemm_rows as gr
 
-    key = {name: False for name in gf._GEMM_KEY}
-    key.update(N=n, K=k, M_BUCKET=max(1 << (rows - 1).bit_length(), gf.M_BUCKET_MIN), dtype=dtype, **flags)
+    key = {name: False for name in gr._GEMM_KEY}
+    key.update(N=n, K=k, M_BUCKET=max(1 << (rows - 1).bit_length(), gr.M_BUCKET_MIN), dtype=dtype, **flags)
     return key
 
 
 def gemm_configs(n: int, k: int) -> list:
-    """The M-row kernel's tiles its pruning lets a norm-free launch of this shape take (kernels/gemv_fused.py
+    """The M-row kernel's tiles its pruning lets a norm-free launch of this shape take (kernels/gemm_rows.py
     `_gemm_prune`, without a pinned pick)."""
-    from specpilot.kernels import gemv_fused as gf
+    from specpilot.kernels import gemm_rows as gr
 
-    split_ok = gf._split_k_applies(n, k, False)
-    return [c for c in gf._GEMM_CONFIGS if c.kwargs["SPLIT_K"] == 1
+    split_ok = gr._split_k_applies(n, k, False)
+    return [c for c in gr._GEMM_CONFIGS if c.kwargs["SPLIT_K"] == 1
             or split_ok and k >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
 
 

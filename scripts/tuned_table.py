@@ -30,6 +30,7 @@ from pathlib import Path
 
 def kernels() -> dict:
     """kernel function name -> (autotuning key names, the kernel's configs as comparable tuples)."""
+    from specpilot.kernels import gemm_rows as gr
     from specpilot.kernels import gemv_fused as gf
     from specpilot.kernels import qkv_rope as qr
 
@@ -37,7 +38,7 @@ def kernels() -> dict:
         return {config_id(c.kwargs, c.num_warps, c.num_stages) for c in configs}
 
     return {"_gemv_fused_kernel": (gf._KEY, ids(gf._CONFIGS)),
-            "_gemm_fused_kernel": (gf._GEMM_KEY, ids(gf._GEMM_CONFIGS)),
+            "_gemm_fused_kernel": (gr._GEMM_KEY, ids(gr._GEMM_CONFIGS)),
             "_qkv_rope_kernel": (qr._KEY, ids(qr._CONFIGS))}
 
 

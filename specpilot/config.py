@@ -211,7 +211,7 @@ class EngineConfig:
     # On since session 52: on top of verify_one_launch, 1.5B 16-token step -1.5% more on an H100 (paired; -5.4%
     # against neither), the engine check's tokens equal. Not yet timed on an H200; the loop searches off
     gemm_bucket_min: int = 0  # CUDA, with fused_verify: the verify block's M-row GEMMs take the autotuned tiling of
-    # at least this many rows' bucket (kernels/gemv_fused.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
+    # at least this many rows' bucket (kernels/gemm_rows.py M_BUCKET_MIN; 0 or a power of two <= 16; 0: M rounded
     # up to a power of two). Same numbers up to the fp32 summation order of the tiling. 0 for now: 16 was -0.3 to
     # -5.6% at 5 / 8 tokens on one H200 (session 29, 1.5B), to be confirmed (a 5-token step cost 7% more than a
     # 9-token one on another)

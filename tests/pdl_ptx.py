@@ -34,6 +34,7 @@ def _signature(fn, consts: dict, types) -> dict:
 def _cases():
     from specpilot.kernels import decode_attention as da
     from specpilot.kernels import gemv12 as g12
+    from specpilot.kernels import gemm_rows as gr
     from specpilot.kernels import gemv_fused as gf
     from specpilot.kernels import qkv_rope as qr
     from specpilot.kernels import rope_attention as ra
@@ -104,24 +105,24 @@ def _cases():
         return {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "ss_ptr": "*fp32", "si_ptr": "*fp32"}.get(n) or gemv_types(n)
 
     gemm = {k: v for k, v in gemv.items() if k not in ("PAIRED", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)
-    yield "gemm_norm_bias", gf._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
+    yield "gemm_norm_bias", gr._gemm_fused_kernel, {**gemm, "HAS_BIAS": True, "HAS_NORM": True, "K_P2": 2048}, \
         gemm_types
-    yield "gemm_residual", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
-    yield "gemm_norm_silu_mul", gf._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True}, \
+    yield "gemm_residual", gr._gemm_fused_kernel, {**gemm, "HAS_RES": True}, gemm_types
+    yield "gemm_norm_silu_mul", gr._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048, "SILU_MUL": True}, \
         gemm_types
     # split-K (down_proj + residual): partial stores, the arrival atomic and the counter reset after the wait too
-    yield "gemm_residual_split_k", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4}, \
+    yield "gemm_residual_split_k", gr._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4}, \
         gemm_types
-    yield "gemm_residual_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out}, gemm_types
-    yield "gemm_residual_split_k_norm_out", gf._gemm_fused_kernel, {**gemm, **norm_out, "BLOCK_N": 16,
+    yield "gemm_residual_norm_out", gr._gemm_fused_kernel, {**gemm, **norm_out}, gemm_types
+    yield "gemm_residual_split_k_norm_out", gr._gemm_fused_kernel, {**gemm, **norm_out, "BLOCK_N": 16,
                                                                     "SPLIT_K": 4}, gemm_types
-    yield "gemm_residual_split_k_late", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
+    yield "gemm_residual_split_k_late", gr._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16, "SPLIT_K": 4,
                                                                 "PDL_LATE": True}, gemm_types
     # the norm handoff (kernels/norm_handoff.py): the sums-of-squares stores, and the sums' load, after the wait
-    yield "gemm_residual_ss_out", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "SS_OUT": True}, gemm_types
-    yield "gemm_residual_split_k_ss_out", gf._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16,
+    yield "gemm_residual_ss_out", gr._gemm_fused_kernel, {**gemm, "HAS_RES": True, "SS_OUT": True}, gemm_types
+    yield "gemm_residual_split_k_ss_out", gr._gemm_fused_kernel, {**gemm, "HAS_RES": True, "BLOCK_N": 16,
                                                                   "SPLIT_K": 4, "SS_OUT": True}, gemm_types
-    yield "gemm_norm_silu_mul_ss_in", gf._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048,
+    yield "gemm_norm_silu_mul_ss_in", gr._gemm_fused_kernel, {**gemm, "HAS_NORM": True, "K_P2": 2048,
                                                               "SILU_MUL": True, "SS_IN": True, "SS_P2": 128}, \
         gemm_types
     gemv12 = {k: v for k, v in gemv.items() if k not in ("PAIRED", "BLOCK_K", "PREFETCH", "L2_PF", "L2_PART", "NX_PF")} | dict(BLOCK_G=64, EXC_BLOCK=16)

@@ -148,18 +148,19 @@ def test_rows_read_their_strides(dtype):
 
 def test_one_row_keeps_the_gemv_kernel_and_rows_take_the_dot_kernel(monkeypatch):
     """M == 1 runs the tuned one-row kernel (as before the M-row kernel existed), M >= 2 the tl.dot kernel."""
+    import specpilot.kernels.gemm_rows as gr
     import specpilot.kernels.gemv_fused as gf
 
     launched = []
-    for name in ("_kernel", "_gemm_kernel"):
-        real = getattr(gf, name)
+    for module, name in ((gf, "_kernel"), (gr, "_gemm_kernel")):
+        real = getattr(module, name)
 
         class Spy:
             def __getitem__(self, grid, real=real, name=name):
                 launched.append(name)
                 return real[grid]
 
-        monkeypatch.setattr(gf, name, Spy())
+        monkeypatch.setattr(module, name, Spy())
     for M in (1, 2, 16, 1):
         x, w, kw = _inputs("norm+silu_mul", 64, 40, torch.float32, seed=M, rows=M)
         assert gemv_fused(x, w, **kw).shape == (M, 20)
@@ -314,18 +315,18 @@ def test_split_k_rows_match_reference_deterministically(monkeypatch, combo, keep
     """K in SPLIT_K chunks of whole BLOCK_K (64) steps, K a multiple of neither: the reference's numbers up to the
     summation order (the M-row tests' tolerance), the same bits on a second call, and every arrival counter back
     at zero afterwards (the next launch, a graph replay, counts from zero)."""
-    import specpilot.kernels.gemv_fused as gf
+    import specpilot.kernels.gemm_rows as gr
 
     N = 38 if COMBOS[combo].get("act") else 37
     x, w, kw = _inputs(combo, K, N, dtype, seed=M + K + split, rows=M)
     if not keep_norm:
         kw.pop("norm_weight"), kw.pop("eps")
-    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", split)
+    monkeypatch.setattr(gr, "INTERPRET_SPLIT_K", split)
     got, again = gemv_fused(x, w, **kw), gemv_fused(x, w, **kw)
     want = gemv_fused_reference(x, w, **kw)
     assert got.shape == want.shape == (M, N // 2 if kw["act"] else N) and got.dtype == dtype
     assert torch.equal(got, again)
-    assert (gf._SPLIT_COUNTERS[x.device] == 0).all()
+    assert (gr._SPLIT_COUNTERS[x.device] == 0).all()
     assert want.abs().max() > 0.1
     if dtype == torch.float32:
         assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
@@ -337,9 +338,9 @@ def test_split_k_rows_match_reference_deterministically(monkeypatch, combo, keep
 def test_split_k_identity_weight_is_bit_exact(monkeypatch):
     """One nonzero product per dot (an identity weight): no summation order, so split-K must give the eager
     modules' bits exactly (each chunk's partial is 0 or the one product; bias, rounding, residual as without)."""
-    import specpilot.kernels.gemv_fused as gf
+    import specpilot.kernels.gemm_rows as gr
 
-    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", 3)
+    monkeypatch.setattr(gr, "INTERPRET_SPLIT_K", 3)
     K = 150
     for combo in ("bias", "residual"):
         x, _, kw = _inputs(combo, K, K, torch.bfloat16, seed=3, rows=5)
@@ -350,10 +351,10 @@ def test_split_k_identity_weight_is_bit_exact(monkeypatch):
 def test_split_k_is_tried_only_for_long_k_without_a_norm():
     """The autotuner's prune (GPU): split-K configs survive for down_proj-like shapes (K >= 2N, no norm prologue),
     never for qkv / o_proj / gate_up or with a norm; the scratch sized for every survivor, none otherwise."""
-    import specpilot.kernels.gemv_fused as gf
+    import specpilot.kernels.gemm_rows as gr
 
     def splits(N, K, norm):
-        kept = gf._gemm_prune(gf._GEMM_CONFIGS, dict(N=N, K=K), HAS_NORM=norm)
+        kept = gr._gemm_prune(gr._GEMM_CONFIGS, dict(N=N, K=K), HAS_NORM=norm)
         assert any(c.kwargs["SPLIT_K"] == 1 for c in kept)  # the plain tilings always stay
         return sorted({c.kwargs["SPLIT_K"] for c in kept} - {1})
 
@@ -362,11 +363,11 @@ def test_split_k_is_tried_only_for_long_k_without_a_norm():
     for N, K in ((2048, 1536), (1536, 1536), (4096, 4096), (8960, 1536)):  # qkv, o_proj, 8B o_proj, gate_up
         assert splits(N, K, False) == []
     assert splits(1536, 8960, True) == []
-    assert gf._split_k_sizes(2048, 1536, False, False, 0) is None
-    floats, counters = gf._split_k_sizes(1536, 8960, False, False, 0)
+    assert gr._split_k_sizes(2048, 1536, False, False, 0) is None
+    floats, counters = gr._split_k_sizes(1536, 8960, False, False, 0)
     assert floats == 1536 * 8 * 16 and counters == 1536 // 16  # BLOCK_N 16 x SPLIT_K 8 x 16 rows; 96 N tiles
-    assert gf._split_k_sizes(100, 64, False, True, 2) == (7 * 16 * 2 * 16 * 2, 7)  # interpreter: BLOCK_N 16
-    assert gf._split_k_sizes(100, 64, False, False, 1) is None
+    assert gr._split_k_sizes(100, 64, False, True, 2) == (7 * 16 * 2 * 16 * 2, 7)  # interpreter: BLOCK_N 16
+    assert gr._split_k_sizes(100, 64, False, False, 1) is None
 
 
 @pytest.mark.parametrize("combo", list(COMBOS))

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # as conftest does: the interpreter must be o
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
+import specpilot.kernels.gemm_rows as gemm_rows  # noqa: E402
 import specpilot.kernels.gemv_fused as gf  # noqa: E402
 from specpilot.formats.lossless12 import pack  # noqa: E402
 from specpilot.kernels.gemv12 import gemv12  # noqa: E402
@@ -55,7 +56,7 @@ def _check_epilogue(plain, y, normed, nw):
                                            (16, 3, torch.bfloat16)])
 def test_gemv_fused_writes_the_rmsnorm_of_its_output(monkeypatch, M, split, dtype):
     """One row, 2-16 rows, and split-K (where only each N tile's merging program counts in, after its merge)."""
-    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", split)
+    monkeypatch.setattr(gemm_rows, "INTERPRET_SPLIT_K", split)
     x, w, r, nw = _inputs(M, 200, 37, dtype, seed=M + split)
     plain = gf.gemv_fused(x, w, residual=r)
     y, normed = gf.gemv_fused(x, w, residual=r, out_norm_weight=nw, out_eps=OUT_EPS)

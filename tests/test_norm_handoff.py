@@ -18,10 +18,11 @@ def _data(M, K, N, dtype, seed):
 
 @pytest.mark.parametrize("M,N,split,act", [(2, 40, 1, ""), (5, 48, 2, ""), (16, 33, 1, ""), (7, 64, 1, "silu_mul")])
 def test_producer_writes_each_rows_group_sums_of_squares_of_what_it_stored(monkeypatch, M, N, split, act):
+    from specpilot.kernels import gemm_rows
     from specpilot.kernels import gemv_fused as gf
     from specpilot.kernels.norm_handoff import ss_reference
 
-    monkeypatch.setattr(gf, "INTERPRET_SPLIT_K", split)
+    monkeypatch.setattr(gemm_rows, "INTERPRET_SPLIT_K", split)
     K = 160 if split > 1 else 48  # split-K where K >= 2N
     x, w, r, _ = _data(M, K, N, torch.bfloat16, M * N)
     res = None if act else r

@@ -265,7 +265,7 @@ class Recorder:
         return launch
 
 
-FUSED_PATH = {"gemv_fused": ("_kernel", "_gemm_kernel"), "rope_write": ("_rope_write_kernel",),
+FUSED_PATH = {"gemv_fused": ("_kernel",), "gemm_rows": ("_gemm_kernel",), "rope_write": ("_rope_write_kernel",),
               "decode_attention": ("_split_merge_kernel",), "rope_attention": ("_rope_attention_kernel",)}
 
 

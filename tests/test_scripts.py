@@ -705,12 +705,13 @@ def _launch_key(monkeypatch, rows: int, flags: dict, act, n: int = 24, k: int = 
     late: no kernel runs): the one-row kernel's for one row, the M-row kernel's for more."""
     import torch
 
+    import specpilot.kernels.gemm_rows as gr
     import specpilot.kernels.gemv_fused as gf
     from specpilot.kernels import tuned
     from specpilot.kernels.pdl import LaunchOptions
 
-    kernel, attr, names = ((gf._gemv_fused_kernel, "_kernel", gf._KEY) if rows == 1
-                           else (gf._gemm_fused_kernel, "_gemm_kernel", gf._GEMM_KEY))
+    module, kernel, attr, names = ((gf, gf._gemv_fused_kernel, "_kernel", gf._KEY) if rows == 1
+                                   else (gr, gr._gemm_fused_kernel, "_gemm_kernel", gr._GEMM_KEY))
     seen = []
 
     class Launcher:
@@ -720,7 +721,8 @@ def _launch_key(monkeypatch, rows: int, flags: dict, act, n: int = 24, k: int = 
             return launch
 
     monkeypatch.setattr(gf, "_INTERPRET", False)
-    monkeypatch.setattr(gf, attr, Launcher())
+    monkeypatch.setattr(gr, "_INTERPRET", False)
+    monkeypatch.setattr(module, attr, Launcher())
     monkeypatch.setattr(gf, "launch_options", lambda: LaunchOptions({"launch_pdl": True}, True, True))
     kw = {"act": act} if act else {}
     if flags.get("HAS_NORM"):

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import specpilot.kernels.gemm_rows as gr  # noqa: E402
 import specpilot.kernels.gemv_fused as gf  # noqa: E402
 import specpilot.kernels.qkv_rope as qr  # noqa: E402
 from specpilot.kernels import tuned  # noqa: E402
@@ -88,7 +89,7 @@ def test_qkv_rope_and_rows_kernels_take_pins_too(on_h200):
     assert len(qr._prune(qr._CONFIGS, named, **kwargs)) == 1
     named = {"x_ptr": _cuda_x(), "N": 1536, "K": 8960, "M_BUCKET": 8}
     kwargs = dict(HAS_BIAS=False, HAS_NORM=False, HAS_RES=True, SILU_MUL=False, NORM_OUT=False)
-    kept = gf._gemm_prune(gf._GEMM_CONFIGS, named, **kwargs)
+    kept = gr._gemm_prune(gr._GEMM_CONFIGS, named, **kwargs)
     assert len(kept) == 1 and kept[0].kwargs["SPLIT_K"] > 1  # a split-K pick survives the split rule
 
 
@@ -209,8 +210,9 @@ def test_the_pinned_kernels_register_their_autotuners():
     import subprocess
     import sys
 
-    code = ("import specpilot.kernels.gemv_fused as g, specpilot.kernels.qkv_rope as q; from specpilot.kernels "
-            "import tuned as t; print([a in t._AUTOTUNERS for a in (g._kernel, g._gemm_kernel, q._kernel)])")
+    code = ("import specpilot.kernels.gemv_fused as g, specpilot.kernels.gemm_rows as r, "
+            "specpilot.kernels.qkv_rope as q; from specpilot.kernels import tuned as t; "
+            "print([a in t._AUTOTUNERS for a in (g._kernel, r._gemm_kernel, q._kernel)])")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "[True, True, True]", out.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Two verify-block switches. EngineConfig.verify_l2_mb: a verify block's split-KV attention warms o_proj's weight in
 L2 (a hint; kernels/decode_attention.py VERIFY_WARM_MAX_BYTES). EngineConfig.gemm_bucket_min: the M-row GEMMs'
-autotuning bucket at least that (kernels/gemv_fused.py M_BUCKET_MIN; tested last). On CPU the hint never runs (the interpreter has no inline PTX), so
+autotuning bucket at least that (kernels/gemm_rows.py M_BUCKET_MIN; tested last). On CPU the hint never runs (the interpreter has no inline PTX), so
 these tests pin the wiring, the arguments' rules, that the verify step hands over o_proj's weight, and (compiled
 for sm_90) that the prefetch is the kernel's first memory instruction and exists only with WARM."""
 
@@ -99,22 +99,23 @@ def test_compiled_the_warming_is_the_split_kernels_first_memory_instruction(sm90
 
 
 def test_gemm_bucket_min_validates_reaches_the_kernel_module_and_sets_the_launchs_bucket(monkeypatch):
-    """EngineConfig.gemm_bucket_min -> gemv_fused.M_BUCKET_MIN (CUDA only); the M-row launch's M_BUCKET (the
+    """EngineConfig.gemm_bucket_min -> gemm_rows.M_BUCKET_MIN (CUDA only); the M-row launch's M_BUCKET (the
     autotuner's key, never read by the kernel) is M's power of two, raised to it; the numbers do not change."""
     from specpilot.engine import _apply_program_splits
+    from specpilot.kernels import gemm_rows as gr
     from specpilot.kernels import gemv_fused as gf
 
-    monkeypatch.setattr(gf, "M_BUCKET_MIN", 0)
+    monkeypatch.setattr(gr, "M_BUCKET_MIN", 0)
     assert EngineConfig().gemm_bucket_min == 0
     for bad in (-1, 3, 32, True, 16.0):
         with pytest.raises(ConfigError, match="gemm_bucket_min"):
             EngineConfig(gemm_bucket_min=bad)
     _apply_program_splits(EngineConfig(device="cuda", gemm_bucket_min=16))
-    assert gf.M_BUCKET_MIN == 16
+    assert gr.M_BUCKET_MIN == 16
     _apply_program_splits(EngineConfig(gemm_bucket_min=16))  # CPU: the plain buckets
-    assert gf.M_BUCKET_MIN == 0
+    assert gr.M_BUCKET_MIN == 0
     buckets = []
-    real = gf._gemm_kernel
+    real = gr._gemm_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -123,11 +124,11 @@ def test_gemm_bucket_min_validates_reaches_the_kernel_module_and_sets_the_launch
                 return real[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(gf, "_gemm_kernel", Spy())
+    monkeypatch.setattr(gr, "_gemm_kernel", Spy())
     torch.manual_seed(0)
     x, w = torch.randn(5, 64), torch.randn(24, 64)
     y0 = gf.gemv_fused(x, w)
-    monkeypatch.setattr(gf, "M_BUCKET_MIN", 16)
+    monkeypatch.setattr(gr, "M_BUCKET_MIN", 16)
     y1 = gf.gemv_fused(x, w)
     assert buckets == [8, 16] and torch.equal(y0, y1)
     assert torch.allclose(y0, gf.gemv_fused_reference(x, w), atol=1e-5)

@@ -245,9 +245,9 @@ def _apply_program_splits(config: EngineConfig) -> None:
     cluster_attention.PUSH = config.attn_cluster_push and cuda  # partials pushed to the CTA that merges them
     decode_attention.VERIFY_ONE_LAUNCH = config.verify_one_launch and cuda  # a verify block's attention: one launch
     decode_attention.VERIFY_WARM_MAX_BYTES = config.verify_l2_mb << 20 if cuda else 0  # a verify block's o_proj
-    from specpilot.kernels import gemv_fused, tuned
+    from specpilot.kernels import gemm_rows, tuned
 
-    gemv_fused.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
+    gemm_rows.M_BUCKET_MIN = config.gemm_bucket_min if cuda else 0  # the M-row GEMM's tuned tiling
     table = config.tuned_table if config.tuned_tiles and cuda else ""
     if table and torch.cuda.is_available():
         try:

@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _l2_prefetch_bytes, _l2_prefetch_rows  # bulk L2 prefetches
+    from specpilot.kernels.gemv_parts import _l2_prefetch_bytes, _l2_prefetch_rows  # bulk L2 prefetches
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only

@@ -19,7 +19,7 @@ rows. A version worth timing again would stage SiLU x up through shared memory i
 
 Work split: program p owns a contiguous range of intermediate columns, in blocks of BLOCK_C (balanced to a block
 whatever I is; the grid is at most PER_SM programs a multiprocessor). Per block: gate/up's one-row K loop over the
-normed input (kernels/gemv_fused.py's helpers: the same norm prologue, the same tiles), SiLU x up rounded where
+normed input (kernels/gemv_parts.py's helpers: the same norm prologue, the same tiles), SiLU x up rounded where
 the eager MLP rounds, then the block's rows of W_down^T [I, H] (a transposed copy of down_proj's weight that
 DenseLM.use_fused_mlp keeps: a block's down weights are then BLOCK_C contiguous rows, asked for before the gate/up
 loop so their bytes are in flight with gate/up's) folded into the program's fp32 sums of the H outputs. After its
@@ -54,7 +54,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _acc_block, _norm_rstd, _silu_times_up, _w_tiles
+    from specpilot.kernels.gemv_parts import _acc_block, _norm_rstd, _silu_times_up, _w_tiles
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)
 except ImportError:  # CPU-only installs: the reference path only

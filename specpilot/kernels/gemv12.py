@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _epilogue, _norm_h, _norm_rstd
+    from specpilot.kernels.gemv_parts import _epilogue, _norm_h, _norm_rstd
     from specpilot.kernels.norm_epilogue import norm_rows_when_last
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 except ImportError:  # CPU-only installs: the reference path only

@@ -22,7 +22,7 @@ whatever N is (a grid of BLOCK_N tiles leaves a partial last wave: gate/up's 560
 waves).
 
 Exactness: every phase reuses the six-launch path's own Triton helpers (`_norm_rstd`/`_norm_h`/`_epilogue` of
-kernels/gemv_fused.py, `_cos_sin_row`/`_norm_rope_rows` of kernels/rope.py, `_slice_partial`/`_store_partial`/
+kernels/gemv_parts.py, `_cos_sin_row`/`_norm_rope_rows` of kernels/rope.py, `_slice_partial`/`_store_partial`/
 `_merge_store` of kernels/decode_attention.py), so the eager modules' rounding points are the same; only the GEMVs'
 fp32 summation order may differ (as any GEMV's).
 
@@ -80,7 +80,7 @@ try:
     import triton.language as tl
 
     from specpilot.kernels.decode_attention import _merge_store, _slice_partial, _store_partial
-    from specpilot.kernels.gemv_fused import _epilogue, _norm_h, _norm_rstd
+    from specpilot.kernels.gemv_parts import _epilogue, _norm_h, _norm_rstd
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows
 except ImportError:  # CPU-only installs
     triton = None

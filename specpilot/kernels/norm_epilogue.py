@@ -8,7 +8,7 @@ launch gap plus its latency). A norm needs the whole output row, which no single
 programs count themselves in after storing their slice and the one that arrives LAST normalizes the finished rows
 (EngineConfig.norm_epilogue).
 
-Protocol (`norm_rows_when_last`, the split-K merge's of kernels/gemv_fused.py): every thread's output stores come
+Protocol (`norm_rows_when_last`, the split-K merge's of kernels/gemm_rows.py): every thread's output stores come
 before a CTA barrier; one acq_rel atomic at gpu scope then releases them (and, for the last, acquires everyone
 else's); the last program reads the rows with ".cg" loads (L2, never a stale L1 line), normalizes them with
 kernels/rmsnorm.py's own `_rmsnorm_row` over one next-power-of-two block of the row (the RMSNorm launch's block, so

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 16  # columns per partial: divides every M-row BLOCK_N (kernels/gemv_fused.py _GEMM_CONFIGS, the
+GROUP = 16  # columns per partial: divides every M-row BLOCK_N (kernels/gemm_rows.py _GEMM_CONFIGS, the
 # interpreter's 16), so a program's tile holds whole groups and the partials do not depend on the tile chosen
 
 try:

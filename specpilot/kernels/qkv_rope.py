@@ -50,7 +50,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _L2_CHUNK_C, _l2_prefetch_rows, _norm_h, _norm_rstd  # shared with
+    from specpilot.kernels.gemv_parts import _L2_CHUNK_C, _l2_prefetch_rows, _norm_h, _norm_rstd  # shared with
     # the plain GEMV: its norm prologue and L2 warming
     from specpilot.kernels.fused_mlp import settled_row, settled_rstd  # PENDING: the previous layer's fused MLP
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)

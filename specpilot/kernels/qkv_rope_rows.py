@@ -43,7 +43,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_fused import _dot_acc, _norm_h, _norm_rstds  # the M-row GEMM's K loop pieces
+    from specpilot.kernels.gemv_parts import _dot_acc, _norm_h, _norm_rstds  # the M-row GEMM's K loop pieces
     from specpilot.kernels.norm_handoff import rstd_from_ss  # SS_IN
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rmsnorm import _to_dtype  # fp32 -> dtype, round to nearest even (interpreter too)

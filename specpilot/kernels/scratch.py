@@ -1,7 +1,7 @@
 """Grow-only per-device scratch buffers shared by every launch of a kernel (arrival counters, split partials).
 
 Why: kernels whose last-arriving program merges the others' partials (decode_attention.py's one-launch path,
-gemv_fused.py's split-K) need counters that start at zero and a place for the partials. Allocating them per call
+gemm_rows.py's split-K) need counters that start at zero and a place for the partials. Allocating them per call
 would put an allocation and a memset into every CUDA graph (more launches); so there is one buffer per device,
 shared by every call (every layer). That is safe because launches on one stream run in order and each launch's
 merging programs reset their counters to zero before it ends; two streams of one device must NOT run such kernels

@@ -60,7 +60,7 @@ from specpilot.kernels.gemv12 import gemv12_call
 from specpilot.models.cache import KVCache
 
 
-MAX_TOKENS = 16  # a fused step's tokens: the M-row GEMV's rows (kernels/gemv_fused.py MAX_ROWS) and the split-KV
+MAX_TOKENS = 16  # a fused step's tokens: the M-row GEMV's rows (kernels/gemm_rows.py MAX_ROWS) and the split-KV
 # attention's queries (kernels/decode_attention.py MAX_T)
 
 
