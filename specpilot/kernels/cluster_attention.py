@@ -46,8 +46,8 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.decode_attention import (_kv_l2_hint, _preload_slice, _queries, _slice_partial,
-                                                    _slice_partial_preloaded, _store_out)
+    from specpilot.kernels.attention_parts import (_kv_l2_hint, _preload_slice, _queries, _slice_partial,
+                                                   _slice_partial_preloaded, _store_out)
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record
 except ImportError:  # CPU-only installs

@@ -23,7 +23,7 @@ waves).
 
 Exactness: every phase reuses the six-launch path's own Triton helpers (`_norm_rstd`/`_norm_h`/`_epilogue` of
 kernels/gemv_parts.py, `_cos_sin_row`/`_norm_rope_rows` of kernels/rope.py, `_slice_partial`/`_store_partial`/
-`_merge_store` of kernels/decode_attention.py), so the eager modules' rounding points are the same; only the GEMVs'
+`_merge_store` of kernels/attention_parts.py), so the eager modules' rounding points are the same; only the GEMVs'
 fp32 summation order may differ (as any GEMV's).
 
 Memory ordering: every intermediate (the residual stream after each layer, qkv, attention output, h, SiLU*up, the
@@ -79,7 +79,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.decode_attention import _merge_store, _slice_partial, _store_partial
+    from specpilot.kernels.attention_parts import _merge_store, _slice_partial, _store_partial
     from specpilot.kernels.gemv_parts import _epilogue, _norm_h, _norm_rstd
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows
 except ImportError:  # CPU-only installs

@@ -38,7 +38,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.decode_attention import _merge_store, _slice_partial, _store_partial
+    from specpilot.kernels.attention_parts import _merge_store, _slice_partial, _store_partial
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.rope import _cos_sin_row, _norm_rope_rows
 except ImportError:  # CPU-only installs: the reference path only

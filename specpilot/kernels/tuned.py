@@ -8,7 +8,7 @@ several tuning runs (scripts/tuned_table.py merges Triton's cached autotuning re
 median, over the runs, of its 20th-percentile timing over its run's best; or scripts/gpu_tune_in_graph.py, timed in
 the step's regime) gives every machine of that model the same tiles at once.
 
-How: each autotuned kernel's `early_config_prune` hook (kernels/gemv_fused.py, kernels/qkv_rope.py) passes its
+How: each autotuned kernel's `early_config_prune` hook (kernels/gemv_fused.py, gemm_rows.py, qkv_rope.py) passes its
 surviving configs through `narrow`; where the switch is on, the launch's GPU has a table (kernels/tuned/<name>.json,
 named by `table_name(torch.cuda.get_device_name())`) and the table names this launch's key and a config of the list,
 only that config survives, and Triton's autotuner takes a single config without timing it. Anything else (no table,
