@@ -106,8 +106,10 @@ def _system_names(args) -> list[str]:
     return names
 
 
-def _systems(names, args, cfg, target, tok, spec, ar):
-    """name -> generate(prompt_ids) for each system asked for (`names`: _system_names)."""
+def _systems(names, args, cfg, target, tok, spec, ar, hf_model=None):
+    """name -> generate(prompt_ids) for each system asked for (`names`: _system_names). `hf_model`: transformers'
+    target already loaded in this dtype and device (the forcing scorer's), which hf-ar and stock then run on
+    instead of loading their own copies: one copy of the target beside ours, not up to three."""
     from specpilot.engine import DTYPE
     from specpilot.evaluator.stock import HFSystem, stock_system
     from specpilot.hub import resolve_model
@@ -115,7 +117,7 @@ def _systems(names, args, cfg, target, tok, spec, ar):
     names = ["ar"] + [n for n in names if n not in ("ar", "specpilot")] + ["specpilot"]  # both always run
     systems = {"ar": ar.generate, "specpilot": spec.generate}
     hf = dict(dtype=DTYPE[cfg.dtype], device=cfg.device, max_new_tokens=cfg.max_new_tokens,
-              eos_ids=target.config.eos_token_ids)
+              eos_ids=target.config.eos_token_ids, model=hf_model)
     for n in names:
         if n == "hf-ar":
             systems[n] = HFSystem(resolve_model(args.target), **hf).generate
@@ -193,8 +195,8 @@ def cmd_bench(args) -> int:
             raise DatasetError(f"{name}: --skip-prompts {args.skip_prompts} leaves no prompts")
     t0 = time.time()
     target, tok, spec, ar = _load_engines(args, cfg)
-    systems = _systems(system_names, args, cfg, target, tok, spec, ar)
     scorer = _scorer(args, target, cfg)
+    systems = _systems(system_names, args, cfg, target, tok, spec, ar, getattr(scorer, "model", None))
     # the run's fixed cost, where it goes (each benchmark's warm-ups: its report's warmup_s)
     setup_s = {"load": round(time.time() - t0, 2)}
     tol = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance

@@ -73,6 +73,29 @@ def test_cli_bench_last_line_is_json(smollm, tmp_path, capsys):
     assert saved["setup_s"]["load"] > 0 and set(saved["benchmarks"]["humaneval"]["warmup_s"]) == {"ar", "specpilot"}
 
 
+@pytest.mark.parametrize("stock,loads", [("transformers", 1), ("specpilot", 2)])
+def test_cli_bench_peers_run_on_the_scorers_transformers_target(smollm, tmp_path, capsys, monkeypatch, stock, loads):
+    """--systems ar,hf-ar,stock,specpilot: with transformers' scorer (the default) its target is the one copy that
+    hf-ar and stock (prompt lookup here) run on, not a copy each (3 loads before); with our own model as the
+    scorer (--stock specpilot) there is none to share, so the two peers load theirs. Every system is token-forced."""
+    from transformers import AutoModelForCausalLM
+
+    real, seen = AutoModelForCausalLM.from_pretrained, []
+
+    def counted(*args, **kwargs):
+        seen.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted)
+    code = main(["bench", "--target", str(smollm[0]), "--drafter-kind", "ngram", "--benchmarks", "humaneval",
+                 "--num-prompts", "1", "--max-new-tokens", "6", "--max-seq-len", "512", "--stock", stock,
+                 "--systems", "ar,hf-ar,stock,specpilot", "--out", str(tmp_path / "r.json")])
+    assert code == 0 and len(seen) == loads, seen
+    systems = json.loads((tmp_path / "r.json").read_text())["summary"]["benchmarks"]["humaneval"]["systems"]
+    assert set(systems) == {"ar", "hf-ar", "stock", "specpilot"}
+    assert all(e["forcing_passed"] and e["forcing_tokens"] > 0 for e in systems.values())
+
+
 def test_cli_bench_time_budget_keeps_what_it_measured(smollm, tmp_path, capsys):
     """--time-budget already spent once the models are loaded: the first benchmark keeps its first prompt, the
     second is not run, and the JSON says both."""
