@@ -269,6 +269,28 @@ def test_config_switches_sets_a_configs_kernel_switches_and_restores_them(monkey
     assert (da.ONE_LAUNCH_SPLIT, da.MERGE_UNROLL) == ((128, 64), 0)
 
 
+def test_kernel_switches_snapshot_every_setting_the_engine_writes():
+    """Every kernel-module setting the engine's layout writes (`module.NAME = ...` in engine/__init__.py) is in
+    `kernel_switches`' snapshot, so `config_switches` restores it and two configs that differ only there are told
+    apart. Session 53 moved M_BUCKET_MIN into kernels/gemm_rows.py, a module the snapshot did not list."""
+    import importlib
+    import inspect
+    import re
+
+    import specpilot.engine as engine
+
+    written = set(re.findall(r"\b([a-z_]+)\.([A-Z][A-Z0-9_]*)\s*=(?!=)", inspect.getsource(engine)))
+    assert ("gemm_rows", "M_BUCKET_MIN") in written and len(written) >= 20  # the pattern finds the assignments
+    # each is a module-level setting of its module (an assignment to a name the module never defines, e.g. one
+    # moved to another module, would be read by no kernel)
+    undefined = {(m, k) for m, k in written if not re.search(
+        rf"^{k}\s*=", inspect.getsource(importlib.import_module(f"specpilot.kernels.{m}")), re.M)}
+    assert not undefined, f"the engine sets names its kernel modules do not define: {sorted(undefined)}"
+    snap = {(m.__name__.rsplit(".", 1)[-1], k) for m, k in engine.kernel_switches()}
+    missing = written - snap
+    assert not missing, f"kernel_switches() misses {sorted(missing)}"
+
+
 def test_decode_attention_one_launch_takes_a_slice_in_one_block():
     """A program's 128 keys in one inner step (attn_block_keys 128) against two of 64: the same attention up to the
     online softmax's fp32 order, and the reference's, at T = 1 and over several slices."""

@@ -261,11 +261,11 @@ def kernel_switches() -> dict:
     """The process-wide kernel switches as they are now: (module, name) -> value for the kernel modules' upper-case
     settings and PDL's state, the ones _apply_pdl, _apply_gemv_prefetch and _apply_program_splits set (a snapshot
     for `restore_kernel_switches`, or to tell two configurations' switches apart)."""
-    from specpilot.kernels import (cluster_attention, decode_attention, gemv_fused, pdl, qkv_rope, rmsnorm, rope_write,
-                                   tuned)
+    from specpilot.kernels import (cluster_attention, decode_attention, gemm_rows, gemv_fused, pdl, qkv_rope, rmsnorm,
+                                   rope_write, tuned)
 
-    return {(m, k): v for m in (decode_attention, cluster_attention, gemv_fused, qkv_rope, rmsnorm, rope_write, tuned,
-                                pdl)
+    return {(m, k): v for m in (decode_attention, cluster_attention, gemv_fused, gemm_rows, qkv_rope, rmsnorm,
+                                rope_write, tuned, pdl)
             for k, v in vars(m).items() if k.isupper() or k in ("_enabled", "_late")}
 
 
