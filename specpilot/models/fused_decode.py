@@ -20,7 +20,7 @@ One token (fused_decode: AR decode, a small drafter's passes): the GEMVs are gem
 attention is one launch (its slices merged by the last program). 2 to 16 tokens in one row (fused_verify: a
 speculative verify block, e.g. DFlash's 16): the same layer with T rows, because the regular path of a verify step
 (~12 launches a layer, cuBLAS at M = 16) cost 2.5-3.6 one-token steps on the H200. The GEMVs are gemv_fused's M-row
-kernel (the weights read once for all T rows; down_proj's may split K, kernels/gemv_fused.py), RoPE + K/V write
+kernel (the weights read once for all T rows; down_proj's may split K, kernels/gemm_rows.py), RoPE + K/V write
 takes the T tokens in one launch as it is, and the attention is the split-KV kernel and its merge. The two RMSNorms
 are launches of their own here (kernels/rmsnorm.py, then norm-free GEMVs: `PRENORM_ROWS`, the M-row norm prologue
 was the H200's bottleneck; same numbers): nine launches a layer. The attention writes its output token-major, so
