@@ -19,7 +19,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.gemv_parts import _l2_prefetch_rows  # bulk L2 prefetches
+    from specpilot.kernels.gemv_parts import _L2_CHUNK_C, _l2_prefetch_rows  # bulk L2 prefetches, their size
 except ImportError:  # CPU-only installs: nothing to share
     triton = None
 
@@ -27,7 +27,6 @@ MAX_T = 16  # the most new tokens (query rows per query head) a call takes
 
 if triton is not None:
     MAX_T_C = tl.constexpr(MAX_T)
-    _KV_CHUNK = tl.constexpr(64 * 1024)  # bytes a bulk prefetch asks for
 
     @triton.jit
     def _queries(q_ptr, pos_ptr, b, hk, row0, sq_b, sq_h, sq_t, sp_b, T, G, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -161,8 +160,8 @@ if triton is not None:
         p = tl.max(tl.load(pos_ptr + b * sp_b + t, mask=t < T, other=0), axis=0)
         n = tl.minimum(tl.minimum(p, S - 1) - start, SPLIT_S)
         if n > 0:
-            _l2_prefetch_rows(k_ptr + b * sk_b + hk * sk_h, start, n, D, _KV_CHUNK)
-            _l2_prefetch_rows(v_ptr + b * sv_b + hk * sv_h, start, n, D, _KV_CHUNK)
+            _l2_prefetch_rows(k_ptr + b * sk_b + hk * sk_h, start, n, D, _L2_CHUNK_C)
+            _l2_prefetch_rows(v_ptr + b * sv_b + hk * sv_h, start, n, D, _L2_CHUNK_C)
 
     @triton.jit
     def _store_partial(o_ptr, m_ptr, l_ptr, part, m_i, l_i, acc, D: tl.constexpr, BLOCK_R: tl.constexpr):

@@ -45,10 +45,10 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.attention_parts import (_KV_CHUNK, _kv_l2_hint, _merge_store, _preload_slice, _queries,
+    from specpilot.kernels.attention_parts import (_kv_l2_hint, _merge_store, _preload_slice, _queries,
                                                    _slice_partial, _slice_partial_preloaded, _store_partial,
                                                    _store_single)  # a slice's softmax, the merge
-    from specpilot.kernels.gemv_parts import _l2_prefetch_bytes  # bulk L2 prefetches
+    from specpilot.kernels.gemv_parts import _L2_CHUNK_C, _l2_prefetch_bytes  # bulk L2 prefetches, their size
     from specpilot.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options  # PDL (kernels/pdl.py)
     from specpilot.kernels.trace import cycles as _tr_cycles, now as _tr_now, record as _tr_record  # TRACE
 except ImportError:  # CPU-only installs: the reference path only
@@ -191,7 +191,7 @@ if triton is not None:
             lo = (pid_bh * tl.num_programs(1) + pid_s).to(tl.int64) * warm_span
             n = tl.minimum(warm_bytes - lo, warm_span)
             if n > 0:
-                _l2_prefetch_bytes(warm_ptr + lo, n, _KV_CHUNK)
+                _l2_prefetch_bytes(warm_ptr + lo, n, _L2_CHUNK_C)
         b = pid_bh // NUM_RB // H_KV
         hk = pid_bh // NUM_RB % H_KV
         row0 = pid_bh % NUM_RB * BLOCK_R
