@@ -4,7 +4,7 @@ barriers (release / acquire), the distributed-shared-memory reads (mapa + ld.sha
 buffer each CTA's partial goes to, and the cross-cluster path's acq_rel atomic and L2-only reads.
 
 Run as a script, without TRITON_INTERPRET (the interpreter replaces `triton.jit`, so nothing compiles under it):
-tests/test_kernels.py starts it in a subprocess. Prints one JSON object.
+tests/test_decode_attention.py starts it in a subprocess. Prints one JSON object.
 """
 
 from __future__ import annotations

@@ -185,3 +185,30 @@ def switch_wired():
         return _field_wired(field, [flag], True, mechanism, candidate)
 
     return check
+
+
+def _step_outputs_and_greedy(ref, fast, *, logits: bool):
+    """(max |fast - ref| over a 4-token step after a 6-token prefill, the hidden states or their logits; fast's
+    greedy n-gram speculative run, checked equal to ref's AR). The step attends over the whole pool, as graphed."""
+    from specpilot.config import EngineConfig
+    from specpilot.engine import Engine, build_drafter
+
+    ids = torch.tensor([[3, 9, 27, 4, 11, 5, 8, 2, 6, 7]])
+    pos = torch.arange(10)[None]
+    outs = []
+    for model in (ref, fast):
+        cache = model.new_cache(1, 48)
+        model(ids[:, :6], pos[:, :6], cache, kv_len=6)  # prefill (SDPA in both)
+        hidden = model(ids[:, 6:], pos[:, 6:], cache, kv_len=None)
+        outs.append(model.logits(hidden) if logits else hidden)
+    cfg = EngineConfig(drafter_kind="ngram", num_draft_tokens=4, max_new_tokens=24, max_seq_len=64, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 1, 2]
+    spec = Engine(fast, cfg, build_drafter(cfg, None, fast)).generate(prompt)  # multi-token verify steps
+    assert spec.output_ids == Engine(ref, cfg.with_(drafter_kind="none")).generate(prompt).output_ids
+    return (outs[1] - outs[0]).abs().max().item(), spec
+
+
+@pytest.fixture
+def step_outputs_and_greedy():
+    """`_step_outputs_and_greedy`: a kernel-switched model's step against the eager one, and its greedy speculation."""
+    return _step_outputs_and_greedy

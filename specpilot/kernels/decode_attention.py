@@ -143,7 +143,7 @@ VERIFY_WARM_MAX_BYTES = 0
 # launch follows RoPE + K/V write early, as the one-token path's does. Why: the one-token step has had PDL and one
 # launch a layer for its attention since sessions 12 and 26, the T-row path has not, and on an H100 (session 50) the
 # real 1.5B's 16-token verify took 2.07 ms against 1.48 ms for a whole AR token. The same 128-key slices in 64-key
-# steps and the same merge code as the pair: the same numbers (tests/test_kernels.py). VERIFY_WARM_MAX_BYTES
+# steps and the same merge code as the pair: the same numbers (tests/test_decode_attention.py). VERIFY_WARM_MAX_BYTES
 # (the pair's split kernel warming o_proj) does not apply then. H100, session 50: the 1.5B 16-token step -4.4% (two
 # calls), 5 tokens -4.1%, Qwen3-8B -0.9%; off until a GPU engine check compares its tokens; the loop searches it.
 VERIFY_ONE_LAUNCH = False
