@@ -1,7 +1,7 @@
 """Compile the verify path's split-KV attention kernel for sm_90 (no GPU needed), with and without WARM
 (kernels/decode_attention.py VERIFY_WARM_MAX_BYTES), and report where its bulk L2 prefetches land in PTX.
 
-Run as a script, without TRITON_INTERPRET (tests/test_kernels.py starts it in a subprocess, as tests/pdl_ptx.py).
+Run as a script, without TRITON_INTERPRET (tests/test_verify_warm.py starts it in a subprocess, as tests/pdl_ptx.py).
 Prints one JSON object: "off" / "on" -> the number of `cp.async.bulk.prefetch.L2` instructions, the PTX line of the
 first one, of the first global load and of the first global store.
 """
