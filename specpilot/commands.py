@@ -131,15 +131,17 @@ def _calibrate_tolerance(args, cfg, sets, tok, ar, scorer, tol):
     benchmark (prompt + our AR output) -> (noise, tolerance = max(tol, 2 * noise)); evaluator/forcing.py says why."""
     import torch
 
-    from specpilot.evaluator.forcing import calibrated_tolerance, transformers_scorer
+    from specpilot.evaluator.forcing import calibrated_tolerance, reference_device, transformers_scorer
     from specpilot.hub import resolve_model
 
     seqs = []
     for prompts in sets.values():
         ids = tok.encode_chat(prompts[0].messages)
         seqs.append(ids + ar.generate(ids).output_ids)
+    path = resolve_model(args.target)
     noise, tol = calibrated_tolerance(
-        scorer, lambda: transformers_scorer(resolve_model(args.target), torch.float32, cfg.device), seqs, tol)
+        scorer, lambda: transformers_scorer(path, torch.float32, reference_device(path, cfg.device, err.print)), seqs,
+        tol)
     err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 on {len(seqs)} sequences "
               f"-> tolerance {tol:.4f}")
     return noise, tol

@@ -118,6 +118,34 @@ def test_calibrated_tolerance_only_for_low_precision(tiny_model_dir):
     assert built and noise > 0 and tol == 2 * noise
 
 
+def test_float32_reference_falls_back_to_the_cpu_only_where_the_gpu_cannot_hold_it(tiny_model_dir, monkeypatch):
+    """The float32 copy's size comes from the safetensors headers; a GPU with room for it (plus 10%) keeps it, one
+    without sends it to the CPU and says so; a CPU run is left alone (no CUDA call)."""
+    from safetensors import safe_open
+
+    from specpilot.evaluator import forcing
+
+    path = tiny_model_dir("qwen3")
+    want = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            want += sum(st.get_tensor(k).numel() for k in st.keys())
+    assert forcing.float32_bytes(path) == 4 * want > 0
+    notes = []
+    free = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    free["bytes"] = int(4 * want * 1.2)
+    assert forcing.reference_device(path, "cuda", notes.append) == "cuda" and not notes
+    free["bytes"] = int(4 * want * 1.05)  # fits, but not with the 10% margin
+    assert forcing.reference_device(path, "cuda:0", notes.append) == "cpu"
+    assert len(notes) == 1 and "calibrating on the CPU" in notes[0]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: 1 / 0)
+    assert forcing.reference_device(path, "cpu", notes.append) == "cpu" and len(notes) == 1
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        forcing.float32_bytes(path / "nothing-here")
+
+
 def _echo_scorer(ids):
     """A stock scorer for the bench tests: its argmax is always token 1 or 2 as the candidate wrote them."""
     logits = torch.zeros(len(ids), 4)

@@ -113,6 +113,43 @@ def calibrated_tolerance(scorer: LogitsFn, reference: Callable[[], LogitsFn], se
     return noise, noise_tolerance(noise, tolerance)
 
 
+def float32_bytes(path) -> int:
+    """Bytes the float32 copy of the checkpoint in folder `path` takes: its safetensors' elements times 4, read from
+    the files' headers (nothing is loaded)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}: cannot size its float32 copy")
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return 4 * total
+
+
+def reference_device(path, device: str, note: Callable[[str], None] = print) -> str:
+    """Where the float32 reference of `calibrated_tolerance` is built: `device`, unless it is a GPU whose free memory
+    cannot hold the checkpoint's float32 copy (plus a 10% margin), then the CPU (slower, same role). Why: the run
+    already holds our low-precision target and transformers' scorer there; at 14B in bf16 on an 80 GB card the float32
+    copy (56 GB) would run out of memory mid-bench. `note` says when it falls back."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return device
+    need = float32_bytes(path)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    if need * 1.1 <= free:
+        return device
+    note(f"token forcing: the float32 reference ({need / 2**30:.1f} GiB) does not fit the {free / 2**30:.1f} GiB free "
+         f"on {device}: calibrating on the CPU (slower)")
+    return "cpu"
+
+
 def merge(verdicts: list[ForcingVerdict]) -> dict:
     """Summary over many prompts: passed only if every one passed."""
     return {

@@ -341,7 +341,7 @@ def cmd_optimize(args) -> int:
     from specpilot import deployments as dep_defaults
     from specpilot.engine import DTYPE, load_target
     from specpilot.evaluator.forcing import (
-        DEFAULT_TOLERANCE, calibrated_tolerance, specpilot_scorer, transformers_scorer,
+        DEFAULT_TOLERANCE, calibrated_tolerance, reference_device, specpilot_scorer, transformers_scorer,
     )
     from specpilot.hub import cache_dir, resolve_model
     from specpilot.loop.agent import AgentExplorer
@@ -388,9 +388,10 @@ def cmd_optimize(args) -> int:
     err.print(f"[dim]{hooks.note}[/dim]")
     tolerance = DEFAULT_TOLERANCE if s["tolerance"] is None else s["tolerance"]
     if s["tolerance"] is None and s["stock"] == "transformers":  # low precision: a measured tolerance (forcing.py)
+        path = resolve_model(s["target"])
         noise, tolerance = calibrated_tolerance(
-            scorer, lambda: transformers_scorer(resolve_model(s["target"]), torch.float32, cfg.device), dev + held,
-            tolerance)
+            scorer, lambda: transformers_scorer(path, torch.float32, reference_device(path, cfg.device, err.print)),
+            dev + held, tolerance)
         if noise is not None:
             err.print(f"token forcing: {cfg.dtype} scorer margin noise {noise:.4f} vs float32 -> tolerance "
                       f"{tolerance:.4f}")
