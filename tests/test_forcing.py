@@ -144,6 +144,8 @@ def test_float32_reference_falls_back_to_the_cpu_only_where_the_gpu_cannot_hold_
     assert forcing.reference_device(path, "cpu", notes.append) == "cpu" and len(notes) == 1
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         forcing.float32_bytes(path / "nothing-here")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))
+    assert forcing.reference_device(path / "nothing-here", "cuda", notes.append) == "cuda"  # not sized: as asked
 
 
 def _echo_scorer(ids):

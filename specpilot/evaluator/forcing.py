@@ -141,7 +141,10 @@ def reference_device(path, device: str, note: Callable[[str], None] = print) -> 
     copy (56 GB) would run out of memory mid-bench. `note` says when it falls back."""
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
         return device
-    need = float32_bytes(path)
+    try:
+        need = float32_bytes(path)
+    except FileNotFoundError:  # weights in another format: not sized, left where asked
+        return device
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if need * 1.1 <= free:
         return device
