@@ -116,6 +116,7 @@ def calibrated_tolerance(scorer: LogitsFn, reference: Callable[[], LogitsFn], se
 def float32_bytes(path) -> int:
     """Bytes the float32 copy of the checkpoint in folder `path` takes: its safetensors' elements times 4, read from
     the files' headers (nothing is loaded)."""
+    from math import prod
     from pathlib import Path
 
     from safetensors import safe_open
@@ -126,11 +127,7 @@ def float32_bytes(path) -> int:
     total = 0
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                n = 1
-                for d in st.get_slice(name).get_shape():
-                    n *= d
-                total += n
+            total += sum(prod(st.get_slice(name).get_shape()) for name in st.keys())
     return 4 * total
 
 
